@@ -1,0 +1,205 @@
+"""One optimizer update from the gradients of every tower.
+
+The user's model_fn calls `optimizer.minimize(loss)` (or `compute_gradients`
+then `apply_gradients`) once per tower, on the tower's share of the batch.
+Wrapping the optimizer, as `TowerOptimizer` once required, is not needed:
+while the towers are built, the two base-class methods of
+`tf.compat.v1.train.Optimizer` are routed here.
+
+* Towers before the last record their loss. They get zero gradients back
+  (only their shapes matter: the update they feed is discarded) and a no-op
+  for `apply_gradients`.
+* The last tower's `compute_gradients` differentiates the weighted sum of all
+  towers' losses - the global-batch loss of one device - in one call, with
+  each gradient op colocated with its forward op, so every tower
+  differentiates on its own device. The user's code then transforms these
+  gradients (clipping, ...) as on one device, and its `apply_gradients`
+  performs the one real update, creating slots under one-device names and
+  advancing `global_step` once.
+
+A model_fn may call the optimizer several times (e.g. a GAN's two losses):
+calls are matched by their order within each tower.
+"""
+
+import contextlib
+import threading
+from typing import Callable, Dict, Iterator, List, Optional
+
+import tensorflow as tf
+
+tf1 = tf.compat.v1
+_Optimizer = tf1.train.Optimizer
+
+
+class OneUpdate:
+  """Collects towers' optimizer calls and performs them as one update.
+
+  Args:
+    num_towers: How many towers call the model_fn.
+    loss_weights: One scalar tensor per tower that scales its loss; their sum
+      is the global-batch loss.
+    unshared: A context factory inside which new variables (slots) may be
+      created in any tower; see `VariableSharing.unshared`.
+  """
+
+  def __init__(self, num_towers: int, loss_weights: List[tf.Tensor],
+               unshared: Callable[[], contextlib.AbstractContextManager]):
+    self._num_towers = num_towers
+    self._weights = loss_weights
+    self._unshared = unshared
+    self._losses: Dict[int, Dict[int, tf.Tensor]] = {}
+    self._tower: Optional[int] = None
+    self._tower_name_scope = ''
+    self._counts = {'compute': [0] * num_towers, 'apply': [0] * num_towers}
+    self._graph = None
+    self._thread = None
+    self.applying = False
+
+  @contextlib.contextmanager
+  def routing(self) -> Iterator[None]:
+    """Routes optimizer calls made in this graph and thread to this object."""
+    self._graph = tf1.get_default_graph()
+    self._thread = threading.get_ident()
+    compute, apply = _Optimizer.compute_gradients, _Optimizer.apply_gradients
+    outer = self
+
+    def routed_compute(opt, loss, *args, **kwargs):
+      if not outer._owns_call():
+        return compute(opt, loss, *args, **kwargs)
+      return outer._compute(compute, opt, loss, *args, **kwargs)
+
+    def routed_apply(opt, grads_and_vars, *args, **kwargs):
+      if not outer._owns_call():
+        return apply(opt, grads_and_vars, *args, **kwargs)
+      return outer._apply(apply, opt, grads_and_vars, *args, **kwargs)
+
+    _Optimizer.compute_gradients = routed_compute
+    _Optimizer.apply_gradients = routed_apply
+    try:
+      yield
+    finally:
+      _Optimizer.compute_gradients = compute
+      _Optimizer.apply_gradients = apply
+
+  @contextlib.contextmanager
+  def tower(self, index: int, name_scope: str) -> Iterator[None]:
+    """Marks the optimizer calls made inside as tower `index`'s."""
+    self._tower, self._tower_name_scope = index, name_scope
+    try:
+      yield
+    finally:
+      self._tower = None
+
+  def _owns_call(self) -> bool:
+    return (self._tower is not None and not self.applying and
+            threading.get_ident() == self._thread and
+            tf1.get_default_graph() is self._graph)
+
+  def _compute(self, compute, opt, loss, var_list=None,
+               gate_gradients=_Optimizer.GATE_OP, aggregation_method=None,
+               colocate_gradients_with_ops=False, grad_loss=None):
+    del colocate_gradients_with_ops  # Always colocated: see module doc.
+    tower = self._tower
+    call = self._counts['compute'][tower]
+    self._counts['compute'][tower] += 1
+    if callable(loss):
+      raise TypeError(
+          'replicate_model_fn needs the loss as a Tensor in graph mode; '
+          f'compute_gradients got the callable {loss!r}.')
+    self._losses.setdefault(call, {})[tower] = loss
+    if tower < self._num_towers - 1:
+      return [(_zeros_like(v), v) for v in _variables(var_list)]
+    missing = [t for t in range(self._num_towers)
+               if t not in self._losses[call]]
+    if missing:
+      raise ValueError(
+          f'Optimizer call {call + 1} of the last tower has no counterpart in '
+          f'towers {missing}: every tower must call the optimizer the same '
+          'number of times.')
+    total = self._global_loss(call)
+    self.applying = True
+    try:
+      with self._unshared():
+        return compute(opt, total, var_list=var_list,
+                       gate_gradients=gate_gradients,
+                       aggregation_method=aggregation_method,
+                       colocate_gradients_with_ops=True, grad_loss=grad_loss)
+    finally:
+      self.applying = False
+
+  def _global_loss(self, call: int) -> tf.Tensor:
+    losses = self._losses[call]
+    with tf.name_scope('global_loss'):
+      return tf.add_n([
+          losses[t] * tf.cast(self._weights[t], losses[t].dtype)
+          for t in range(self._num_towers)])
+
+  def _apply(self, apply, opt, grads_and_vars, global_step=None, name=None):
+    tower = self._tower
+    self._counts['apply'][tower] += 1
+    if self._counts['apply'][tower] > self._counts['compute'][tower]:
+      raise ValueError(
+          'apply_gradients was called with gradients that did not come from '
+          'Optimizer.compute_gradients. Under replicate_model_fn compute them '
+          'with optimizer.compute_gradients(loss) (or call '
+          'optimizer.minimize(loss)), so that they are the gradients of the '
+          'whole batch.')
+    if tower < self._num_towers - 1:
+      return tf.no_op(name='update_in_last_tower')
+    self.applying = True
+    try:
+      # Under the name scope the one-device model_fn would have used, so
+      # slot and non-slot variables get checkpoint-compatible names.
+      with tf1.get_default_graph().name_scope(self._unprefixed_scope()):
+        with self._unshared():
+          return apply(opt, grads_and_vars, global_step=global_step, name=name)
+    finally:
+      self.applying = False
+
+  def _unprefixed_scope(self) -> str:
+    scope = tf1.get_default_graph().get_name_scope()
+    prefix = self._tower_name_scope
+    if prefix and (scope == prefix or scope.startswith(prefix + '/')):
+      scope = scope[len(prefix) + 1:]
+    return scope + '/' if scope else ''
+
+  def check_tower(self, index: int) -> None:
+    """Fails when tower `index` did not use the optimizer like tower 0."""
+    computed = self._counts['compute'][index]
+    applied = self._counts['apply'][index]
+    if index == 0 and computed == 0:
+      raise ValueError(
+          'In TRAIN mode, replicate_model_fn needs the train_op built by a '
+          'tf.compat.v1.train.Optimizer: call optimizer.minimize(loss, '
+          'global_step=...) or compute_gradients then apply_gradients. The '
+          'model_fn made no such call.')
+    if computed != self._counts['compute'][0]:
+      raise ValueError(
+          f'Tower {index} called Optimizer.compute_gradients {computed} times '
+          f'but tower 0 called it {self._counts["compute"][0]} times; every '
+          'tower must build the same model.')
+    if applied != computed:
+      raise ValueError(
+          f'Tower {index} called compute_gradients {computed} times but '
+          f'apply_gradients {applied} times. Apply the gradients through the '
+          'same optimizer (optimizer.apply_gradients) so that the towers make '
+          'one update.')
+
+
+def _variables(var_list) -> List[tf.Variable]:
+  if var_list is None:
+    var_list = (tf1.trainable_variables() +
+                tf1.get_collection(tf1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES))
+  seen, unique = set(), []
+  for v in tf.nest.flatten(var_list):
+    if id(v) not in seen:
+      seen.add(id(v))
+      unique.append(v)
+  return unique
+
+
+def _zeros_like(variable) -> tf.Tensor:
+  shape = variable.shape
+  if shape.is_fully_defined():
+    return tf.zeros(shape, variable.dtype.base_dtype)
+  return tf.zeros_like(variable)

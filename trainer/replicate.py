@@ -1,0 +1,300 @@
+"""`replicate_model_fn`: run a one-device model_fn on every device.
+
+Training on N towers is the same computation as one device on the same global
+batch: the batch is split along its first dimension, the model_fn is called
+once per tower under that tower's device, the towers' losses are weighted by
+their share of the examples, and one update is applied to one set of
+variables whose names are those of the unwrapped model_fn.
+"""
+
+import contextlib
+import inspect
+from typing import Any, Callable, List, Optional, Sequence
+
+import tensorflow as tf
+
+from trainer import one_update
+from trainer import sharding
+from trainer import spec_merge
+from trainer import tower as tower_lib
+from trainer import variable_sharing
+from trainer.run_config import session_device_counts
+
+tf1 = tf.compat.v1
+ModeKeys = tf.estimator.ModeKeys
+
+# Ops that hold state; they live on the variables device, like the ps ops of
+# tf.compat.v1.train.replica_device_setter.
+_VARIABLE_OPS = frozenset([
+    'Variable', 'VariableV2', 'AutoReloadVariable', 'VarHandleOp',
+    'MutableHashTable', 'MutableHashTableV2', 'MutableHashTableOfTensors',
+    'MutableHashTableOfTensorsV2', 'MutableDenseHashTable',
+    'MutableDenseHashTableV2'])
+# Collections whose entries each tower must see only for itself: a tower's
+# `tf.compat.v1.losses.get_total_loss()` must not add up earlier towers.
+_PER_TOWER_COLLECTIONS = (tf1.GraphKeys.LOSSES, tf1.GraphKeys.UPDATE_OPS,
+                          tf1.GraphKeys.SUMMARIES)
+_LOSS_REDUCTIONS = ('mean', 'sum')
+_INPUT_PIPELINE_OPS = frozenset(['IteratorGetNext', 'IteratorGetNextSync',
+                                 'QueueDequeueV2', 'QueueDequeueManyV2',
+                                 'QueueDequeueUpToV2'])
+
+ModelFn = Callable[..., tf.estimator.EstimatorSpec]
+
+
+def replicate_model_fn(model_fn: ModelFn,
+                       devices: Optional[Sequence[str]] = None,
+                       *,
+                       variables_device: str = '/device:CPU:0',
+                       loss_reduction: str = 'mean',
+                       replicate_serving: bool = False) -> ModelFn:
+  """Wraps a one-device `model_fn` so that it uses several devices.
+
+  The returned function is a `model_fn` for `tf.estimator.Estimator`. In
+  TRAIN mode the towers' losses are averaged, weighted by each tower's number
+  of examples (the global-batch mean one device computes), each tower's
+  gradients are computed on its own device, and ONE update is applied to ONE
+  set of variables: `optimizer.minimize(loss, global_step=...)` works with any
+  `tf.compat.v1.train` optimizer, unwrapped, and so does `compute_gradients`,
+  a transformation of the gradients, then `apply_gradients` (the
+  transformation sees the global-batch gradients). Variables made by
+  `get_variable`, `tf.compat.v1.layers`, feature columns and `tf.keras.layers`
+  (named or not) are shared by all towers and keep one-device names, so
+  checkpoints move freely between tower counts and plain Estimators. EVAL
+  metrics share their state across towers and equal the one-device values;
+  PREDICT outputs are concatenated back in input order. A batch that does
+  not divide by the number of towers is split as evenly as possible; towers
+  beyond a small batch are idle and contribute nothing.
+
+  Inside the model_fn, `trainer.tower_context()` tells the tower index and
+  count. Batch-norm statistics are computed per tower (as with any
+  in-graph replication); hooks, scaffold and summaries come from tower 0.
+
+  Args:
+    model_fn: A model_fn written for one device, taking some of `features`,
+      `labels`, `mode`, `params`, `config`.
+    devices: Tower devices, e.g. `['/gpu:0', '/gpu:1']`. None takes them from
+      the RunConfig the Estimator passes: its GPUs, else its (virtual) CPUs.
+    variables_device: Where the shared variables live.
+    loss_reduction: 'mean' if the model_fn's loss is a mean over its batch
+      (the Estimator convention), 'sum' if it is a sum.
+    replicate_serving: Keep towers in serving graphs (features fed by
+      placeholders, as `export_saved_model` builds). By default a serving
+      graph runs the model_fn once without device pins, so the SavedModel
+      serves any batch size on any machine.
+
+  Returns:
+    A model_fn with the signature `(features, labels, mode, params, config)`.
+
+  Raises:
+    TypeError: `model_fn` is not callable or `devices` is not a list of
+      device strings.
+    ValueError: `devices` is empty or repeats a device, or `loss_reduction`
+      is unknown. Devices the session lacks are reported when the Estimator
+      calls the model_fn.
+  """
+  if not callable(model_fn):
+    raise TypeError(f'model_fn must be callable, got {model_fn!r}.')
+  if loss_reduction not in _LOSS_REDUCTIONS:
+    raise ValueError(f'loss_reduction={loss_reduction!r}; use one of '
+                     f'{_LOSS_REDUCTIONS}.')
+  if devices is not None:
+    devices = _canonical_devices(devices)
+  accepted = _accepted_args(model_fn)
+
+  def replicated_model_fn(features, labels, mode, params, config):
+    tower_devices = _tower_devices(devices, config)
+    kwargs = {'mode': mode, 'params': params, 'config': config}
+    kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+    if labels is not None and 'labels' not in accepted:
+      raise ValueError(
+          f'{_name(model_fn)} does not take labels, but the input_fn returns '
+          'labels. Add a `labels` argument or return only features.')
+    if 'labels' in accepted:
+      kwargs['labels'] = labels
+    if len(tower_devices) == 1 or (
+        mode == ModeKeys.PREDICT and not replicate_serving and
+        _is_serving_graph(features)):
+      return model_fn(features, **kwargs)
+    builder = _TowerBuilder(model_fn, tower_devices, variables_device,
+                            loss_reduction, mode)
+    return builder.build(features, labels, kwargs)
+
+  return replicated_model_fn
+
+
+class _TowerBuilder:
+  """Builds the towers of one model_fn call and merges their specs."""
+
+  def __init__(self, model_fn, devices, variables_device, loss_reduction,
+               mode):
+    self._model_fn = model_fn
+    self._devices = devices
+    self._variables_device = variables_device
+    self._reduction = loss_reduction
+    self._mode = mode
+    self._sharing = variable_sharing.VariableSharing()
+    self._update = None
+
+  def build(self, features, labels, kwargs) -> tf.estimator.EstimatorSpec:
+    num_towers = len(self._devices)
+    with tf.name_scope('split_batch'):
+      batch = sharding.global_batch_size(
+          sharding.named_leaves(features, labels))
+      sizes = sharding.shard_sizes(batch, num_towers)
+      pad = self._mode == ModeKeys.TRAIN
+      feature_shards = sharding.split_batch(features, sizes, num_towers, pad)
+      label_shards = sharding.split_batch(labels, sizes, num_towers, pad)
+      weights = self._loss_weights(sizes, batch, num_towers)
+    self._update = one_update.OneUpdate(num_towers, weights,
+                                        self._sharing.unshared)
+    specs, update_ops = [], []
+    with self._update.routing():
+      for i in range(num_towers):
+        spec, added = self._build_tower(i, feature_shards[i], label_shards[i],
+                                        kwargs)
+        specs.append(spec)
+        update_ops.extend(added[tf1.GraphKeys.UPDATE_OPS])
+    if self._mode == ModeKeys.TRAIN:
+      return spec_merge.merge_train(specs, weights, sizes, update_ops)
+    if self._mode == ModeKeys.EVAL:
+      return spec_merge.merge_eval(specs, weights, sizes)
+    return spec_merge.merge_predict(specs)
+
+  def _loss_weights(self, sizes, batch, num_towers) -> List[tf.Tensor]:
+    sizes = tf.cast(sizes, tf.float32)
+    if self._reduction == 'sum':
+      share = tf.minimum(sizes, 1.0)
+    else:
+      share = sizes / tf.maximum(tf.cast(batch, tf.float32), 1.0)
+    return tf.unstack(share, num=num_towers)
+
+  def _build_tower(self, index, features, labels, kwargs):
+    device = self._devices[index]
+    context = tower_lib.TowerContext(index, len(self._devices), device)
+    name_scope = f'tower_{index}' if index else ''
+    graph = tf1.get_default_graph()
+    tower_kwargs = dict(kwargs)
+    if 'labels' in tower_kwargs:
+      tower_kwargs['labels'] = labels
+    with contextlib.ExitStack() as stack:
+      stack.enter_context(tower_lib._entered(context))  # pylint: disable=protected-access
+      if name_scope:
+        stack.enter_context(graph.name_scope(name_scope))
+      stack.enter_context(graph.device(self._device_fn(device)))
+      stack.enter_context(self._sharing.tower(index))
+      stack.enter_context(self._update.tower(index, name_scope))
+      added = stack.enter_context(_per_tower_collections(graph, index))
+      spec = self._model_fn(features, **tower_kwargs)
+    if not isinstance(spec, tf.estimator.EstimatorSpec):
+      raise TypeError(f'{_name(self._model_fn)} returned {type(spec).__name__}'
+                      '; a model_fn must return a tf.estimator.EstimatorSpec.')
+    if self._mode == ModeKeys.TRAIN:
+      self._update.check_tower(index)
+    return spec, added
+
+  def _device_fn(self, tower_device: str):
+    variables_device = self._variables_device
+    update = self._update
+
+    def place(op):
+      if op.type in _VARIABLE_OPS:
+        return variables_device
+      # The one update goes where apply_gradients puts it: by the variables.
+      return '' if update.applying else tower_device
+
+    return place
+
+
+@contextlib.contextmanager
+def _per_tower_collections(graph, index):
+  """Shows each tower only its own losses, update ops and summaries.
+
+  Yields a dict that, on exit, holds what the tower added to each collection.
+  Afterwards the collections hold every tower's entries again, except that
+  summaries of towers after the first are dropped: TensorBoard shows tower 0.
+  """
+  saved = {key: list(graph.get_collection(key)) for key in _PER_TOWER_COLLECTIONS}
+  for key in _PER_TOWER_COLLECTIONS:
+    del graph.get_collection_ref(key)[:]
+  added = {}
+  try:
+    yield added
+  finally:
+    for key in _PER_TOWER_COLLECTIONS:
+      ref = graph.get_collection_ref(key)
+      added[key] = list(ref)
+      keep = added[key] if (index == 0 or key != tf1.GraphKeys.SUMMARIES) else []
+      ref[:] = saved[key] + keep
+
+
+def _canonical_devices(devices) -> List[str]:
+  if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
+    raise TypeError(f'devices must be a list of device strings such as '
+                    f"['/gpu:0', '/gpu:1'], got {devices!r}.")
+  if not devices:
+    raise ValueError('devices is empty; pass None to use every device of the '
+                     'RunConfig, or name at least one device.')
+  canonical = []
+  for device in devices:
+    if not isinstance(device, str):
+      raise TypeError(f'devices must hold strings, got {device!r}.')
+    try:
+      spec = tf.DeviceSpec.from_string(device)
+    except ValueError as e:
+      raise ValueError(f'{device!r} in devices is not a device name like '
+                       "'/gpu:0' or '/cpu:1'.") from e
+    if spec.device_type not in ('CPU', 'GPU') or spec.device_index is None:
+      raise ValueError(f'{device!r} in devices must name a CPU or GPU with its '
+                       "index, like '/gpu:0' or '/cpu:1'.")
+    canonical.append(spec.to_string())
+  repeated = sorted({d for d in canonical if canonical.count(d) > 1})
+  if repeated:
+    raise ValueError(f'devices repeats {repeated}; name each device once.')
+  return canonical
+
+
+def _tower_devices(devices, config) -> List[str]:
+  """The towers: explicit `devices` checked against the session, or all."""
+  session_config = getattr(config, 'session_config', None)
+  num_gpus, num_cpus = session_device_counts(session_config)
+  if devices is None:
+    if num_gpus:
+      return [f'/device:GPU:{i}' for i in range(num_gpus)]
+    return [f'/device:CPU:{i}' for i in range(num_cpus)]
+  available = {'GPU': num_gpus, 'CPU': num_cpus}
+  for device in devices:
+    spec = tf.DeviceSpec.from_string(device)
+    if spec.device_index >= available[spec.device_type]:
+      raise ValueError(
+          f'devices names {device}, but the session has '
+          f'{available[spec.device_type]} {spec.device_type} device(s). Ask '
+          'make_run_config for more (num_gpus=, cpu_devices=) or name fewer.')
+  return list(devices)
+
+
+def _is_serving_graph(features) -> bool:
+  """True when the features are fed by placeholders, not an input pipeline."""
+  leaves = [t for t in tf.nest.flatten(features, expand_composites=True)
+            if isinstance(t, tf.Tensor)]
+  pending, seen, placeholders = [t.op for t in leaves], set(), 0
+  while pending:
+    op = pending.pop()
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    if op.type in _INPUT_PIPELINE_OPS:
+      return False
+    if op.type in ('Placeholder', 'PlaceholderWithDefault'):
+      placeholders += 1
+    pending.extend(t.op for t in op.inputs)
+  return placeholders > 0
+
+
+def _accepted_args(model_fn) -> frozenset:
+  params = inspect.signature(model_fn).parameters
+  return frozenset(params)
+
+
+def _name(model_fn) -> str:
+  return getattr(model_fn, '__name__', repr(model_fn))

@@ -1,0 +1,155 @@
+"""Splitting a global batch into per-tower shards.
+
+The split is computed at run time from the actual batch size, so the short
+last batch of an epoch and a serving request of one example work: shard sizes
+differ by at most one, and towers beyond the batch size get empty shards.
+"""
+
+from typing import Any, List, Sequence, Tuple
+
+import tensorflow as tf
+
+_BATCHED_TYPES = (tf.Tensor, tf.SparseTensor, tf.RaggedTensor)
+
+
+def _leaves_with_paths(structure: Any, prefix: str = '') -> List[Tuple[str, Any]]:
+  """Flattens like `tf.nest.flatten`, naming each leaf for error messages."""
+  if isinstance(structure, dict):
+    out = []
+    for key in sorted(structure):  # tf.nest orders dict keys sorted, too.
+      out.extend(_leaves_with_paths(structure[key], f'{prefix}[{key!r}]'))
+    return out
+  if isinstance(structure, (list, tuple)):
+    out = []
+    for i, item in enumerate(structure):
+      out.extend(_leaves_with_paths(item, f'{prefix}[{i}]'))
+    return out
+  return [(prefix, structure)]
+
+
+def _check_leaf(name: str, leaf: Any) -> None:
+  if not isinstance(leaf, _BATCHED_TYPES):
+    raise TypeError(
+        f'{name} is a {type(leaf).__name__}; replicate_model_fn splits only '
+        'Tensors, SparseTensors and RaggedTensors (in dicts, lists or tuples). '
+        'Convert it to a Tensor in the input_fn.')
+  if isinstance(leaf, tf.Tensor) and leaf.shape.rank == 0:
+    raise ValueError(
+        f'{name} has no batch dimension (it is a scalar). Every feature and '
+        'label needs the batch as its first dimension; give it shape [batch] '
+        'or [batch, 1] in the input_fn.')
+
+
+def _batch_size(leaf: Any) -> tf.Tensor:
+  """The leading dimension of `leaf` as an int32 scalar tensor."""
+  if isinstance(leaf, tf.SparseTensor):
+    return tf.cast(leaf.dense_shape[0], tf.int32)
+  if isinstance(leaf, tf.RaggedTensor):
+    return tf.cast(leaf.nrows(), tf.int32)
+  return tf.shape(leaf, out_type=tf.int32)[0]
+
+
+def _static_batch_size(leaf: Any):
+  if isinstance(leaf, tf.SparseTensor):
+    return tf.get_static_value(leaf.dense_shape[0])
+  return leaf.shape[0] if leaf.shape.rank is not None else None
+
+
+def global_batch_size(named_leaves: Sequence[Tuple[str, Any]]) -> tf.Tensor:
+  """Checks that every leaf has the same batch size and returns it.
+
+  Sizes known while the graph is built are compared at once; the others are
+  compared when the step runs, failing with the same message.
+
+  Args:
+    named_leaves: (name, tensor) pairs, as from `_leaves_with_paths`.
+
+  Returns:
+    The batch size, an int32 scalar tensor.
+
+  Raises:
+    ValueError: a leaf has no batch dimension, or the static batch sizes of
+      two leaves differ.
+    TypeError: a leaf is not a Tensor, SparseTensor or RaggedTensor.
+  """
+  if not named_leaves:
+    raise ValueError('replicate_model_fn got no features to split.')
+  for name, leaf in named_leaves:
+    _check_leaf(name, leaf)
+  first_name, first = named_leaves[0]
+  static = {name: _static_batch_size(leaf) for name, leaf in named_leaves}
+  known = {name: size for name, size in static.items() if size is not None}
+  if len(set(known.values())) > 1:
+    raise ValueError(
+        'Features and labels must share one batch size, got ' +
+        ', '.join(f'{name}: {size}' for name, size in known.items()) +
+        '. Batch them together in the input_fn (e.g. one Dataset.batch).')
+  size = _batch_size(first)
+  checks = []
+  for name, leaf in named_leaves[1:]:
+    if static[name] is not None and static[first_name] is not None:
+      continue
+    checks.append(tf.debugging.assert_equal(
+        _batch_size(leaf), size,
+        message=(f'Features and labels must share one batch size: {name} '
+                 f'differs from {first_name}.')))
+  if checks:
+    with tf.control_dependencies(checks):
+      size = tf.identity(size)
+  return size
+
+
+def shard_sizes(batch_size: tf.Tensor, num_towers: int) -> tf.Tensor:
+  """Sizes of the towers' shards: as even as possible, larger ones first."""
+  base = batch_size // num_towers
+  remainder = batch_size % num_towers
+  return base + tf.cast(tf.range(num_towers) < remainder, tf.int32)
+
+
+def _slice(leaf: Any, start: tf.Tensor, size: tf.Tensor) -> Any:
+  """Rows [start, start + size) of a batched leaf."""
+  if isinstance(leaf, tf.SparseTensor):
+    rest = leaf.dense_shape[1:]
+    begin = tf.concat([[tf.cast(start, tf.int64)], tf.zeros_like(rest)], 0)
+    extent = tf.concat([[tf.cast(size, tf.int64)], rest], 0)
+    return tf.sparse.slice(leaf, begin, extent)
+  return leaf[start:start + size]
+
+
+def split_batch(structure: Any, sizes: tf.Tensor, num_towers: int,
+                pad_empty: bool) -> List[Any]:
+  """Splits every leaf of `structure` into `num_towers` consecutive shards.
+
+  Args:
+    structure: Tensors, SparseTensors or RaggedTensors, possibly nested in
+      dicts, lists and tuples, all with the same batch size.
+    sizes: Shard sizes from `shard_sizes`.
+    num_towers: How many shards to make.
+    pad_empty: Give an empty shard a copy of the first example instead. In
+      training, an empty shard would make the tower's mean loss NaN, and
+      0 * NaN poisons the gradients even at weight zero; the copy is finite
+      and is weighted by zero.
+
+  Returns:
+    A list of `num_towers` structures shaped like `structure`.
+  """
+  if structure is None:
+    return [None] * num_towers
+  starts = tf.cumsum(sizes, exclusive=True)
+  if pad_empty:
+    starts = tf.where(sizes > 0, starts, tf.zeros_like(starts))
+    sizes = tf.maximum(sizes, 1)
+  leaves = tf.nest.flatten(structure)
+  shards = []
+  for i in range(num_towers):
+    tower_leaves = [_slice(leaf, starts[i], sizes[i]) for leaf in leaves]
+    shards.append(tf.nest.pack_sequence_as(structure, tower_leaves))
+  return shards
+
+
+def named_leaves(features: Any, labels: Any) -> List[Tuple[str, Any]]:
+  """Leaves of features and labels with names like features['age']."""
+  out = _leaves_with_paths(features, 'features')
+  if labels is not None:
+    out.extend(_leaves_with_paths(labels, 'labels'))
+  return out

@@ -1,0 +1,126 @@
+"""Merging the towers' EstimatorSpecs into the one the Estimator runs.
+
+Hooks, the scaffold and user summaries come from tower 0, so they appear once,
+under the names one-device training gives them.
+"""
+
+from typing import Dict, List, Sequence
+
+import tensorflow as tf
+
+tf1 = tf.compat.v1
+ModeKeys = tf.estimator.ModeKeys
+_export = tf.estimator.export
+
+
+def weighted_loss(specs: Sequence[tf.estimator.EstimatorSpec],
+                  weights: Sequence[tf.Tensor],
+                  sizes: tf.Tensor) -> tf.Tensor:
+  """The global-batch loss: towers' losses weighted, idle towers left out.
+
+  An idle tower's loss may be NaN (the mean of nothing); `tf.where` drops it
+  instead of multiplying it by zero.
+  """
+  terms = []
+  for i, spec in enumerate(specs):
+    loss = spec.loss
+    term = loss * tf.cast(weights[i], loss.dtype)
+    terms.append(tf.where(sizes[i] > 0, term, tf.zeros_like(term)))
+  return tf.add_n(terms, name='tower_weighted_loss')
+
+
+def _check_same_keys(what: str, per_tower: Sequence) -> None:
+  first = sorted(per_tower[0])
+  for i, keys in enumerate(per_tower[1:], start=1):
+    if sorted(keys) != first:
+      raise ValueError(
+          f'Towers disagree on {what}: tower 0 has {first}, tower {i} has '
+          f'{sorted(keys)}. Every tower must build the same model.')
+
+
+def merge_train(specs, weights, sizes, update_ops: Sequence) -> tf.estimator.EstimatorSpec:
+  """One TRAIN spec: weighted loss; every tower's train_op and UPDATE_OPS."""
+  for i, spec in enumerate(specs):
+    if spec.loss is None:
+      raise ValueError(f'Tower {i} returned a TRAIN EstimatorSpec without a '
+                       'loss; set EstimatorSpec(loss=...).')
+  loss = weighted_loss(specs, weights, sizes)
+  train_op = tf.group(*[s.train_op for s in specs], *update_ops,
+                      name='replicated_train_op')
+  first = specs[0]
+  return first._replace(loss=loss, train_op=train_op)
+
+
+def merge_eval(specs, weights, sizes) -> tf.estimator.EstimatorSpec:
+  """One EVAL spec: weighted loss; metrics read from tower 0's shared state.
+
+  The towers' metric variables are tower 0's (see variable_sharing), so each
+  tower's update op accumulates into one state and tower 0's value op reads
+  the whole batch's result.
+  """
+  for i, spec in enumerate(specs):
+    if spec.loss is None:
+      raise ValueError(f'Tower {i} returned an EVAL EstimatorSpec without a '
+                       'loss; set EstimatorSpec(loss=...).')
+  _check_same_keys('eval_metric_ops', [s.eval_metric_ops for s in specs])
+  metrics = {}
+  for name, (value, update) in specs[0].eval_metric_ops.items():
+    updates = [update] + [s.eval_metric_ops[name][1] for s in specs[1:]]
+    metrics[name] = (value, tf.group(*updates))
+  return specs[0]._replace(loss=weighted_loss(specs, weights, sizes),
+                           eval_metric_ops=metrics)
+
+
+def _concat(name: str, tensors: List[tf.Tensor]) -> tf.Tensor:
+  if tensors[0].shape.rank == 0:
+    raise ValueError(
+        f'Prediction {name} is a scalar; predictions need the batch as their '
+        'first dimension so that the towers\' outputs can be put back in '
+        'input order.')
+  return tf.concat(tensors, axis=0, name=None)
+
+
+def _concat_dict(what: str, dicts: Sequence[Dict]) -> Dict:
+  _check_same_keys(what, dicts)
+  return {k: _concat(f'{what}[{k!r}]', [d[k] for d in dicts]) for k in dicts[0]}
+
+
+def _merge_export_output(name: str, outputs: Sequence):
+  kind = type(outputs[0])
+  for i, out in enumerate(outputs[1:], start=1):
+    if type(out) is not kind:
+      raise ValueError(f'Towers disagree on export_outputs[{name!r}]: tower 0 '
+                       f'gives {kind.__name__}, tower {i} {type(out).__name__}.')
+  if kind is _export.PredictOutput:
+    return kind(_concat_dict(f'export_outputs[{name!r}]',
+                             [o.outputs for o in outputs]))
+  if kind is _export.RegressionOutput:
+    return kind(_concat(f'export_outputs[{name!r}]',
+                        [o.value for o in outputs]))
+  if kind is _export.ClassificationOutput:
+    scores = classes = None
+    if outputs[0].scores is not None:
+      scores = _concat(f'{name} scores', [o.scores for o in outputs])
+    if outputs[0].classes is not None:
+      classes = _concat(f'{name} classes', [o.classes for o in outputs])
+    return kind(scores=scores, classes=classes)
+  raise TypeError(
+      f'export_outputs[{name!r}] is a {kind.__name__}; replicate_model_fn '
+      'merges PredictOutput, ClassificationOutput and RegressionOutput.')
+
+
+def merge_predict(specs) -> tf.estimator.EstimatorSpec:
+  """One PREDICT spec: predictions and export outputs back in input order."""
+  first = specs[0]
+  if isinstance(first.predictions, dict):
+    predictions = _concat_dict('predictions', [s.predictions for s in specs])
+  else:
+    predictions = _concat('predictions', [s.predictions for s in specs])
+  export_outputs = None
+  if first.export_outputs:
+    _check_same_keys('export_outputs', [s.export_outputs for s in specs])
+    export_outputs = {
+        name: _merge_export_output(name, [s.export_outputs[name]
+                                          for s in specs])
+        for name in first.export_outputs}
+  return first._replace(predictions=predictions, export_outputs=export_outputs)

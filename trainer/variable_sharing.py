@@ -1,0 +1,143 @@
+"""One set of variables for all towers.
+
+Tower 0 creates every variable, exactly as the unwrapped model_fn would, so
+the names (and so checkpoints) are those of one-device training. Later towers
+must reuse them. Two mechanisms cover the ways variables get made:
+
+* `tf.compat.v1.get_variable` (tf.compat.v1.layers, feature columns, slot
+  variables): later towers re-enter the root variable scope with AUTO_REUSE.
+  Re-entering a scope *object* restores the unique-name counters on exit, so
+  an unnamed `dense` layer is called `dense` again in every tower.
+* Everything else (`tf.keras.layers`, metric variables, `tf.Variable`):
+  these bypass the variable store. A variable creator hands the k-th such
+  variable a later tower asks for to the k-th one tower 0 made, after checking
+  that shape and dtype agree. Metric variables are shared this way too, so
+  every tower's update accumulates into one state and the metric equals the
+  one-device value.
+"""
+
+import contextlib
+import threading
+from typing import Iterator, List
+
+import tensorflow as tf
+
+tf1 = tf.compat.v1
+
+
+class VariableSharing:
+  """Records tower 0's variables and hands them to the later towers."""
+
+  def __init__(self):
+    self._created: List[tf.Variable] = []
+    self._local = threading.local()
+
+  @property
+  def _get_variable_depth(self) -> int:
+    return getattr(self._local, 'depth', 0)
+
+  def _counting_getter(self, getter, name, *args, **kwargs):
+    """Marks creations that come from `get_variable`, which the store shares."""
+    self._local.depth = self._get_variable_depth + 1
+    try:
+      return getter(name, *args, **kwargs)
+    finally:
+      self._local.depth -= 1
+
+  @contextlib.contextmanager
+  def unshared(self) -> Iterator[None]:
+    """Lets variables be created freely (optimizer slots in the one update)."""
+    previous = getattr(self._local, 'unshared', False)
+    self._local.unshared = True
+    try:
+      yield
+    finally:
+      self._local.unshared = previous
+
+  @contextlib.contextmanager
+  def tower(self, index: int) -> Iterator[None]:
+    """Scopes one tower's model_fn call.
+
+    Args:
+      index: The tower index; tower 0 creates, the others reuse.
+
+    Yields:
+      Nothing; variables created inside are shared as described above.
+    """
+    creator = self._record if index == 0 else self._reuser(index)
+    root = tf1.get_variable_scope()
+    with tf1.variable_scope(root, reuse=tf1.AUTO_REUSE if index else None,
+                            custom_getter=self._counting_getter,
+                            auxiliary_name_scope=False):
+      with tf1.variable_creator_scope(creator):
+        yield
+    if index:
+      self._check_all_reused(index)
+
+  def _record(self, next_creator, **kwargs):
+    variable = next_creator(**kwargs)
+    if not self._get_variable_depth and not getattr(self._local, 'unshared',
+                                                    False):
+      self._created.append(variable)
+    return variable
+
+  def _reuser(self, index: int):
+    self._local.cursor = 0
+
+    def reuse(next_creator, **kwargs):
+      if getattr(self._local, 'unshared', False):
+        return next_creator(**kwargs)
+      name = _requested_name(kwargs)
+      if self._get_variable_depth:
+        raise ValueError(
+            f'Tower {index} created variable {name!r}, which tower 0 did not '
+            'create. Every tower must build the same model: do not make '
+            'variables depend on the tower index or on the data.')
+      cursor = self._local.cursor
+      if cursor >= len(self._created):
+        raise ValueError(
+            f'Tower {index} created variable {name!r} (number {cursor + 1} '
+            f'made outside get_variable), but tower 0 made only '
+            f'{len(self._created)}. Every tower must build the same model.')
+      self._local.cursor = cursor + 1
+      variable = self._created[cursor]
+      _check_same_kind(index, name, kwargs, variable)
+      return variable
+
+    return reuse
+
+  def _check_all_reused(self, index: int) -> None:
+    used = getattr(self._local, 'cursor', 0)
+    if used != len(self._created):
+      missing = [v.name for v in self._created[used:]]
+      raise ValueError(
+          f'Tower {index} created {used} variables outside get_variable but '
+          f'tower 0 created {len(self._created)}; tower {index} did not ask '
+          f'for {missing}. Every tower must build the same model.')
+
+
+def _requested_name(kwargs) -> str:
+  name = kwargs.get('name') or 'Variable'
+  scope = tf1.get_default_graph().get_name_scope()
+  return f'{scope}/{name}' if scope else str(name)
+
+
+def _check_same_kind(index: int, name: str, kwargs, variable) -> None:
+  """Fails when a later tower's variable is not the one tower 0 made."""
+  shape = kwargs.get('shape')
+  if shape is None and isinstance(kwargs.get('initial_value'), tf.Tensor):
+    shape = kwargs['initial_value'].shape
+  if shape is not None and not tf.TensorShape(shape).is_compatible_with(
+      variable.shape):
+    raise ValueError(
+        f'Tower {index} asked for variable {name!r} of shape '
+        f'{tf.TensorShape(shape)}, but the matching variable of tower 0, '
+        f'{variable.name}, has shape {variable.shape}. Every tower must build '
+        'the same model.')
+  dtype = kwargs.get('dtype')
+  if dtype is not None and tf.as_dtype(dtype).base_dtype != (
+      variable.dtype.base_dtype):
+    raise ValueError(
+        f'Tower {index} asked for variable {name!r} of dtype '
+        f'{tf.as_dtype(dtype).name}, but the matching variable of tower 0, '
+        f'{variable.name}, is {variable.dtype.base_dtype.name}.')
