@@ -17,6 +17,7 @@ from trainer import one_update
 from trainer import sharding
 from trainer import spec_merge
 from trainer import tower as tower_lib
+from trainer import update_chain
 from trainer import variable_sharing
 from trainer.run_config import session_device_counts
 
@@ -154,9 +155,11 @@ class _TowerBuilder:
         spec, added = self._build_tower(i, feature_shards[i], label_shards[i],
                                         kwargs)
         specs.append(spec)
-        update_ops.extend(added[tf1.GraphKeys.UPDATE_OPS])
+        update_ops.append(added[tf1.GraphKeys.UPDATE_OPS])
     if self._mode == ModeKeys.TRAIN:
-      return spec_merge.merge_train(specs, weights, sizes, update_ops)
+      update_chain.chain_towers(update_ops)
+      return spec_merge.merge_train(specs, weights, sizes,
+                                    [op for ops in update_ops for op in ops])
     if self._mode == ModeKeys.EVAL:
       return spec_merge.merge_eval(specs, weights, sizes)
     return spec_merge.merge_predict(specs)

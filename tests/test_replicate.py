@@ -1,0 +1,270 @@
+"""replicate_model_fn computes what one device computes on the same batch.
+
+Each equivalence test trains a plain one-device Estimator and a replicated
+one from the same seeded weights on the same batches, then compares every
+checkpointed variable.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import trainer
+from conftest import (OPTIMIZERS, assert_same_variables, classifier_model_fn,
+                      dataset_input_fn, make_estimator, variables_of)
+
+tf1 = tf.compat.v1
+STEPS = 3
+
+
+def _train(tmp_path, name, towers, batch_size, data, params, steps=STEPS,
+           model_fn=classifier_model_fn, **kwargs):
+  x, y = data
+  estimator = make_estimator(model_fn, tmp_path / name, towers, params,
+                             **kwargs)
+  estimator.train(dataset_input_fn({'x': x}, y, batch_size), steps=steps)
+  return estimator
+
+
+@pytest.mark.parametrize('towers,batch_size', [
+    (2, 12), (3, 12), (4, 12),   # divides
+    (2, 10), (3, 10), (4, 10),   # does not divide
+    (4, 3),                      # fewer examples than towers
+])
+def test_sgd_training_equals_one_device(tmp_path, data, towers, batch_size):
+  params = {'optimizer': OPTIMIZERS['sgd']}
+  one = _train(tmp_path, 'one', 1, batch_size, data, params)
+  many = _train(tmp_path, 'many', towers, batch_size, data, params)
+  assert_same_variables(variables_of(one), variables_of(many))
+  assert many.get_variable_value('global_step') == STEPS
+
+
+@pytest.mark.parametrize('optimizer', ['momentum', 'adam', 'adagrad'])
+def test_stateful_optimizers_equal_one_device(tmp_path, data, optimizer):
+  params = {'optimizer': OPTIMIZERS[optimizer]}
+  one = _train(tmp_path, 'one', 1, 10, data, params)
+  many = _train(tmp_path, 'many', 4, 10, data, params)
+  # Slot variables too: same names (e.g. dense/kernel/Adam) and values.
+  assert_same_variables(variables_of(one), variables_of(many))
+
+
+def test_transformed_gradients_are_global_batch_gradients(tmp_path, data):
+  # Clipping by global norm only matches one device if the towers' gradients
+  # are combined before the user's transformation sees them.
+  params = {'optimizer': OPTIMIZERS['sgd'], 'clip_norm': 0.05}
+  one = _train(tmp_path, 'one', 1, 10, data, params)
+  many = _train(tmp_path, 'many', 3, 10, data, params)
+  unclipped = _train(tmp_path, 'unclipped', 1, 10, data,
+                     {'optimizer': OPTIMIZERS['sgd']})
+  assert_same_variables(variables_of(one), variables_of(many))
+  # The clip is active, so the comparison above is not vacuous.
+  assert not np.allclose(one.get_variable_value('dense/kernel'),
+                         unclipped.get_variable_value('dense/kernel'))
+
+
+def test_sum_loss_reduction_equals_one_device(tmp_path, data):
+
+  def sum_loss_model_fn(features, labels, mode):
+    logits = tf.keras.layers.Dense(
+        2, kernel_initializer=tf1.glorot_uniform_initializer(seed=3))(
+            features['x'])
+    loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=logits))
+    train_op = tf1.train.GradientDescentOptimizer(0.05).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  one = _train(tmp_path, 'one', 1, 10, data, None, model_fn=sum_loss_model_fn)
+  many = _train(tmp_path, 'many', 4, 10, data, None,
+                model_fn=sum_loss_model_fn, loss_reduction='sum')
+  assert_same_variables(variables_of(one), variables_of(many))
+
+
+@pytest.mark.parametrize('towers,batch_size', [(4, 10), (4, 3), (3, 12)])
+def test_eval_metrics_equal_one_device(tmp_path, data, towers, batch_size):
+  x, y = data
+  params = {'optimizer': OPTIMIZERS['sgd']}
+  one = _train(tmp_path, 'one', 1, 12, data, params)
+  many = make_estimator(classifier_model_fn, tmp_path / 'one', towers, params)
+  eval_input = dataset_input_fn({'x': x}, y, batch_size, repeat=False)
+  expected = one.evaluate(eval_input)
+  actual = many.evaluate(eval_input)
+  assert sorted(expected) == sorted(actual)
+  for key in expected:
+    np.testing.assert_allclose(actual[key], expected[key], rtol=1e-5,
+                               err_msg=key)
+  assert 0.5 < expected['accuracy'] < 1.0  # The metrics are informative.
+
+
+@pytest.mark.parametrize('towers,batch_size', [(4, 7), (4, 1), (3, 10)])
+def test_predictions_equal_one_device_in_input_order(tmp_path, data, towers,
+                                                     batch_size):
+  x, y = data
+  params = {'optimizer': OPTIMIZERS['sgd']}
+  one = _train(tmp_path, 'one', 1, 12, data, params)
+  many = make_estimator(classifier_model_fn, tmp_path / 'one', towers, params)
+  predict_input = dataset_input_fn({'x': x[:17]}, None, batch_size,
+                                   repeat=False)
+  expected = list(one.predict(predict_input))
+  actual = list(many.predict(predict_input))
+  assert len(actual) == 17
+  for e, a in zip(expected, actual):
+    np.testing.assert_allclose(a['logits'], e['logits'], rtol=1e-5, atol=1e-6)
+    assert a['classes'] == e['classes']
+
+
+def test_checkpoints_move_between_tower_counts(tmp_path, data):
+  params = {'optimizer': OPTIMIZERS['momentum']}
+  reference = _train(tmp_path, 'reference', 1, 12, data, params, steps=6)
+  x, y = data
+  shared_dir = tmp_path / 'shared'
+  for towers, steps in ((4, 2), (1, 4), (3, 6)):  # 4 towers, plain, 3 towers
+    estimator = make_estimator(classifier_model_fn, shared_dir, towers, params)
+    estimator.train(dataset_input_fn({'x': x}, y, 12), max_steps=steps)
+  # The data restarts at each train() call, so feed the reference the same.
+  reference = make_estimator(classifier_model_fn, tmp_path / 'ref2', 1, params)
+  for steps in (2, 4, 6):
+    reference.train(dataset_input_fn({'x': x}, y, 12), max_steps=steps)
+  assert_same_variables(variables_of(reference), variables_of(estimator))
+
+
+def test_feature_columns_with_hashed_categorical(tmp_path):
+  rng = np.random.RandomState(1)
+  words = np.array([b'cat', b'dog', b'fish', b'bird', b'cow'])[
+      rng.randint(0, 5, 40)]
+  amount = rng.randn(40, 1).astype(np.float32)
+  labels = (amount[:, 0] > 0).astype(np.int32)
+
+  def model_fn(features, labels, mode):
+    word = tf1.feature_column.categorical_column_with_hash_bucket('word', 20)
+    columns = [
+        tf1.feature_column.embedding_column(
+            word, 3, initializer=tf1.truncated_normal_initializer(seed=4)),
+        tf1.feature_column.numeric_column('amount'),
+    ]
+    net = tf1.feature_column.input_layer(features, columns)
+    logits = tf1.layers.dense(net, 2, kernel_initializer=
+                              tf1.glorot_uniform_initializer(seed=5))
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    train_op = tf1.train.AdagradOptimizer(0.5).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  def input_fn():
+    ds = tf.data.Dataset.from_tensor_slices(
+        ({'word': words, 'amount': amount}, labels))
+    # A SparseTensor feature, as parsed tf.Examples give feature columns.
+    ds = ds.map(lambda f, l: ({'word': tf.sparse.from_dense(
+        tf.reshape(f['word'], [1])), 'amount': f['amount']}, l))
+    return ds.batch(10).repeat()
+
+  runs = {}
+  for towers in (1, 4):
+    estimator = make_estimator(model_fn, tmp_path / str(towers), towers)
+    estimator.train(input_fn, steps=STEPS)
+    runs[towers] = variables_of(estimator)
+  assert_same_variables(runs[1], runs[4])
+  assert any('embedding_weights' in name for name in runs[4])
+
+
+def test_keras_layers_unnamed_are_shared_not_duplicated(tmp_path, data):
+  x, y = data
+
+  def model_fn(features, labels, mode):
+    net = features['x']
+    for units, seed in ((6, 11), (4, 12)):
+      net = tf.keras.layers.Dense(
+          units, activation='relu',
+          kernel_initializer=tf.keras.initializers.GlorotUniform(seed))(net)
+    logits = tf.keras.layers.Dense(
+        2, kernel_initializer=tf.keras.initializers.GlorotUniform(13))(net)
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    train_op = tf1.train.GradientDescentOptimizer(0.3).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  runs, counts = {}, {}
+  for towers in (1, 3):
+    estimator = make_estimator(model_fn, tmp_path / str(towers), towers)
+    estimator.train(dataset_input_fn({'x': x}, y, 10), steps=STEPS)
+    runs[towers] = variables_of(estimator)
+    counts[towers] = len(runs[towers])
+  assert counts[1] == counts[3] == 7  # 3 kernels, 3 biases, global_step.
+  assert_same_variables(runs[1], runs[3])
+
+
+def test_batch_norm_updates_of_every_tower_run(tmp_path, data):
+  x, y = data
+
+  def model_fn(features, labels, mode):
+    training = mode == tf.estimator.ModeKeys.TRAIN
+    # A constant input: every shard's batch mean is 2 and its variance 0,
+    # whatever order the towers' updates run in.
+    constant = tf.zeros_like(features['x'][:, :2]) + 2.0
+    net = tf1.layers.batch_normalization(constant, training=training,
+                                         momentum=0.5)
+    logits = tf1.layers.dense(tf.concat([net, features['x']], 1), 2)
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    update_ops = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+    with tf.control_dependencies(update_ops):
+      train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+          loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  estimator = make_estimator(model_fn, tmp_path, 4)
+  estimator.train(dataset_input_fn({'x': x}, y, 12), steps=4)
+  # 4 steps x 4 towers = 16 updates of momentum 0.5 from 0 (mean) and 1
+  # (variance). Tower 0's alone would leave the mean at 2 * (1 - 0.5**4).
+  moving_mean = estimator.get_variable_value(
+      'batch_normalization/moving_mean')
+  np.testing.assert_allclose(moving_mean, 2 * (1 - 0.5**16), atol=1e-5)
+  moving_variance = estimator.get_variable_value(
+      'batch_normalization/moving_variance')
+  np.testing.assert_allclose(moving_variance, 0.5**16, atol=1e-6)
+  assert estimator.get_variable_value('global_step') == 4
+
+
+def test_tower_context_tells_index_and_count(tmp_path, data):
+  seen = []
+
+  def model_fn(features, labels, mode):
+    context = trainer.tower_context()
+    seen.append((context.index, context.num_towers, context.device))
+    return classifier_model_fn(features, labels, mode,
+                               {'optimizer': OPTIMIZERS['sgd']})
+
+  _train(tmp_path, 'towers', 3, 12, data, None, steps=1, model_fn=model_fn)
+  assert seen == [(i, 3, f'/device:CPU:{i}') for i in range(3)]
+  assert trainer.tower_context() == trainer.TowerContext(0, 1, None)
+
+
+def _build_train_graph(model_fn, towers, batch_size=10, params=None):
+  """Calls the replicated model_fn in TRAIN mode in a fresh graph."""
+  graph = tf.Graph()
+  with graph.as_default():
+    x = np.zeros((batch_size, 5), np.float32)
+    y = np.zeros((batch_size,), np.int32)
+    features, labels = tf1.data.make_one_shot_iterator(
+        tf.data.Dataset.from_tensors(({'x': x}, y)).repeat()).get_next()
+    config = trainer.make_run_config(cpu_devices=towers)
+    spec = trainer.replicate_model_fn(model_fn)(
+        features, labels, tf.estimator.ModeKeys.TRAIN,
+        params or {'optimizer': OPTIMIZERS['sgd']}, config)
+  return graph, spec
+
+
+def test_each_tower_computes_forward_and_gradients_on_its_device():
+  graph, _ = _build_train_graph(classifier_model_fn, 3)
+  matmuls = [op for op in graph.get_operations() if op.type == 'MatMul']
+  by_device = {}
+  for op in matmuls:
+    by_device.setdefault(op.device, []).append(op.name)
+  # Forward and backward matmuls of 2 layers (1 forward + 2 backward for the
+  # first layer's inputs are not needed, so 1 + 1) land on every tower.
+  assert sorted(by_device) == [f'/device:CPU:{i}' for i in range(3)]
+  counts = {device: len(names) for device, names in by_device.items()}
+  assert len(set(counts.values())) == 1, counts
+  assert all(name.startswith('tower_1/') or 'gradients' in name
+             for name in by_device['/device:CPU:1']), by_device
+  variables = [op for op in graph.get_operations() if op.type == 'VarHandleOp']
+  assert variables and all(op.device == '/device:CPU:0' for op in variables)
