@@ -120,3 +120,28 @@ OPTIMIZERS = {
     'adam': lambda: tf1.train.AdamOptimizer(0.05),
     'adagrad': lambda: tf1.train.AdagradOptimizer(0.3),
 }
+
+
+def build_replicated(model_fn, towers, mode=tf.estimator.ModeKeys.TRAIN,
+                     batch_size=10, params=None, with_labels=True,
+                     **wrapper_kwargs):
+  """Calls the replicated model_fn once in a fresh graph, as Estimator would.
+
+  Returns:
+    (graph, spec) for inspecting placement, names and errors without
+    training.
+  """
+  graph = tf.Graph()
+  with graph.as_default():
+    x = np.zeros((batch_size, NUM_FEATURES), np.float32)
+    y = np.zeros((batch_size,), np.int32)
+    items = ({'x': x}, y) if with_labels else {'x': x}
+    next_item = tf1.data.make_one_shot_iterator(
+        tf.data.Dataset.from_tensors(items).repeat()).get_next()
+    features, labels = next_item if with_labels else (next_item, None)
+    config = trainer.make_run_config(cpu_devices=towers)
+    spec = trainer.replicate_model_fn(model_fn, **wrapper_kwargs)(
+        features, labels, mode,
+        params if params is not None else {'optimizer': OPTIMIZERS['sgd']},
+        config)
+  return graph, spec

@@ -5,13 +5,18 @@ one from the same seeded weights on the same batches, then compares every
 checkpointed variable.
 """
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import trainer
-from conftest import (OPTIMIZERS, assert_same_variables, classifier_model_fn,
-                      dataset_input_fn, make_estimator, variables_of)
+from conftest import (OPTIMIZERS, assert_same_variables, build_replicated,
+                      classifier_model_fn, dataset_input_fn, make_estimator,
+                      variables_of)
 
 tf1 = tf.compat.v1
 STEPS = 3
@@ -238,23 +243,8 @@ def test_tower_context_tells_index_and_count(tmp_path, data):
   assert trainer.tower_context() == trainer.TowerContext(0, 1, None)
 
 
-def _build_train_graph(model_fn, towers, batch_size=10, params=None):
-  """Calls the replicated model_fn in TRAIN mode in a fresh graph."""
-  graph = tf.Graph()
-  with graph.as_default():
-    x = np.zeros((batch_size, 5), np.float32)
-    y = np.zeros((batch_size,), np.int32)
-    features, labels = tf1.data.make_one_shot_iterator(
-        tf.data.Dataset.from_tensors(({'x': x}, y)).repeat()).get_next()
-    config = trainer.make_run_config(cpu_devices=towers)
-    spec = trainer.replicate_model_fn(model_fn)(
-        features, labels, tf.estimator.ModeKeys.TRAIN,
-        params or {'optimizer': OPTIMIZERS['sgd']}, config)
-  return graph, spec
-
-
 def test_each_tower_computes_forward_and_gradients_on_its_device():
-  graph, _ = _build_train_graph(classifier_model_fn, 3)
+  graph, _ = build_replicated(classifier_model_fn, 3)
   matmuls = [op for op in graph.get_operations() if op.type == 'MatMul']
   by_device = {}
   for op in matmuls:
@@ -268,3 +258,157 @@ def test_each_tower_computes_forward_and_gradients_on_its_device():
              for name in by_device['/device:CPU:1']), by_device
   variables = [op for op in graph.get_operations() if op.type == 'VarHandleOp']
   assert variables and all(op.device == '/device:CPU:0' for op in variables)
+
+
+@pytest.mark.parametrize('kwargs,error,match', [
+    ({'devices': '/cpu:0'}, TypeError, 'list of device strings'),
+    ({'devices': []}, ValueError, 'devices is empty'),
+    ({'devices': ['/cpu:0', '/device:CPU:0']}, ValueError, 'repeats'),
+    ({'devices': ['/tpu:0']}, ValueError, 'CPU or GPU'),
+    ({'devices': ['/cpu']}, ValueError, 'with its index'),
+    ({'devices': [0, 1]}, TypeError, 'must hold strings'),
+    ({'loss_reduction': 'avg'}, ValueError, "loss_reduction='avg'"),
+])
+def test_bad_arguments_fail_at_once(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    trainer.replicate_model_fn(classifier_model_fn, **kwargs)
+
+
+def test_model_fn_must_be_callable():
+  with pytest.raises(TypeError, match='model_fn must be callable'):
+    trainer.replicate_model_fn('classifier_model_fn')
+
+
+def test_devices_the_session_lacks_are_named():
+  with pytest.raises(ValueError, match=r'/device:CPU:5.*2 CPU device'):
+    build_replicated(classifier_model_fn, 2, devices=['/cpu:0', '/cpu:5'])
+
+
+def test_explicit_devices_pick_the_towers(tmp_path, data):
+  params = {'optimizer': OPTIMIZERS['sgd']}
+  one = _train(tmp_path, 'one', 1, 10, data, params)
+  x, y = data
+  config = trainer.make_run_config(str(tmp_path / 'two'), cpu_devices=4,
+                                   tf_random_seed=7)
+  estimator = tf.estimator.Estimator(
+      trainer.replicate_model_fn(classifier_model_fn,
+                                 devices=['/cpu:3', '/cpu:1']),
+      config=config, params=params)
+  estimator.train(dataset_input_fn({'x': x}, y, 10), steps=STEPS)
+  assert_same_variables(variables_of(one), variables_of(estimator))
+
+
+def test_features_as_bare_tensor_and_labels_as_dict(tmp_path, data):
+  x, y = data
+
+  def model_fn(features, labels, mode):
+    logits = tf1.layers.dense(features, 2, kernel_initializer=
+                              tf1.glorot_uniform_initializer(seed=9))
+    loss = tf1.losses.sparse_softmax_cross_entropy(
+        labels['class'], logits, weights=labels['weight'])
+    train_op = tf1.train.GradientDescentOptimizer(0.5).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  weight = np.linspace(0.5, 1.5, len(y)).astype(np.float32)
+  runs = {}
+  for towers in (1, 4):
+    estimator = make_estimator(model_fn, tmp_path / str(towers), towers)
+    estimator.train(dataset_input_fn(x, {'class': y, 'weight': weight}, 10),
+                    steps=STEPS)
+    runs[towers] = variables_of(estimator)
+  assert_same_variables(runs[1], runs[4])
+
+
+def test_model_fn_without_labels_argument_but_labels_given():
+
+  def model_fn(features, mode):
+    return tf.estimator.EstimatorSpec(mode, predictions=features['x'])
+
+  with pytest.raises(ValueError, match='does not take labels'):
+    build_replicated(model_fn, 2, mode='infer')
+
+
+_SERVE_SCRIPT = '''
+import sys
+import os
+import subprocess
+import sys
+
+import numpy as np
+import tensorflow as tf
+serve = tf.saved_model.load(sys.argv[1]).signatures['serving_default']
+for n in (1, 7):
+  x = np.arange(n * 5, dtype=np.float32).reshape(n, 5) / 10
+  np.save(f'{sys.argv[2]}/served_{n}.npy', serve(x=tf.constant(x))['logits'])
+'''
+
+
+@pytest.mark.parametrize('replicate_serving', [False, True])
+def test_exported_saved_model_serves_batches_of_1_and_7(tmp_path, data,
+                                                        replicate_serving):
+  params = {'optimizer': OPTIMIZERS['sgd']}
+  _train(tmp_path, 'model', 1, 12, data, params)
+  towers = make_estimator(classifier_model_fn, tmp_path / 'model', 4, params,
+                          replicate_serving=replicate_serving)
+  receiver = tf.estimator.export.build_raw_serving_input_receiver_fn(
+      {'x': tf.zeros([1, 5])}, default_batch_size=None)
+  export_dir = towers.export_saved_model(str(tmp_path / 'export'),
+                                         receiver).decode()
+  # A fresh process with one CPU device, as a serving machine would be.
+  subprocess.run([sys.executable, '-c', _SERVE_SCRIPT, export_dir,
+                  str(tmp_path)], check=True, env={**os.environ,
+                                                   'TF_CPP_MIN_LOG_LEVEL': '3'})
+  plain = make_estimator(classifier_model_fn, tmp_path / 'model', 1, params)
+  for n in (1, 7):
+    x = np.arange(n * 5, dtype=np.float32).reshape(n, 5) / 10
+    expected = [p['logits'] for p in plain.predict(
+        dataset_input_fn({'x': x}, None, n, repeat=False))]
+    served = np.load(tmp_path / f'served_{n}.npy')
+    assert served.shape == (n, 2)
+    np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_idle_towers_with_a_plain_mean_loss_contribute_nothing(tmp_path, data):
+  # tf.reduce_mean over an empty shard is NaN, and NaN * 0 is NaN: idle
+  # towers must not see an empty batch in training.
+  x, y = data
+
+  def model_fn(features, labels, mode):
+    logits = tf.keras.layers.Dense(
+        2, kernel_initializer=tf.keras.initializers.GlorotUniform(31))(
+            features['x'])
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=logits))
+    train_op = tf1.train.GradientDescentOptimizer(0.5).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  runs = {}
+  for towers in (1, 4):
+    estimator = make_estimator(model_fn, tmp_path / str(towers), towers)
+    estimator.train(dataset_input_fn({'x': x}, y, 2), steps=STEPS)
+    runs[towers] = variables_of(estimator)
+  assert_same_variables(runs[1], runs[4])
+
+
+def test_idle_towers_leave_batch_norm_statistics_finite(tmp_path, data):
+  # An empty shard's batch mean is NaN; an idle tower must not feed it to
+  # the moving averages.
+  x, y = data
+
+  def model_fn(features, labels, mode):
+    net = tf1.layers.batch_normalization(features['x'], training=True)
+    logits = tf1.layers.dense(net, 2)
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+      train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+          loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  estimator = make_estimator(model_fn, tmp_path, 4)
+  estimator.train(dataset_input_fn({'x': x}, y, 2), steps=STEPS)
+  values = variables_of(estimator)
+  assert 'batch_normalization/moving_mean' in values
+  for name, value in values.items():
+    assert np.all(np.isfinite(value)), name

@@ -1,0 +1,1 @@
+"""tf.data input_fns that keep the towers fed."""

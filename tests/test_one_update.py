@@ -1,0 +1,126 @@
+"""The towers' optimizer calls become one update of one set of variables."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import (assert_same_variables, build_replicated,
+                      dataset_input_fn, make_estimator, seeded, variables_of)
+
+tf1 = tf.compat.v1
+TRAIN = tf.estimator.ModeKeys.TRAIN
+
+
+def _linear(features):
+  return tf1.layers.dense(features['x'], 2, kernel_initializer=seeded(21))
+
+
+def test_one_apply_op_and_one_global_step_increment():
+
+  def model_fn(features, labels, mode):
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, _linear(features))
+    train_op = tf1.train.AdamOptimizer(0.1).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  graph, _ = build_replicated(model_fn, 4)
+  applies = [op for op in graph.get_operations()
+             if op.type == 'ResourceApplyAdam']
+  assert len(applies) == 2  # kernel and bias, once each, not per tower.
+  increments = [op for op in graph.get_operations()
+                if op.type == 'AssignAddVariableOp' and
+                'global_step' in op.inputs[0].op.name]
+  assert len(increments) == 1
+  slots = sorted(v.op.name for v in graph.get_collection('variables')
+                 if 'Adam' in v.op.name or 'power' in v.op.name)
+  assert slots == ['beta1_power', 'beta2_power', 'dense/bias/Adam',
+                   'dense/bias/Adam_1', 'dense/kernel/Adam',
+                   'dense/kernel/Adam_1']
+
+
+def test_two_optimizers_per_tower_each_make_one_update(tmp_path, data):
+  # A GAN-style model_fn: two losses, two optimizers, calls matched in order.
+  x, y = data
+
+  def model_fn(features, labels, mode):
+    with tf1.variable_scope('a'):
+      logits_a = _linear(features)
+    with tf1.variable_scope('b'):
+      logits_b = _linear(features)
+    loss_a = tf1.losses.sparse_softmax_cross_entropy(labels, logits_a)
+    loss_b = tf1.losses.sparse_softmax_cross_entropy(labels, logits_b * 2.0)
+    step = tf1.train.get_or_create_global_step()
+    train_a = tf1.train.GradientDescentOptimizer(0.3).minimize(
+        loss_a, var_list=tf1.trainable_variables('a'))
+    train_b = tf1.train.MomentumOptimizer(0.1, 0.5).minimize(
+        loss_b, step, var_list=tf1.trainable_variables('b'))
+    return tf.estimator.EstimatorSpec(mode, loss=loss_a + loss_b,
+                                      train_op=tf.group(train_a, train_b))
+
+  runs = {}
+  for towers in (1, 3):
+    estimator = make_estimator(model_fn, tmp_path / str(towers), towers)
+    estimator.train(dataset_input_fn({'x': x}, y, 10), steps=3)
+    runs[towers] = variables_of(estimator)
+  assert_same_variables(runs[1], runs[3])
+  assert runs[3]['global_step'] == 3
+
+
+def test_model_fn_without_optimizer_is_a_clear_error():
+
+  def model_fn(features, labels, mode):
+    loss = tf.reduce_mean(_linear(features))
+    return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                      train_op=tf1.assign_add(
+                                          tf1.train.get_or_create_global_step(),
+                                          1))
+
+  with pytest.raises(ValueError, match='tf.compat.v1.train.Optimizer'):
+    build_replicated(model_fn, 2)
+
+
+def test_gradients_not_from_compute_gradients_are_a_clear_error():
+
+  def model_fn(features, labels, mode):
+    loss = tf.reduce_mean(_linear(features))
+    variables = tf1.trainable_variables()
+    grads = tf.gradients(loss, variables)
+    train_op = tf1.train.GradientDescentOptimizer(0.1).apply_gradients(
+        zip(grads, variables), tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  with pytest.raises(ValueError, match='optimizer.compute_gradients'):
+    build_replicated(model_fn, 2)
+
+
+def test_compute_without_apply_is_a_clear_error():
+
+  def model_fn(features, labels, mode):
+    loss = tf.reduce_mean(_linear(features))
+    optimizer = tf1.train.GradientDescentOptimizer(0.1)
+    grads_and_vars = optimizer.compute_gradients(loss)
+    train_op = tf.group(*[tf1.assign_sub(v, 0.1 * g)
+                          for g, v in grads_and_vars])
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  with pytest.raises(ValueError, match='apply_gradients 0 times'):
+    build_replicated(model_fn, 2)
+
+
+def test_optimizer_is_left_unpatched_afterwards_even_on_error():
+  original = tf1.train.Optimizer.compute_gradients
+
+  def failing_model_fn(features, labels, mode):
+    raise RuntimeError('boom in the user model_fn')
+
+  with pytest.raises(RuntimeError, match='boom'):
+    build_replicated(failing_model_fn, 2)
+  assert tf1.train.Optimizer.compute_gradients is original
+  # And plain graphs still get ordinary gradients.
+  with tf.Graph().as_default():
+    v = tf1.get_variable('v', initializer=3.0)
+    ((grad, _),) = tf1.train.GradientDescentOptimizer(1.0).compute_gradients(
+        v * v, [v])
+    with tf1.Session() as session:
+      session.run(tf1.global_variables_initializer())
+      assert np.isclose(session.run(grad), 6.0)

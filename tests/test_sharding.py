@@ -1,0 +1,103 @@
+"""Splitting a global batch: sizes, order, every input kind, bad batches."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from trainer import sharding
+
+tf1 = tf.compat.v1
+
+
+def _run(fetches, feed_dict=None):
+  with tf1.Session() as session:
+    return session.run(fetches, feed_dict)
+
+
+@pytest.mark.parametrize('batch,towers,expected', [
+    (12, 4, [3, 3, 3, 3]), (10, 4, [3, 3, 2, 2]), (3, 4, [1, 1, 1, 0]),
+    (1, 4, [1, 0, 0, 0]), (7, 3, [3, 2, 2])])
+def test_shard_sizes_differ_by_at_most_one(batch, towers, expected):
+  with tf.Graph().as_default():
+    assert list(_run(sharding.shard_sizes(tf.constant(batch), towers))) == \
+        expected
+
+
+def _split(structure, towers, pad=False):
+  leaves = sharding.named_leaves(structure, None)
+  sizes = sharding.shard_sizes(sharding.global_batch_size(leaves), towers)
+  return sharding.split_batch(structure, sizes, towers, pad)
+
+
+def test_dense_nested_dict_shards_keep_input_order():
+  with tf.Graph().as_default():
+    x = np.arange(20, dtype=np.float32).reshape(10, 2)
+    ids = np.arange(10, dtype=np.int64)
+    shards = _run(_split({'a': {'x': tf.constant(x)}, 'ids': tf.constant(ids)},
+                         4))
+  assert [len(s['ids']) for s in shards] == [3, 3, 2, 2]
+  np.testing.assert_array_equal(np.concatenate([s['ids'] for s in shards]),
+                                ids)
+  np.testing.assert_array_equal(
+      np.concatenate([s['a']['x'] for s in shards]), x)
+
+
+def test_sparse_shards_rebase_rows_and_keep_width():
+  with tf.Graph().as_default():
+    sparse = tf.SparseTensor([[0, 0], [1, 2], [2, 1], [2, 3]],
+                             [b'a', b'b', b'c', b'd'], [3, 4])
+    shards = _run(_split({'s': sparse}, 4))
+  assert [list(s['s'].dense_shape) for s in shards] == [
+      [1, 4], [1, 4], [1, 4], [0, 4]]
+  assert shards[1]['s'].indices.tolist() == [[0, 2]]
+  assert shards[2]['s'].values.tolist() == [b'c', b'd']
+  assert shards[3]['s'].values.size == 0
+
+
+def test_ragged_and_bare_tensor_shards():
+  with tf.Graph().as_default():
+    ragged = tf.ragged.constant([[1], [2, 3], [], [4, 5, 6], [7]])
+    shards = _run(_split((tf.range(5), ragged), 2))
+  assert shards[0][0].tolist() == [0, 1, 2]
+  assert shards[1][1].to_list() == [[4, 5, 6], [7]]
+
+
+def test_padding_gives_idle_towers_a_copy_of_the_first_example():
+  with tf.Graph().as_default():
+    shards = _run(_split(tf.constant([[5.0], [6.0]]), 4, pad=True))
+  assert [s.tolist() for s in shards] == [[[5.0]], [[6.0]], [[5.0]], [[5.0]]]
+
+
+def test_scalar_feature_has_no_batch_dimension():
+  with tf.Graph().as_default():
+    with pytest.raises(ValueError, match=r"features\['scale'\] has no batch"):
+      _split({'x': tf.zeros([4, 2]), 'scale': tf.constant(1.0)}, 2)
+
+
+def test_static_batch_sizes_that_differ_are_named():
+  with tf.Graph().as_default():
+    with pytest.raises(ValueError, match=r"features\['a'\]: 4.*features\['b'\]: 5"):
+      _split({'a': tf.zeros([4]), 'b': tf.zeros([5])}, 2)
+
+
+def test_dynamic_batch_sizes_that_differ_fail_when_run():
+  with tf.Graph().as_default():
+    a = tf1.placeholder(tf.float32, [None])
+    b = tf1.placeholder(tf.float32, [None])
+    shards = _split({'a': a, 'b': b}, 2)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match='must share one batch size'):
+      _run(shards, {a: np.zeros(4), b: np.zeros(5)})
+
+
+def test_labels_must_match_features_batch():
+  with tf.Graph().as_default():
+    leaves = sharding.named_leaves({'x': tf.zeros([4, 1])}, tf.zeros([3]))
+    with pytest.raises(ValueError, match='labels: 3'):
+      sharding.global_batch_size(leaves)
+
+
+def test_non_tensor_leaf_is_a_type_error():
+  with tf.Graph().as_default():
+    with pytest.raises(TypeError, match=r"features\['n'\] is a int"):
+      _split({'x': tf.zeros([2]), 'n': 3}, 2)

@@ -1,0 +1,91 @@
+"""Towers' EstimatorSpecs merge into one, or fail naming the disagreement."""
+
+import pytest
+import tensorflow as tf
+
+import trainer
+from conftest import build_replicated
+
+tf1 = tf.compat.v1
+ModeKeys = tf.estimator.ModeKeys
+
+
+def _logits(features):
+  return tf1.layers.dense(features['x'], 2)
+
+
+def test_towers_disagreeing_on_prediction_keys():
+
+  def model_fn(features, mode):
+    key = f'logits_{trainer.tower_context().index}'
+    return tf.estimator.EstimatorSpec(mode, predictions={key: _logits(features)})
+
+  with pytest.raises(ValueError, match=r"predictions.*\['logits_0'\].*"
+                     r"tower 1 has \['logits_1'\]"):
+    build_replicated(model_fn, 2, mode=ModeKeys.PREDICT, with_labels=False)
+
+
+def test_towers_disagreeing_on_metric_names():
+
+  def model_fn(features, labels, mode):
+    logits = _logits(features)
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    name = 'acc' if trainer.tower_context().index == 0 else 'accuracy'
+    metrics = {name: tf1.metrics.accuracy(labels, tf.argmax(logits, 1))}
+    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops=metrics)
+
+  with pytest.raises(ValueError, match='Towers disagree on eval_metric_ops'):
+    build_replicated(model_fn, 2, mode=ModeKeys.EVAL)
+
+
+def test_scalar_prediction_has_no_batch_dimension():
+
+  def model_fn(features, mode):
+    return tf.estimator.EstimatorSpec(
+        mode, predictions={'mean': tf.reduce_mean(_logits(features))})
+
+  with pytest.raises(ValueError, match=r"predictions\['mean'\] is a scalar"):
+    build_replicated(model_fn, 2, mode=ModeKeys.PREDICT, with_labels=False)
+
+
+def test_train_spec_without_loss_is_refused():
+
+  def model_fn(features, labels, mode):
+    loss = tf.reduce_mean(_logits(features))
+    train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, train_op=train_op)
+
+  with pytest.raises(ValueError, match='[Ll]oss'):
+    build_replicated(model_fn, 2)
+
+
+def test_model_fn_returning_something_else_is_a_type_error():
+
+  def model_fn(features, labels, mode):
+    return {'loss': tf.reduce_mean(_logits(features))}
+
+  with pytest.raises(TypeError, match='must return a tf.estimator.EstimatorSpec'):
+    build_replicated(model_fn, 2, mode=ModeKeys.EVAL)
+
+
+def test_export_outputs_of_each_kind_are_concatenated():
+  export = tf.estimator.export
+
+  def model_fn(features, mode):
+    logits = _logits(features)
+    outputs = {
+        'serving_default': export.PredictOutput({'logits': logits}),
+        'classify': export.ClassificationOutput(scores=tf.nn.softmax(logits)),
+        'regress': export.RegressionOutput(logits[:, 0]),
+    }
+    return tf.estimator.EstimatorSpec(mode, predictions=logits,
+                                      export_outputs=outputs)
+
+  _, spec = build_replicated(model_fn, 3, mode=ModeKeys.PREDICT,
+                             with_labels=False, replicate_serving=True)
+  assert spec.predictions.op.type == 'ConcatV2'
+  outputs = spec.export_outputs
+  assert outputs['serving_default'].outputs['logits'].op.type == 'ConcatV2'
+  assert outputs['classify'].scores.op.type == 'ConcatV2'
+  assert outputs['regress'].value.op.type == 'ConcatV2'
