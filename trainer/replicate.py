@@ -143,7 +143,11 @@ class _TowerBuilder:
       batch = sharding.global_batch_size(
           sharding.named_leaves(features, labels))
       sizes = sharding.shard_sizes(batch, num_towers)
-      pad = self._mode == ModeKeys.TRAIN
+      # Idle towers get a copy of an example in TRAIN (weighted by zero) and
+      # PREDICT (their rows are sliced off): an empty batch can make a mean
+      # NaN, and oneDNN's CPU convolution mishandles it. EVAL keeps empty
+      # shards, since a copy would count in the metrics.
+      pad = self._mode != ModeKeys.EVAL
       feature_shards = sharding.split_batch(features, sizes, num_towers, pad)
       label_shards = sharding.split_batch(labels, sizes, num_towers, pad)
       weights = self._loss_weights(sizes, batch, num_towers)
@@ -162,7 +166,7 @@ class _TowerBuilder:
                                     [op for ops in update_ops for op in ops])
     if self._mode == ModeKeys.EVAL:
       return spec_merge.merge_eval(specs, weights, sizes)
-    return spec_merge.merge_predict(specs)
+    return spec_merge.merge_predict(specs, sizes)
 
   def _loss_weights(self, sizes, batch, num_towers) -> List[tf.Tensor]:
     sizes = tf.cast(sizes, tf.float32)

@@ -71,21 +71,23 @@ def merge_eval(specs, weights, sizes) -> tf.estimator.EstimatorSpec:
                            eval_metric_ops=metrics)
 
 
-def _concat(name: str, tensors: List[tf.Tensor]) -> tf.Tensor:
+def _concat(name: str, tensors: List[tf.Tensor], sizes) -> tf.Tensor:
+  """Towers' outputs in input order, each cut to the tower's real examples."""
   if tensors[0].shape.rank == 0:
     raise ValueError(
         f'Prediction {name} is a scalar; predictions need the batch as their '
         'first dimension so that the towers\' outputs can be put back in '
         'input order.')
-  return tf.concat(tensors, axis=0, name=None)
+  return tf.concat([t[:sizes[i]] for i, t in enumerate(tensors)], axis=0)
 
 
-def _concat_dict(what: str, dicts: Sequence[Dict]) -> Dict:
+def _concat_dict(what: str, dicts: Sequence[Dict], sizes) -> Dict:
   _check_same_keys(what, dicts)
-  return {k: _concat(f'{what}[{k!r}]', [d[k] for d in dicts]) for k in dicts[0]}
+  return {k: _concat(f'{what}[{k!r}]', [d[k] for d in dicts], sizes)
+          for k in dicts[0]}
 
 
-def _merge_export_output(name: str, outputs: Sequence):
+def _merge_export_output(name: str, outputs: Sequence, sizes):
   kind = type(outputs[0])
   for i, out in enumerate(outputs[1:], start=1):
     if type(out) is not kind:
@@ -93,34 +95,44 @@ def _merge_export_output(name: str, outputs: Sequence):
                        f'gives {kind.__name__}, tower {i} {type(out).__name__}.')
   if kind is _export.PredictOutput:
     return kind(_concat_dict(f'export_outputs[{name!r}]',
-                             [o.outputs for o in outputs]))
+                             [o.outputs for o in outputs], sizes))
   if kind is _export.RegressionOutput:
     return kind(_concat(f'export_outputs[{name!r}]',
-                        [o.value for o in outputs]))
+                        [o.value for o in outputs], sizes))
   if kind is _export.ClassificationOutput:
     scores = classes = None
     if outputs[0].scores is not None:
-      scores = _concat(f'{name} scores', [o.scores for o in outputs])
+      scores = _concat(f'{name} scores', [o.scores for o in outputs],
+                       sizes)
     if outputs[0].classes is not None:
-      classes = _concat(f'{name} classes', [o.classes for o in outputs])
+      classes = _concat(f'{name} classes', [o.classes for o in outputs],
+                        sizes)
     return kind(scores=scores, classes=classes)
   raise TypeError(
       f'export_outputs[{name!r}] is a {kind.__name__}; replicate_model_fn '
       'merges PredictOutput, ClassificationOutput and RegressionOutput.')
 
 
-def merge_predict(specs) -> tf.estimator.EstimatorSpec:
-  """One PREDICT spec: predictions and export outputs back in input order."""
+def merge_predict(specs, sizes: tf.Tensor) -> tf.estimator.EstimatorSpec:
+  """One PREDICT spec: predictions and export outputs back in input order.
+
+  Args:
+    specs: The towers' specs.
+    sizes: Each tower's number of real examples; an idle tower's padding
+      rows are dropped.
+  """
   first = specs[0]
   if isinstance(first.predictions, dict):
-    predictions = _concat_dict('predictions', [s.predictions for s in specs])
+    predictions = _concat_dict('predictions', [s.predictions for s in specs],
+                               sizes)
   else:
-    predictions = _concat('predictions', [s.predictions for s in specs])
+    predictions = _concat('predictions', [s.predictions for s in specs],
+                          sizes)
   export_outputs = None
   if first.export_outputs:
     _check_same_keys('export_outputs', [s.export_outputs for s in specs])
     export_outputs = {
-        name: _merge_export_output(name, [s.export_outputs[name]
-                                          for s in specs])
+        name: _merge_export_output(
+            name, [s.export_outputs[name] for s in specs], sizes)
         for name in first.export_outputs}
   return first._replace(predictions=predictions, export_outputs=export_outputs)
