@@ -1,58 +1,98 @@
-"""A fully connected classifier model_fn for dense features, for one device."""
+"""Fully connected (DNN) classifier model_fns, for one device.
 
-from typing import Any, Dict
+Two entry points share one network: `tabular_dnn_model_fn` reads columns
+through `params['feature_columns']`, `dnn_model_fn` reads a dense
+`features['x']`.
+"""
+
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import tensorflow as tf
+
+from model_fns import hparams
+from model_fns.head import classifier_spec
+from model_fns.head import make_optimizer  # Re-exported: dnn.make_optimizer.
 
 tf1 = tf.compat.v1
 ModeKeys = tf.estimator.ModeKeys
 
-_OPTIMIZERS = {
-    'sgd': tf1.train.GradientDescentOptimizer,
-    'momentum': lambda lr: tf1.train.MomentumOptimizer(lr, momentum=0.9),
-    'adam': tf1.train.AdamOptimizer,
-    'adagrad': tf1.train.AdagradOptimizer,
-    'rmsprop': tf1.train.RMSPropOptimizer,
-}
+__all__ = ['dnn_model_fn', 'tabular_dnn_model_fn', 'make_optimizer']
 
 
-def make_optimizer(name: str, learning_rate: float) -> tf1.train.Optimizer:
-  """A tf.compat.v1.train optimizer by name.
+def _dnn_logits(inputs: tf.Tensor, mode: str, params: Mapping[str, Any]
+               ) -> Tuple[tf.Tensor, List[tf.Variable]]:
+  """ReLU hidden layers, dropout while training, then linear logits.
+
+  Returns:
+    (logits [batch, n_classes], the kernels weight decay applies to).
+  """
+  units = hparams.hidden_units(params)
+  rate = hparams.dropout(params)
+  n_classes = hparams.n_classes(params)
+  training = mode == ModeKeys.TRAIN
+  net, kernels = inputs, []
+  for i, size in enumerate(units):
+    layer = tf.keras.layers.Dense(size, activation='relu', name=f'hidden_{i}')
+    net = layer(net)
+    kernels.append(layer.kernel)
+    if rate:
+      net = tf.keras.layers.Dropout(rate, name=f'dropout_{i}')(
+          net, training=training)
+  layer = tf.keras.layers.Dense(n_classes, name='logits')
+  logits = layer(net)
+  return logits, kernels + [layer.kernel]
+
+
+def tabular_dnn_model_fn(features: Dict[str, tf.Tensor],
+                         labels: Optional[tf.Tensor], mode: str,
+                         params: Dict[str, Any]) -> tf.estimator.EstimatorSpec:
+  """Classifies tabular features with ReLU hidden layers and softmax.
+
+  Args:
+    features: Column name -> Tensor, as `params['feature_columns']` expect.
+    labels: int class ids [batch], or None when predicting.
+    mode: A tf.estimator.ModeKeys value.
+    params: 'n_classes'; 'feature_columns' (dense columns: numeric,
+      embedding_column or indicator_column of categoricals); 'hidden_units'
+      (list of ints) or 'first_layer_size' + 'num_layers' (+ 'scale_factor',
+      default 0.5); 'dropout' (default 0, TRAIN only); 'weight_decay'
+      (default 0, L2 on kernels); for TRAIN 'learning_rate' and 'optimizer'
+      (see make_optimizer).
+
+  Returns:
+    The EstimatorSpec for `mode` (see head.classifier_spec).
 
   Raises:
-    ValueError: the name is not one of the known optimizers.
+    ValueError: a param is missing or invalid.
   """
-  if name not in _OPTIMIZERS:
-    raise ValueError(f'optimizer={name!r}; use one of {sorted(_OPTIMIZERS)}.')
-  return _OPTIMIZERS[name](learning_rate)
+  columns = hparams.feature_columns(params)
+  inputs = tf1.feature_column.input_layer(features, columns)
+  logits, kernels = _dnn_logits(inputs, mode, params)
+  return classifier_spec(mode, logits, labels, params, kernels)
 
 
-def dnn_model_fn(features: Dict[str, tf.Tensor], labels: tf.Tensor,
-                 mode: str, params: Dict[str, Any]) -> tf.estimator.EstimatorSpec:
+def dnn_model_fn(features: Dict[str, tf.Tensor], labels: Optional[tf.Tensor],
+                 mode: str, params: Dict[str, Any]
+                ) -> tf.estimator.EstimatorSpec:
   """Classifies `features['x']` with ReLU hidden layers and softmax.
 
   Args:
     features: {'x': float32 [batch, num_features]}.
-    labels: int32 class ids [batch], or None when predicting.
+    labels: int class ids [batch], or None when predicting.
     mode: A tf.estimator.ModeKeys value.
-    params: 'n_classes', 'hidden_units' (list of ints), 'learning_rate',
-      'optimizer' (see make_optimizer).
+    params: As tabular_dnn_model_fn, without 'feature_columns': 'n_classes',
+      'hidden_units' (or 'first_layer_size' + 'num_layers'), 'learning_rate',
+      'optimizer', optional 'dropout' and 'weight_decay'.
 
   Returns:
-    The EstimatorSpec for `mode`.
+    The EstimatorSpec for `mode` (see head.classifier_spec).
+
+  Raises:
+    ValueError: a param is missing or invalid, or features has no 'x'.
   """
-  net = features['x']
-  for units in params['hidden_units']:
-    net = tf.keras.layers.Dense(units, activation='relu')(net)
-  logits = tf.keras.layers.Dense(params['n_classes'])(net)
-  classes = tf.argmax(logits, axis=1, output_type=tf.int32)
-  if mode == ModeKeys.PREDICT:
-    predictions = {'class_ids': classes, 'probabilities': tf.nn.softmax(logits)}
-    return tf.estimator.EstimatorSpec(mode, predictions=predictions)
-  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
-  if mode == ModeKeys.EVAL:
-    metrics = {'accuracy': tf1.metrics.accuracy(labels, classes)}
-    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops=metrics)
-  optimizer = make_optimizer(params['optimizer'], params['learning_rate'])
-  train_op = optimizer.minimize(loss, tf1.train.get_or_create_global_step())
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+  if not isinstance(features, Mapping) or 'x' not in features:
+    raise ValueError(f"dnn_model_fn reads features['x'], got {features!r}; "
+                     'use tabular_dnn_model_fn for feature columns.')
+  inputs = tf.cast(features['x'], tf.float32)
+  logits, kernels = _dnn_logits(inputs, mode, params)
+  return classifier_spec(mode, logits, labels, params, kernels)
