@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up .venv with a supported Python and runs the main job or the tests.
 #
-#   ./run.sh main [flags]   train the demo model on 2 virtual CPU towers
+#   ./run.sh main [flags]   python -m trainer.task: train the default model on
+#                           the embedded digits data on 2 virtual CPU towers
 #   ./run.sh test [args]    run the test suite (args go to pytest)
 #
 # tf.estimator exists only up to TensorFlow 2.15, which needs Python 3.9-3.11.
@@ -55,7 +56,7 @@ command=${1:-}
 case "$command" in
   main)
     setup
-    exec .venv/bin/python -m trainer.demo "$@"
+    exec .venv/bin/python -m trainer.task --cpu-towers=2 "$@"
     ;;
   test)
     setup

@@ -15,6 +15,7 @@ import pytest  # pylint: disable=wrong-import-position
 import tensorflow as tf  # pylint: disable=wrong-import-position
 
 import trainer  # pylint: disable=wrong-import-position
+from cli_helpers import CSV_FLAGS, run_module, write_tabular_csv  # pylint: disable=wrong-import-position
 
 tf1 = tf.compat.v1
 tf.get_logger().setLevel('ERROR')
@@ -145,3 +146,21 @@ def build_replicated(model_fn, towers, mode=tf.estimator.ModeKeys.TRAIN,
         params if params is not None else {'optimizer': OPTIMIZERS['sgd']},
         config)
   return graph, spec
+
+
+@pytest.fixture(scope='session')
+def csv_files(tmp_path_factory):
+  root = tmp_path_factory.mktemp('csv')
+  return (write_tabular_csv(root / 'train.csv', 400, seed=1),
+          write_tabular_csv(root / 'eval.csv', 101, seed=2))
+
+
+@pytest.fixture(scope='session')
+def trained(tmp_path_factory, csv_files):
+  """One CSV training run: (job_dir, completed process)."""
+  job_dir = tmp_path_factory.mktemp('job')
+  result = run_module('trainer.task', f'--job-dir={job_dir}',
+                      f'--train-files={csv_files[0]}',
+                      f'--eval-files={csv_files[1]}', '--train-steps=120',
+                      *CSV_FLAGS)
+  return job_dir, result

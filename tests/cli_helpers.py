@@ -1,0 +1,60 @@
+"""Running the trainer's command-line tools as real processes in tests."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+CSV_FLAGS = ('--label-column=label', '--categorical-column=colour=red|green|blue',
+             '--model=dnn', '--hidden-units=16,8', '--learning-rate=0.05',
+             '--train-batch-size=32', '--eval-batch-size=50',
+             '--save-checkpoints-steps=40', '--cpu-towers=2', '--n-classes=2')
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_module(module, *args, env=None, check=True, timeout=300):
+  """Runs `python -m module args` from the project root; returns the result."""
+  full_env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2',
+              'PYTHONPATH': ROOT, **(env or {})}
+  full_env.pop('TF_CONFIG', None) if 'TF_CONFIG' not in (env or {}) else None
+  result = subprocess.run(
+      [sys.executable, '-m', module, *map(str, args)], cwd=ROOT,
+      env=full_env, capture_output=True, text=True, timeout=timeout,
+      stdin=subprocess.DEVNULL)
+  if check and result.returncode != 0:
+    raise AssertionError(f'{module} {args} exited {result.returncode}:\n'
+                         f'{result.stderr[-3000:]}')
+  return result
+
+
+def eval_line(result):
+  """The metrics of the task's final 'eval:' line as a dict."""
+  line = [l for l in result.stdout.splitlines() if l.startswith('eval:')][-1]
+  pairs = dict(item.split('=', 1) for item in line.split()[1:])
+  return pairs
+
+
+def write_tabular_csv(path, rows=160, seed=0, header=True, extra_lines=()):
+  """A learnable CSV: label = 1 when x1 + (colour == 'red') > 0.5."""
+  rng = np.random.RandomState(seed)
+  with open(path, 'w', newline='') as f:
+    out = csv.writer(f)
+    if header:
+      out.writerow(['x1', 'x2', 'colour', 'label'])
+    for _ in range(rows):
+      x1, x2 = rng.randn(2)
+      colour = rng.choice(['red', 'green', 'blue'])
+      label = int(x1 + (colour == 'red') > 0.5)
+      out.writerow([f'{x1:.4f}', f'{x2:.4f}', colour, label])
+    for line in extra_lines:
+      f.write(line + '\n')
+  return str(path)
+
+
+def read_json_lines(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]

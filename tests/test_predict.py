@@ -1,0 +1,78 @@
+"""`python -m trainer.predict`: one row per input, in order, over towers."""
+
+import csv
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from cli_helpers import run_module
+
+
+def _rows(path):
+  with open(path) as f:
+    return list(csv.reader(f))
+
+
+@pytest.mark.parametrize('towers,batch', [(3, 25), (4, 2)])
+def test_csv_predictions_in_input_order(trained, csv_files, tmp_path, towers,
+                                        batch):
+  job_dir, _ = trained
+  out = tmp_path / 'predictions.csv'
+  # 101 inputs: batches of 25 leave a final batch of 1 for 3 towers; batches
+  # of 2 on 4 towers always leave idle towers.
+  result = run_module('trainer.predict', f'--job-dir={job_dir}',
+                      f'--predict-files={csv_files[1]}', f'--output={out}',
+                      f'--batch-size={batch}', f'--cpu-towers={towers}')
+  assert 'wrote 101 predictions' in result.stdout
+  header, *rows = _rows(out)
+  assert header == ['id', 'class_id', 'probability_0', 'probability_1']
+  # Line 1 is the header, so the n-th data row is line n + 1.
+  assert [r[0] for r in rows] == [f'{csv_files[1]}:{i + 2}' for i in range(101)]
+  probabilities = np.array([[float(p) for p in r[2:]] for r in rows])
+  np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
+  labels = [int(r[-1]) for r in _rows(csv_files[1])[1:]]
+  accuracy = np.mean([int(r[1]) == y for r, y in zip(rows, labels)])
+  assert accuracy > 0.8
+
+
+def test_predictions_do_not_depend_on_the_tower_count(trained, csv_files,
+                                                      tmp_path):
+  job_dir, _ = trained
+  outputs = {}
+  for towers in (1, 4):
+    out = tmp_path / f'p{towers}.csv'
+    run_module('trainer.predict', f'--job-dir={job_dir}',
+               f'--predict-files={csv_files[1]}', f'--output={out}',
+               '--batch-size=7', f'--cpu-towers={towers}')
+    outputs[towers] = np.array([[float(v) for v in r[1:]]
+                                for r in _rows(out)[1:]])
+  np.testing.assert_allclose(outputs[4], outputs[1], rtol=1e-5, atol=1e-6)
+
+
+def test_tfrecord_output(trained, csv_files, tmp_path):
+  job_dir, _ = trained
+  out = tmp_path / 'predictions.tfrecord'
+  run_module('trainer.predict', f'--job-dir={job_dir}',
+             f'--predict-files={csv_files[1]}', f'--output={out}',
+             '--cpu-towers=2')
+  records = list(tf.compat.v1.io.tf_record_iterator(str(out)))
+  assert len(records) == 101
+  first = tf.train.Example.FromString(records[0]).features.feature
+  assert first['id'].bytes_list.value[0].decode().endswith(':2')
+  assert len(first['probabilities'].float_list.value) == 2
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--output=out.json'], 'must end in .csv or .tfrecord'),
+    (['--output=out.csv', '--job-dir=/nonexistent/job'],
+     'trainer_config.json does not exist'),
+])
+def test_bad_arguments_fail_clearly(trained, csv_files, tmp_path, args,
+                                    message):
+  job_dir, _ = trained
+  result = run_module('trainer.predict', f'--job-dir={job_dir}',
+                      f'--predict-files={csv_files[1]}', *args, check=False)
+  assert result.returncode == 1
+  assert message in result.stderr
+  assert not list(tmp_path.iterdir())  # No partial output.

@@ -1,0 +1,176 @@
+"""`python -m trainer.task` end to end, as real processes on tiny data."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from cli_helpers import (CSV_FLAGS, eval_line, read_json_lines, run_module,
+                         write_tabular_csv)
+
+def test_trains_evaluates_and_exports(trained):
+  job_dir, result = trained
+  metrics = eval_line(result)
+  assert int(metrics['global_step']) == 120
+  assert float(metrics['accuracy']) > 0.8
+  assert metrics['towers'] == '2'
+  export_dir = metrics['export']
+  assert export_dir.startswith(str(job_dir))
+  assert os.path.exists(os.path.join(export_dir, 'saved_model.pb'))
+  # The towers really ran: ops were placed on both virtual devices.
+  assert 'examples/sec' in result.stderr and '2 towers' in result.stderr
+
+
+def test_writes_train_and_eval_summaries_with_the_tuning_tag(trained):
+  job_dir, _ = trained
+  assert tf.io.gfile.glob(os.path.join(job_dir, 'events.out.tfevents.*'))
+  tags = set()
+  for path in tf.io.gfile.glob(os.path.join(job_dir, 'eval', 'events.*')):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      tags.update(v.tag for v in event.summary.value)
+  assert {'accuracy', 'loss', 'training/hptuning/metric'} <= tags
+
+
+_SERVE = '''
+import json, sys
+import numpy as np, tensorflow as tf
+serve = tf.saved_model.load(sys.argv[1]).signatures['serving_default']
+rows = [('0.9', '-0.2', 'red'), ('-2.0', '0.1', 'blue'), ('0.1', '0.3', 'red'),
+        ('1.5', '1.0', 'green'), ('-1.0', '0.0', 'green'), ('0.0', '0.0', 'red'),
+        ('2.0', '-1.0', 'blue')]
+out = {}
+for n in (1, 7):
+  batch = rows[:n]
+  result = serve(x1=tf.constant([float(r[0]) for r in batch]),
+                 x2=tf.constant([float(r[1]) for r in batch]),
+                 colour=tf.constant([r[2] for r in batch]))
+  out[n] = result['class_ids'].numpy().tolist()
+print(json.dumps(out))
+'''
+
+
+def test_saved_model_serves_batches_of_1_and_7(trained):
+  job_dir, result = trained
+  export_dir = eval_line(result)['export']
+  served = subprocess.run([sys.executable, '-c', _SERVE, export_dir],
+                          capture_output=True, text=True, check=True)
+  classes = json.loads(served.stdout.strip().splitlines()[-1])
+  assert len(classes['1']) == 1 and len(classes['7']) == 7
+  assert classes['7'][0] == classes['1'][0]
+  # The model learned the rule: x1 + (colour == red) > 0.5.
+  assert classes['7'][:2] == [1, 0]
+
+
+def test_saved_model_cli_describes_the_export(trained):
+  _, result = trained
+  cli = os.path.join(os.path.dirname(sys.executable), 'saved_model_cli')
+  shown = subprocess.run([cli, 'show', '--all', '--dir',
+                          eval_line(result)['export']],
+                         capture_output=True, text=True, check=True)
+  assert "signature_def['serving_default']" in shown.stdout
+  assert 'class_ids' in shown.stdout
+
+
+def test_rerun_resumes_from_the_latest_checkpoint(tmp_path, csv_files):
+  args = (f'--job-dir={tmp_path}', f'--train-files={csv_files[0]}',
+          f'--eval-files={csv_files[1]}', *CSV_FLAGS)
+  first = run_module('trainer.task', *args, '--train-steps=40')
+  assert int(eval_line(first)['global_step']) == 40
+  second = run_module('trainer.task', *args, '--train-steps=80')
+  assert int(eval_line(second)['global_step']) == 80
+  assert 'model.ckpt-40' in second.stderr  # Restored, not started over.
+
+
+def test_gcloud_local_train_trial_layout_and_metric_file(tmp_path, csv_files):
+  metric_file = tmp_path / 'hypertune' / 'metrics.txt'
+  # What a non-distributed `gcloud ai-platform local train` sets (no cluster,
+  # so no task type), plus the trial id a tuning service adds.
+  tf_config = {'cluster': {}, 'environment': 'cloud', 'task': {'trial': '7'},
+               'job': {'job_name': 'trainer.task', 'args': []}}
+  result = run_module(
+      'trainer.task', f'--job_dir={tmp_path / "job"}',  # underscore spelling
+      f'--train-files={csv_files[0]}', f'--eval-files={csv_files[1]}',
+      '--train_steps=80', *CSV_FLAGS,
+      env={'TF_CONFIG': json.dumps(tf_config),
+           'CLOUD_ML_HP_METRIC_FILE': str(metric_file)})
+  trial_dir = tmp_path / 'job' / '7'
+  assert tf.train.latest_checkpoint(str(trial_dir)).endswith('model.ckpt-80')
+  assert eval_line(result)['export'].startswith(str(trial_dir))
+  reports = read_json_lines(metric_file)
+  assert [r['global_step'] for r in reports] == ['40', '80']
+  assert all(r['trial'] == '7' for r in reports)
+  assert float(reports[-1]['training/hptuning/metric']) == pytest.approx(
+      float(eval_line(result)['accuracy']), abs=1e-4)
+
+
+def test_trial_id_cannot_escape_the_job_dir(tmp_path, csv_files):
+  job_dir = tmp_path / 'job'
+  run_module('trainer.task', f'--job-dir={job_dir}',
+             f'--train-files={csv_files[0]}', f'--eval-files={csv_files[1]}',
+             '--train-steps=5', *CSV_FLAGS,
+             env={'CLOUD_ML_TRIAL_ID': '../../escaped',
+                  'CLOUD_ML_HP_METRIC_FILE': str(tmp_path / 'm.txt'),
+                  'CLOUD_ML_HP_METRIC_TAG': 'my_tag'})
+  assert sorted(os.listdir(job_dir)) == ['_.._escaped']
+  assert not (tmp_path / 'escaped').exists()
+  assert 'my_tag' in read_json_lines(tmp_path / 'm.txt')[-1]
+
+
+def test_default_run_trains_on_embedded_digits(tmp_path):
+  result = run_module('trainer.task', f'--job-dir={tmp_path}',
+                      '--train-steps=300', '--cpu-towers=2')
+  assert float(eval_line(result)['accuracy']) > 0.9
+
+
+def test_helpfull_lists_every_flag():
+  result = run_module('trainer.task', '--helpfull')
+  for flag in ('--job-dir', '--train-files', '--eval-files', '--model',
+               '--train-batch-size', '--cpu-towers', '--gpu-memory-fraction',
+               '--export-format', '--hypertune-metric', '--verbosity'):
+    assert flag in result.stdout, flag
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--no-such-flag=1'], "Unknown command line flag 'no-such-flag'"),
+    (['--train-steps=many'], 'train-steps'),
+    (['--train-steps=0'], 'train-steps'),
+    (['--optimizer=lbfgs'], 'optimizer'),
+    (['--categorical-column=colour'], 'NAME=VALUE'),
+    (['--categorical-column=colour=hash:1'], 'at least 2'),
+    (['--hidden-units=16,x'], '--hidden-units takes integers'),
+    (['--image-size=32'], 'HEIGHT,WIDTH'),
+    (['stray'], 'unexpected arguments'),
+])
+def test_bad_flags_exit_2_with_a_message(tmp_path, args, message):
+  result = run_module('trainer.task', f'--job-dir={tmp_path}', *args,
+                      check=False, timeout=120)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert message in result.stderr
+  assert not os.listdir(tmp_path)  # Nothing was started.
+
+
+def test_missing_train_files_fail_before_training(tmp_path):
+  result = run_module('trainer.task', f'--job-dir={tmp_path / "job"}',
+                      f'--train-files={tmp_path}/nothing-*.csv',
+                      '--label-column=label', '--n-classes=2', check=False)
+  assert result.returncode == 1
+  assert 'nothing-*.csv' in result.stderr
+  assert not (tmp_path / 'job').exists()
+
+
+def test_malformed_csv_row_names_file_and_line(tmp_path):
+  bad = write_tabular_csv(tmp_path / 'bad.csv', 30,
+                          extra_lines=['0.5,not-a-number,red,1'])
+  result = run_module('trainer.task', f'--job-dir={tmp_path / "job"}',
+                      f'--train-files={bad}', '--train-steps=20', *CSV_FLAGS,
+                      check=False)
+  assert result.returncode != 0
+  assert 'bad.csv:32' in result.stderr  # Header is line 1, 30 rows follow.
+  skipped = run_module('trainer.task', f'--job-dir={tmp_path / "job2"}',
+                       f'--train-files={bad}', '--train-steps=20',
+                       '--skip-malformed', *CSV_FLAGS)
+  assert int(eval_line(skipped)['global_step']) == 20

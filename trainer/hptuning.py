@@ -1,0 +1,133 @@
+"""Hyperparameter-tuning conventions of Cloud trainer packages.
+
+A trial learns its id from `TF_CONFIG['task']['trial']` (what AI Platform
+sets) or `CLOUD_ML_TRIAL_ID`, writes under `<job-dir>/<trial-id>`, and after
+every evaluation reports the tuning metric twice: as a summary (what
+TensorBoard and the HParams dashboard read) and through the cloudml-hypertune
+library's metric file (what the tuning service reads;
+`CLOUD_ML_HP_METRIC_FILE` says where, `CLOUD_ML_HP_METRIC_TAG` what tag).
+"""
+
+import json
+import os
+import re
+from typing import Any, Dict, Optional
+
+from absl import logging
+import tensorflow as tf
+
+DEFAULT_SUMMARY_TAG = 'training/hptuning/metric'
+_UNSAFE = re.compile(r'[^A-Za-z0-9_.-]+')
+
+
+def trial_id(environ=None) -> Optional[str]:
+  """The trial id of this process, sanitised, or None outside a sweep.
+
+  Raises:
+    ValueError: TF_CONFIG is set but is not a JSON object.
+  """
+  environ = os.environ if environ is None else environ
+  raw = None
+  if environ.get('TF_CONFIG'):
+    try:
+      tf_config = json.loads(environ['TF_CONFIG'])
+    except json.JSONDecodeError as e:
+      raise ValueError(f'TF_CONFIG is not valid JSON ({e}): '
+                       f'{environ["TF_CONFIG"][:200]!r}') from e
+    if not isinstance(tf_config, dict):
+      raise ValueError('TF_CONFIG must be a JSON object, got '
+                       f'{environ["TF_CONFIG"][:200]!r}')
+    raw = (tf_config.get('task') or {}).get('trial')
+  if raw in (None, '') and environ.get('CLOUD_ML_TRIAL_ID'):
+    raw = environ['CLOUD_ML_TRIAL_ID']
+  if raw in (None, ''):
+    return None
+  return sanitize_trial_id(str(raw))
+
+
+def sanitize_trial_id(raw: str) -> str:
+  """A trial id safe as one directory name: it cannot climb out of job-dir.
+
+  Anything but letters, digits, '.', '_' and '-' becomes '_'; leading dots
+  are dropped (so '..' cannot name a parent), and the result is at most 64
+  characters.
+  """
+  cleaned = _UNSAFE.sub('_', raw).lstrip('.')[:64]
+  return cleaned or 'trial'
+
+
+def trial_dir(job_dir: str, trial: Optional[str]) -> str:
+  """Where a trial writes: job_dir itself outside a sweep."""
+  return os.path.join(job_dir, trial) if trial else job_dir
+
+
+def metric_tag(summary_tag: str = DEFAULT_SUMMARY_TAG) -> str:
+  """The tag to report under: CLOUD_ML_HP_METRIC_TAG wins when set."""
+  return os.environ.get('CLOUD_ML_HP_METRIC_TAG') or summary_tag
+
+
+def goal_for(metric: str) -> str:
+  """MINIMIZE for losses and errors, MAXIMIZE otherwise."""
+  return 'MINIMIZE' if re.search(r'loss|error', metric) else 'MAXIMIZE'
+
+
+class HypertuneReporter(tf.estimator.Exporter):
+  """Reports the tuning metric after every evaluation; exports nothing.
+
+  Estimator calls exporters with each evaluation's results, so this is the
+  one place that sees every evaluation, local or in a cluster's evaluator.
+
+  Args:
+    metric: Eval metric name to report (a key of the evaluation results).
+    summary_tag: Summary tag; CLOUD_ML_HP_METRIC_TAG overrides it.
+    report_file: Also write the cloudml-hypertune metric file. By default,
+      only when running as a trial or when CLOUD_ML_HP_METRIC_FILE is set,
+      so that plain local runs leave no file behind in /tmp.
+  """
+
+  def __init__(self, metric: str, summary_tag: str = DEFAULT_SUMMARY_TAG,
+               report_file: Optional[bool] = None):
+    self._metric = metric
+    self._tag = metric_tag(summary_tag)
+    trial = trial_id()
+    if report_file is None:
+      report_file = bool(trial or os.environ.get('CLOUD_ML_HP_METRIC_FILE'))
+    self._hypertune = None
+    if report_file:
+      import hypertune  # pylint: disable=g-import-not-at-top
+      self._hypertune = hypertune.HyperTune()
+      # The library reads only CLOUD_ML_TRIAL_ID; TF_CONFIG's trial counts too.
+      self._hypertune.trial_id = trial or 0
+
+  @property
+  def name(self) -> str:
+    return 'hypertune'
+
+  def export(self, estimator, export_path, checkpoint_path,
+             eval_result: Dict[str, Any], is_the_final_export: bool):
+    del export_path, is_the_final_export  # Nothing is exported.
+    if self._metric not in eval_result:
+      raise ValueError(
+          f'The tuning metric {self._metric!r} is not among the evaluation '
+          f'results {sorted(eval_result)}; set --hypertune-metric to one of '
+          'them.')
+    value = float(eval_result[self._metric])
+    step = int(eval_result.get('global_step', 0))
+    _write_summary(estimator.eval_dir(), self._tag, value, step)
+    if self._hypertune is not None:
+      self._hypertune.report_hyperparameter_tuning_metric(
+          hyperparameter_metric_tag=self._tag, metric_value=value,
+          global_step=step, checkpoint_path=checkpoint_path or '')
+    logging.info('Tuning metric %s=%.6g at step %d (tag %s).', self._metric,
+                 value, step, self._tag)
+    return None
+
+
+def _write_summary(directory: str, tag: str, value: float, step: int) -> None:
+  # The v1 writer (the one Estimator's eval summaries use) needs a graph.
+  with tf.Graph().as_default():
+    writer = tf.compat.v1.summary.FileWriterCache.get(directory)
+    summary = tf.compat.v1.Summary(
+        value=[tf.compat.v1.Summary.Value(tag=tag, simple_value=value)])
+    writer.add_summary(summary, step)
+    writer.flush()

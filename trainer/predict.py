@@ -1,0 +1,188 @@
+"""`python -m trainer.predict`: batch prediction spread over the towers.
+
+    python -m trainer.predict --job-dir=runs/x --predict-files='data/*.csv' \
+        --output=predictions.csv --cpu-towers=4
+
+Rebuilds the model a `trainer.task` run saved in `--job-dir` (its
+trainer_config.json and latest checkpoint), splits every batch across the
+towers (the last batch may be short) and writes one row per input, in input
+order: CSV with an id column, or TFRecord tf.Examples. The output is written
+to a temporary file and renamed when complete, so a failed run leaves no
+file that looks whole.
+"""
+
+import csv
+import dataclasses
+import json
+import os
+import sys
+from typing import Dict, Iterable, List
+
+
+from trainer import environment
+
+environment.configure(sys.argv)
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from absl import app
+from absl import flags
+from absl import logging
+import numpy as np
+import tensorflow as tf
+
+import model_fns
+from trainer import cli
+from trainer import train
+from trainer.replicate import replicate_model_fn
+from trainer.run_config import make_run_config
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('job-dir', None, 'Directory a trainer.task run wrote '
+                    '(the trial directory for a sweep trial).')
+flags.DEFINE_multi_string('predict-files', [], 'Input file globs.')
+flags.DEFINE_string('output', None, 'Output file (.csv or .tfrecord).')
+flags.DEFINE_integer('batch-size', 256, 'Global batch, split across towers.',
+                     lower_bound=1)
+flags.DEFINE_integer('cpu-towers', None, 'Virtual CPU devices to spread over.',
+                     lower_bound=1)
+flags.DEFINE_integer('num-gpus', None, 'GPUs to spread over; default: all.',
+                     lower_bound=0)
+flags.DEFINE_string('checkpoint', None, 'A checkpoint path; default: latest.')
+cli._HYPHENATED.extend(['job-dir', 'predict-files', 'batch-size', 'cpu-towers',
+                        'num-gpus'])  # pylint: disable=protected-access
+
+
+def load_options(job_dir: str) -> train.TaskOptions:
+  """The TaskOptions the training run saved.
+
+  Raises:
+    ValueError: job_dir holds no trainer_config.json.
+  """
+  path = os.path.join(job_dir, train.CONFIG_FILE)
+  if not tf.io.gfile.exists(path):
+    raise ValueError(f'{path} does not exist: --job-dir must be a directory '
+                     'written by trainer.task (for a sweep trial, its trial '
+                     'subdirectory).')
+  with tf.io.gfile.GFile(path) as f:
+    saved = json.load(f)
+  known = {f.name for f in dataclasses.fields(train.TaskOptions)}
+  options = train.TaskOptions(**{k: v for k, v in saved.items() if k in known})
+  options.image_size = tuple(options.image_size)
+  return options
+
+
+def predict(job_dir: str, predict_files: List[str], output: str,
+            batch_size: int = 256, cpu_towers=None, num_gpus=None,
+            checkpoint=None) -> int:
+  """Predicts every example of predict_files into output.
+
+  Returns:
+    How many rows were written.
+
+  Raises:
+    ValueError: bad arguments, no checkpoint, or an unknown output suffix.
+  """
+  if not output or not output.endswith(('.csv', '.tfrecord')):
+    raise ValueError(f'--output={output!r} must end in .csv or .tfrecord.')
+  if not predict_files:
+    raise ValueError('--predict-files is required.')
+  options = load_options(job_dir)
+  options = dataclasses.replace(options, eval_files=predict_files)
+  data = train.build_data(options, model_fns.model_kind(options.model))
+  checkpoint = checkpoint or tf.train.latest_checkpoint(job_dir)
+  if not checkpoint:
+    raise ValueError(f'No checkpoint in {job_dir}; train it first.')
+  config = make_run_config(job_dir, cpu_devices=cpu_towers, num_gpus=num_gpus)
+  estimator = tf.estimator.Estimator(
+      replicate_model_fn(model_fns.get_model_fn(options.model)),
+      config=config, params=train.model_params(options, data))
+  ids = data.example_ids()
+  rows = estimator.predict(data.predict_input_fn(batch_size),
+                           checkpoint_path=checkpoint)
+  return _write_atomically(output, ids, rows)
+
+
+def _paired(ids: List[str], rows: Iterable[Dict[str, np.ndarray]]):
+  """(id, row) pairs; fails if the model gives more or fewer rows than ids."""
+  count = 0
+  for row in rows:
+    if count == len(ids):
+      raise ValueError(f'The model gave more predictions than the {len(ids)} '
+                       'inputs.')
+    yield ids[count], row
+    count += 1
+  if count != len(ids):
+    raise ValueError(f'The model gave {count} predictions for {len(ids)} '
+                     'inputs.')
+
+
+def _write_atomically(output: str, ids: List[str],
+                      rows: Iterable[Dict[str, np.ndarray]]) -> int:
+  temp = output + '.incomplete'
+  try:
+    writer = _write_csv if output.endswith('.csv') else _write_tfrecord
+    count = writer(temp, _paired(ids, rows))
+  except BaseException:
+    if tf.io.gfile.exists(temp):
+      tf.io.gfile.remove(temp)
+    raise
+  tf.io.gfile.rename(temp, output, overwrite=True)
+  return count
+
+
+def _write_csv(path, pairs) -> int:
+  count = 0
+  with tf.io.gfile.GFile(path, 'w') as f:
+    out = None
+    for example_id, row in pairs:
+      probabilities = np.asarray(row['probabilities'])
+      if out is None:
+        out = csv.writer(f)
+        out.writerow(['id', 'class_id'] +
+                     [f'probability_{i}' for i in range(len(probabilities))])
+      out.writerow([example_id, int(row['class_ids'])] +
+                   [f'{p:.6g}' for p in probabilities])
+      count += 1
+  return count
+
+
+def _write_tfrecord(path, pairs) -> int:
+  count = 0
+  with tf.io.TFRecordWriter(path) as writer:
+    for example_id, row in pairs:
+      feature = {
+          'id': tf.train.Feature(bytes_list=tf.train.BytesList(
+              value=[example_id.encode()])),
+          'class_id': tf.train.Feature(int64_list=tf.train.Int64List(
+              value=[int(row['class_ids'])])),
+          'probabilities': tf.train.Feature(float_list=tf.train.FloatList(
+              value=np.asarray(row['probabilities']).tolist())),
+      }
+      writer.write(tf.train.Example(features=tf.train.Features(
+          feature=feature)).SerializeToString())
+      count += 1
+  return count
+
+
+def main(argv):
+  if len(argv) > 1:
+    sys.stderr.write(f'predict: error: unexpected arguments {argv[1:]}\n')
+    sys.exit(2)
+  if not cli.value('job-dir'):
+    sys.stderr.write('predict: error: --job-dir is required.\n')
+    sys.exit(2)
+  try:
+    count = predict(cli.value('job-dir'),
+                    cli.split_multi(cli.value('predict-files')),
+                    cli.value('output'), cli.value('batch-size'),
+                    cli.value('cpu-towers'), cli.value('num-gpus'),
+                    cli.value('checkpoint'))
+  except ValueError as e:
+    logging.error('%s', e)
+    sys.stderr.write(f'predict: error: {e}\n')
+    sys.exit(1)
+  print(f'wrote {count} predictions to {cli.value("output")}', flush=True)
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=cli.parse_or_exit)

@@ -1,0 +1,268 @@
+"""Training, evaluation and export for `python -m trainer.task`.
+
+`run(options)` does the work; `trainer.task` only turns flags into
+`TaskOptions`. Everything a later `trainer.predict` needs to rebuild the
+model is saved next to the checkpoints as `trainer_config.json`.
+"""
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from absl import logging
+import tensorflow as tf
+
+import input_fns
+import model_fns
+from trainer import hptuning
+from trainer import step_logging
+from trainer.replicate import replicate_model_fn
+from trainer.run_config import make_run_config
+from trainer.run_config import session_device_counts
+
+CONFIG_FILE = 'trainer_config.json'
+
+
+@dataclasses.dataclass
+class TaskOptions:
+  """Everything `run` needs; field names mirror the task's flags."""
+  job_dir: Optional[str] = None
+  model: str = 'dnn'
+  train_files: List[str] = dataclasses.field(default_factory=list)
+  eval_files: List[str] = dataclasses.field(default_factory=list)
+  input_format: Optional[str] = None
+  label_column: str = 'label'
+  columns: Optional[List[str]] = None
+  categorical_columns: Dict[str, Any] = dataclasses.field(default_factory=dict)
+  column_defaults: Dict[str, str] = dataclasses.field(default_factory=dict)
+  label_vocabulary: Optional[List[str]] = None
+  n_classes: Optional[int] = None
+  skip_malformed: bool = False
+  image_size: Tuple[int, int] = (32, 32)
+  image_channels: int = 3
+  train_steps: int = 1000
+  eval_steps: Optional[int] = None
+  train_batch_size: int = 128
+  eval_batch_size: int = 256
+  learning_rate: float = 0.01
+  optimizer: str = 'adam'
+  hidden_units: Optional[List[int]] = None
+  first_layer_size: int = 128
+  num_layers: int = 2
+  scale_factor: float = 0.5
+  dropout: float = 0.0
+  resnet_depth: int = 20
+  keras_application: str = 'MobileNetV2'
+  tf_random_seed: Optional[int] = None
+  num_gpus: Optional[int] = None
+  gpu_ids: Optional[List[int]] = None
+  cpu_towers: Optional[int] = None
+  gpu_memory_fraction: Optional[float] = None
+  allow_growth: bool = True
+  save_checkpoints_steps: int = 500
+  keep_checkpoint_max: int = 5
+  export_format: str = 'json'
+  export_best: bool = False
+  hypertune_metric: Optional[str] = None
+  hypertune_summary_tag: str = hptuning.DEFAULT_SUMMARY_TAG
+
+
+def default_job_dir() -> str:
+  return os.path.join('runs', time.strftime('task-%Y%m%d-%H%M%S'))
+
+
+def build_data(options: TaskOptions, kind: Optional[str]) -> input_fns.Data:
+  """The data source the options name, checked before any training.
+
+  Raises:
+    ValueError: files are missing or the source does not fit the model.
+  """
+  fmt = options.input_format or _guess_format(options.train_files)
+  view = 'image' if kind == 'image' else 'tabular'
+  if fmt == 'digits':
+    return input_fns.digits(view=view)
+  if fmt == 'synthetic_images':
+    return input_fns.synthetic_images(
+        image_shape=(*options.image_size, options.image_channels))
+  if fmt == 'synthetic_tabular':
+    return input_fns.synthetic_tabular()
+  if not options.train_files:
+    raise ValueError(f'--input-format={fmt} needs --train-files.')
+  if fmt == 'csv':
+    return input_fns.csv_data(
+        options.train_files, options.eval_files or options.train_files,
+        label_column=options.label_column, columns=options.columns,
+        header=options.columns is None,
+        categorical_columns=options.categorical_columns,
+        defaults=options.column_defaults,
+        label_vocabulary=options.label_vocabulary,
+        n_classes=options.n_classes, skip_malformed=options.skip_malformed)
+  if fmt == 'tfrecord':
+    return _tfrecord_data(options, kind)
+  if fmt == 'image_folder':
+    return input_fns.image_folder_data(
+        options.train_files[0],
+        options.eval_files[0] if options.eval_files else None,
+        image_size=tuple(options.image_size),
+        channels=options.image_channels)
+  raise ValueError(f'Unknown --input-format={fmt!r}.')
+
+
+def _guess_format(train_files: List[str]) -> str:
+  if not train_files:
+    return 'digits'
+  first = train_files[0].lower()
+  if first.endswith(('.csv', '.csv*', '.txt')):
+    return 'csv'
+  if '.tfrecord' in first or first.endswith('.tfr'):
+    return 'tfrecord'
+  raise ValueError(
+      f'Cannot tell the format of --train-files={train_files[0]!r} from its '
+      'name; pass --input-format (csv, tfrecord or image_folder).')
+
+
+def _tfrecord_data(options: TaskOptions, kind: Optional[str]):
+  if options.n_classes is None:
+    raise ValueError('--input-format=tfrecord needs --n-classes.')
+  if kind == 'image':
+    spec = {'image': tf.io.FixedLenFeature([], tf.string),
+            options.label_column: tf.io.FixedLenFeature([], tf.int64)}
+    return input_fns.tfrecord_data(
+        options.train_files, options.eval_files or options.train_files,
+        feature_spec=spec, label_key=options.label_column,
+        n_classes=options.n_classes, image_key='image',
+        image_shape=(*options.image_size, options.image_channels))
+  if not options.columns:
+    raise ValueError('Tabular --input-format=tfrecord needs --columns naming '
+                     'the numeric feature keys of the tf.Examples.')
+  spec = {name: tf.io.FixedLenFeature([], tf.float32)
+          for name in options.columns}
+  spec.update({name: tf.io.FixedLenFeature([], tf.string)
+               for name in options.categorical_columns})
+  spec[options.label_column] = tf.io.FixedLenFeature([], tf.int64)
+  return input_fns.tfrecord_data(
+      options.train_files, options.eval_files or options.train_files,
+      feature_spec=spec, label_key=options.label_column,
+      n_classes=options.n_classes)
+
+
+def model_params(options: TaskOptions, data: input_fns.Data) -> Dict[str, Any]:
+  """The params every model_fn reads, from options and the data."""
+  params = {
+      'n_classes': data.n_classes,
+      'feature_columns': data.feature_columns,
+      'image_shape': data.image_shape,
+      'learning_rate': options.learning_rate,
+      'optimizer': options.optimizer,
+      'first_layer_size': options.first_layer_size,
+      'num_layers': options.num_layers,
+      'scale_factor': options.scale_factor,
+      'dropout': options.dropout,
+      'resnet_depth': options.resnet_depth,
+      'keras_application': options.keras_application,
+  }
+  if options.hidden_units:
+    params['hidden_units'] = list(options.hidden_units)
+  return params
+
+
+def _with_step_logging(model_fn, global_batch_size: int, num_towers: int):
+  """Adds a StepLoggingHook on the merged loss to TRAIN specs."""
+
+  def logged_model_fn(features, labels, mode, params, config):
+    spec = model_fn(features, labels, mode, params, config)
+    if mode != tf.estimator.ModeKeys.TRAIN:
+      return spec
+    every = max(1, min(100, config.save_checkpoints_steps or 100))
+    hook = step_logging.StepLoggingHook(spec.loss, global_batch_size,
+                                        num_towers, every)
+    return spec._replace(training_hooks=list(spec.training_hooks) + [hook])
+
+  return logged_model_fn
+
+
+def _save_task_config(model_dir: str, options: TaskOptions) -> None:
+  """Writes the options atomically: a half-written file is never read."""
+  tf.io.gfile.makedirs(model_dir)
+  path = os.path.join(model_dir, CONFIG_FILE)
+  temp = path + '.tmp'
+  with tf.io.gfile.GFile(temp, 'w') as f:
+    json.dump(dataclasses.asdict(options), f, indent=2, sort_keys=True)
+  tf.io.gfile.rename(temp, path, overwrite=True)
+
+
+def _exporters(options, data, metric):
+  receiver = data.serving_input_receiver_fn(options.export_format)
+  exporters = [tf.estimator.FinalExporter('final', receiver),
+               hptuning.HypertuneReporter(metric,
+                                          options.hypertune_summary_tag)]
+  if options.export_best:
+    maximize = hptuning.goal_for(metric) == 'MAXIMIZE'
+
+    def better(best, current):
+      if maximize:
+        return current[metric] > best[metric]
+      return current[metric] < best[metric]
+
+    exporters.append(tf.estimator.BestExporter(
+        'best', receiver, compare_fn=better, exports_to_keep=1))
+  return exporters
+
+
+def latest_export(model_dir: str, name: str = 'final') -> Optional[str]:
+  """The newest complete SavedModel directory of an exporter, or None."""
+  base = os.path.join(model_dir, 'export', name)
+  if not tf.io.gfile.isdir(base):
+    return None
+  # Estimator writes into temp-<ts> and renames when done: skip those.
+  done = sorted(d for d in tf.io.gfile.listdir(base)
+                if d.strip('/').isdigit())
+  return os.path.join(base, done[-1].strip('/')) if done else None
+
+
+def run(options: TaskOptions) -> Dict[str, Any]:
+  """Trains, evaluates and exports as the options say.
+
+  Returns:
+    {'metrics': final eval metrics, 'export_dir': SavedModel path,
+     'model_dir': where checkpoints went, 'towers': tower count}.
+
+  Raises:
+    ValueError: a bad option or data problem, before training starts.
+  """
+  job_dir = options.job_dir or default_job_dir()
+  model_dir = hptuning.trial_dir(job_dir, hptuning.trial_id())
+  kind = model_fns.model_kind(options.model)
+  model_fn = model_fns.get_model_fn(options.model)
+  data = build_data(options, kind)
+  config = make_run_config(
+      model_dir, num_gpus=options.num_gpus, gpu_ids=options.gpu_ids,
+      cpu_devices=options.cpu_towers,
+      gpu_memory_fraction=options.gpu_memory_fraction,
+      allow_growth=options.allow_growth, tf_random_seed=options.tf_random_seed,
+      save_checkpoints_steps=options.save_checkpoints_steps,
+      keep_checkpoint_max=options.keep_checkpoint_max,
+      log_step_count_steps=max(options.save_checkpoints_steps, 100))
+  num_gpus, num_cpus = session_device_counts(config.session_config)
+  towers = num_gpus or num_cpus
+  estimator = tf.estimator.Estimator(
+      _with_step_logging(replicate_model_fn(model_fn),
+                         options.train_batch_size, towers),
+      config=config, params=model_params(options, data))
+  metric = options.hypertune_metric or 'accuracy'
+  _save_task_config(model_dir, options)
+  logging.info('Training %s on %d tower(s) into %s', options.model, towers,
+               model_dir)
+  train_spec = tf.estimator.TrainSpec(
+      data.train_input_fn(options.train_batch_size, seed=options.tf_random_seed
+                          or 0), max_steps=options.train_steps)
+  eval_spec = tf.estimator.EvalSpec(
+      data.eval_input_fn(options.eval_batch_size), steps=options.eval_steps,
+      exporters=_exporters(options, data, metric), start_delay_secs=0,
+      throttle_secs=0)
+  metrics, _ = tf.estimator.train_and_evaluate(estimator, train_spec,
+                                               eval_spec)
+  return {'metrics': metrics, 'export_dir': latest_export(model_dir),
+          'model_dir': model_dir, 'towers': towers}
