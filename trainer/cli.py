@@ -103,6 +103,11 @@ def define_task_flags() -> None:
     'Share of each GPU\'s memory to use, in (0, 1].')
   d(flags.DEFINE_boolean, 'allow-growth', True,
     'Allocate GPU memory as needed.')
+  d(flags.DEFINE_integer, 'inter-op-threads', 0,
+    'Threads running independent ops; 0 lets TensorFlow choose.',
+    lower_bound=0)
+  d(flags.DEFINE_integer, 'intra-op-threads', 0,
+    'Threads inside one op; 0 lets TensorFlow choose.', lower_bound=0)
   # Checkpoints and export.
   d(flags.DEFINE_integer, 'save-checkpoints-steps', 500,
     'Checkpoint (and evaluate) every this many steps.', lower_bound=1)

@@ -104,6 +104,8 @@ def options_from_flags() -> train.TaskOptions:
       gpu_ids=_ints('gpu-ids', v('gpu-ids')) if v('gpu-ids') else None,
       cpu_towers=v('cpu-towers'), gpu_memory_fraction=fraction,
       allow_growth=v('allow-growth'),
+      inter_op_threads=v('inter-op-threads'),
+      intra_op_threads=v('intra-op-threads'),
       save_checkpoints_steps=v('save-checkpoints-steps'),
       keep_checkpoint_max=v('keep-checkpoint-max'),
       export_format=v('export-format'), export_best=v('export-best'),

@@ -61,6 +61,8 @@ class TaskOptions:
   cpu_towers: Optional[int] = None
   gpu_memory_fraction: Optional[float] = None
   allow_growth: bool = True
+  inter_op_threads: int = 0
+  intra_op_threads: int = 0
   save_checkpoints_steps: int = 500
   keep_checkpoint_max: int = 5
   export_format: str = 'json'
@@ -241,7 +243,10 @@ def run(options: TaskOptions) -> Dict[str, Any]:
       model_dir, num_gpus=options.num_gpus, gpu_ids=options.gpu_ids,
       cpu_devices=options.cpu_towers,
       gpu_memory_fraction=options.gpu_memory_fraction,
-      allow_growth=options.allow_growth, tf_random_seed=options.tf_random_seed,
+      allow_growth=options.allow_growth,
+      inter_op_threads=options.inter_op_threads,
+      intra_op_threads=options.intra_op_threads,
+      tf_random_seed=options.tf_random_seed,
       save_checkpoints_steps=options.save_checkpoints_steps,
       keep_checkpoint_max=options.keep_checkpoint_max,
       log_step_count_steps=max(options.save_checkpoints_steps, 100))
