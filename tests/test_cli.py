@@ -16,3 +16,9 @@ def test_underscore_spellings_become_hyphenated():
 def test_split_multi_accepts_repeats_and_commas():
   assert cli.split_multi(['a.csv,b.csv', 'c.csv', '']) == [
       'a.csv', 'b.csv', 'c.csv']
+
+
+def test_no_dash_negates_boolean_flags_only():
+  argv = ['task', '--no-allow-growth', '--no-skip_malformed', '--no-such']
+  assert cli.normalize_argv(argv) == [
+      'task', '--noallow-growth', '--noskip-malformed', '--no-such']

@@ -125,13 +125,19 @@ def define_task_flags() -> None:
 
 
 def normalize_argv(argv: Sequence[str]) -> List[str]:
-  """Rewrites --job_dir style spellings of hyphenated flags to --job-dir."""
+  """Rewrites --job_dir style spellings of hyphenated flags to --job-dir.
+
+  Also accepts --no-FLAG for absl's --noFLAG negation of a boolean flag.
+  """
   underscored = {name.replace('-', '_'): name for name in _HYPHENATED}
   out = [argv[0]]
   for arg in argv[1:]:
     if arg == '--':
       out.extend(argv[len(out):])
       break
+    if arg.startswith('--no-') and _is_boolean(arg[5:].partition('=')[0],
+                                               underscored):
+      arg = '--no' + arg[5:]
     if arg.startswith('--'):
       name, sep, value = arg[2:].partition('=')
       negated = name.startswith('no') and name[2:] in underscored
@@ -144,6 +150,11 @@ def normalize_argv(argv: Sequence[str]) -> List[str]:
 
 
 _HELP_FLAGS = ('--help', '--helpfull', '--helpshort', '--helpxml', '-h', '-?')
+
+
+def _is_boolean(name: str, underscored) -> bool:
+  name = underscored.get(name, name)
+  return name in FLAGS and FLAGS[name].boolean
 
 
 def parse_or_exit(argv: Sequence[str]) -> List[str]:

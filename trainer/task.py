@@ -20,6 +20,7 @@ from absl import logging
 import tensorflow as tf
 
 from trainer import cli
+from trainer import preemption
 from trainer import train
 
 cli.define_task_flags()
@@ -130,10 +131,22 @@ def main(argv):
     logging.error('%s', e)
     sys.stderr.write(f'task: error: {e}\n')
     sys.exit(1)
+  except preemption.Preempted as e:
+    sys.stderr.write(f'task: preempted: {e} Re-run the same command to '
+                     'resume.\n')
+    sys.exit(preemption.EXIT_CODE)
+  print(_summary_line(result), flush=True)
+
+
+def _summary_line(result) -> str:
+  """The task's last line: eval metrics, or what this cluster task did."""
+  where = f' task={result["task"]}' if result['task'] else ''
+  if result['metrics'] is None:
+    return f'done:{where} towers={result["towers"]} model_dir={result["model_dir"]}'
   metrics = ' '.join(f'{k}={float(v):.4f}' if k != 'global_step' else
                      f'{k}={int(v)}' for k, v in sorted(result['metrics'].items()))
-  print(f'eval: {metrics} towers={result["towers"]} '
-        f'export={result["export_dir"]}', flush=True)
+  return (f'eval: {metrics}{where} towers={result["towers"]} '
+          f'export={result["export_dir"]}')
 
 
 if __name__ == '__main__':

@@ -16,7 +16,9 @@ import tensorflow as tf
 
 import input_fns
 import model_fns
+from trainer import cluster_config
 from trainer import hptuning
+from trainer import preemption
 from trainer import step_logging
 from trainer.replicate import replicate_model_fn
 from trainer.run_config import make_run_config
@@ -228,12 +230,17 @@ def run(options: TaskOptions) -> Dict[str, Any]:
   """Trains, evaluates and exports as the options say.
 
   Returns:
-    {'metrics': final eval metrics, 'export_dir': SavedModel path,
-     'model_dir': where checkpoints went, 'towers': tower count}.
+    {'metrics': final eval metrics (None for tasks of a cluster that do not
+     evaluate), 'export_dir': SavedModel path or None, 'model_dir': where
+     checkpoints went, 'towers': tower count, 'task': e.g. 'worker:1' or
+     None outside a cluster}.
 
   Raises:
-    ValueError: a bad option or data problem, before training starts.
+    ValueError: a bad option, TF_CONFIG or data problem, before training
+      starts.
+    preemption.Preempted: SIGTERM arrived; a checkpoint was saved.
   """
+  tf_config = cluster_config.check_tf_config()
   job_dir = options.job_dir or default_job_dir()
   model_dir = hptuning.trial_dir(job_dir, hptuning.trial_id())
   kind = model_fns.model_kind(options.model)
@@ -262,12 +269,19 @@ def run(options: TaskOptions) -> Dict[str, Any]:
                model_dir)
   train_spec = tf.estimator.TrainSpec(
       data.train_input_fn(options.train_batch_size, seed=options.tf_random_seed
-                          or 0), max_steps=options.train_steps)
+                          or 0), max_steps=options.train_steps,
+      hooks=[preemption.PreemptionHook(model_dir, config.is_chief)])
   eval_spec = tf.estimator.EvalSpec(
       data.eval_input_fn(options.eval_batch_size), steps=options.eval_steps,
       exporters=_exporters(options, data, metric), start_delay_secs=0,
       throttle_secs=0)
-  metrics, _ = tf.estimator.train_and_evaluate(estimator, train_spec,
-                                               eval_spec)
+  with preemption.sigterm_handled():
+    result = tf.estimator.train_and_evaluate(estimator, train_spec, eval_spec)
+  # Local runs and the evaluator get (metrics, exports); other cluster tasks
+  # get None.
+  metrics = result[0] if result else None
+  task = (tf_config or {}).get('task') or {}
   return {'metrics': metrics, 'export_dir': latest_export(model_dir),
-          'model_dir': model_dir, 'towers': towers}
+          'model_dir': model_dir, 'towers': towers,
+          'task': f"{task['type']}:{task.get('index', 0)}"
+                  if task.get('type') else None}

@@ -1,0 +1,193 @@
+"""A TF_CONFIG cluster on loopback, with real processes and signals."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import tensorflow as tf
+
+from cli_helpers import ROOT, read_json_lines
+
+TASK_ARGS = ('--hidden-units=16', '--train-batch-size=32',
+             '--eval-batch-size=360')
+
+
+def _launch(job_dir, *args, task_args=(), env=None):
+  full_env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT,
+              **(env or {})}
+  full_env.pop('TF_CONFIG', None)
+  return subprocess.Popen(
+      [sys.executable, '-m', 'trainer.cluster', f'--job-dir={job_dir}', *args,
+       '--', *TASK_ARGS, *task_args],
+      cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True, stdin=subprocess.DEVNULL)
+
+
+def _state(job_dir):
+  path = os.path.join(job_dir, 'logs', 'cluster.json')
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return {t['name']: t for t in json.load(f)['tasks']}
+
+
+def _wait(predicate, timeout, what, process=None):
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if process is not None and process.poll() is not None:
+      raise AssertionError(f'the launcher exited ({process.returncode}) '
+                           f'while waiting for {what}:\n'
+                           f'{process.stderr.read()[-3000:]}')
+    value = predicate()
+    if value:
+      return value
+    time.sleep(0.3)
+  raise AssertionError(f'timed out waiting for {what}')
+
+
+def _alive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  with open(f'/proc/{pid}/stat') as f:  # A zombie is not alive.
+    return f.read().split()[2] != 'Z'
+
+
+def _finish(process, timeout=300):
+  try:
+    out, err = process.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    process.kill()
+    out, err = process.communicate()
+    raise AssertionError(f'launcher did not finish:\n{err[-3000:]}')
+  return process.returncode, out, err
+
+
+def _assert_all_stopped(job_dir):
+  for task in _state(job_dir).values():
+    assert not _alive(task['pid']), task['name']
+
+
+def _step(job_dir):
+  path = tf.train.latest_checkpoint(str(job_dir))
+  return int(path.rsplit('-', 1)[1]) if path else 0
+
+
+def _reached(job_dir, target, training_tasks=2):
+  """The target step, give or take the steps racing workers add at the end.
+
+  Between-graph replication is asynchronous: each training task stops when
+  it sees the target, but the others may still add the step they are in.
+  """
+  return target <= _step(job_dir) <= target + 2 * training_tasks
+
+
+def _log_has(job_dir, task, text):
+  path = os.path.join(job_dir, 'logs', f'{task}.log')
+  return os.path.exists(path) and text in open(path, errors='replace').read()
+
+
+def test_cluster_trains_evaluates_and_reports_in_a_private_network(tmp_path):
+  metric_file = tmp_path / 'metrics.txt'
+  process = _launch(tmp_path / 'job', '--workers=1', '--ps=1',
+                    task_args=('--train-steps=600',
+                               '--save-checkpoints-steps=200',
+                               '--cpu-towers=2'),
+                    env={'CLOUD_ML_HP_METRIC_FILE': str(metric_file)})
+  try:
+    state = _wait(lambda: _state(tmp_path / 'job'), 60, 'cluster.json')
+    # The servers listen on all interfaces of their own network namespace:
+    # from this (the host's) namespace, their ports are closed.
+    # Once the chief trains, every server of the cluster is listening.
+    _wait(lambda: _log_has(tmp_path / 'job', 'chief-0', 'examples/sec'), 120,
+          'the chief to train', process)
+    host, port = state['ps:0']['address'].split(':')
+    with pytest.raises(ConnectionRefusedError):
+      socket.create_connection((host, int(port)), timeout=5).close()
+  finally:
+    code, _, err = _finish(process)
+  job = tmp_path / 'job'
+  assert code == 0, err[-3000:]
+  assert _reached(job, 600)
+  _assert_all_stopped(job)
+  # Towers inside each worker: the chief ran 2 of them.
+  assert _log_has(job, 'chief-0', '2 towers')
+  # The evaluator scored each new checkpoint and the final one, and
+  # reported the tuning metric from it.
+  steps = [int(r['global_step']) for r in read_json_lines(metric_file)]
+  assert steps[-1] >= 600 and len(steps) >= 2
+  assert os.listdir(job / 'export' / 'final')
+
+
+def test_killed_worker_is_restarted_and_rejoins(tmp_path):
+  job = tmp_path / 'job'
+  process = _launch(job, '--workers=1', '--ps=1', '--no-evaluator',
+                    '--max-restarts=1',
+                    task_args=('--train-steps=3000',
+                               '--save-checkpoints-steps=500'))
+  try:
+    _wait(lambda: _log_has(job, 'worker-0', 'examples/sec'), 120,
+          'the worker to train', process)
+    os.kill(_state(job)['worker:0']['pid'], signal.SIGKILL)
+  finally:
+    code, _, err = _finish(process)
+  assert code == 0, err[-3000:]
+  assert 'worker:0 exited with signal SIGKILL; restarting it' in err
+  assert _state(job)['worker:0']['restarts'] == 1
+  assert _reached(job, 3000)
+  _assert_all_stopped(job)
+
+
+def test_restarted_ps_recovers_or_rerun_resumes(tmp_path):
+  job = tmp_path / 'job'
+  args = ('--workers=1', '--ps=1', '--no-evaluator', '--max-restarts=1')
+  task_args = ('--train-steps=4000', '--save-checkpoints-steps=500')
+  process = _launch(job, *args, task_args=task_args)
+  try:
+    _wait(lambda: _step(job) >= 500, 180, 'a checkpoint', process)
+    saved = _step(job)
+    os.kill(_state(job)['ps:0']['pid'], signal.SIGKILL)
+  finally:
+    code, _, err = _finish(process)
+  _assert_all_stopped(job)
+  if code != 0:
+    # The workers failed clearly; a re-run resumes from the chief's last
+    # checkpoint.
+    assert 'stopped the cluster' in err, err[-3000:]
+    before = _step(job)
+    assert before >= saved
+    code, _, err = _finish(_launch(job, *args, task_args=task_args))
+    assert code == 0, err[-3000:]
+    assert _log_has(job, 'chief-0', f'model.ckpt-{before}')
+  assert _reached(job, 4000)
+
+
+def test_a_failing_task_stops_the_whole_cluster(tmp_path):
+  job = tmp_path / 'job'
+  # Every task rejects the model name; the first failure stops the rest.
+  code, _, err = _finish(_launch(job, '--workers=1', '--ps=1',
+                                 task_args=('--model=no_such_model',)))
+  assert code == 1
+  assert 'stopped the cluster' in err and 'no_such_model' in err
+  _assert_all_stopped(job)
+
+
+def test_interrupt_stops_every_task(tmp_path):
+  job = tmp_path / 'job'
+  process = _launch(job, '--workers=1', '--ps=1',
+                    task_args=('--train-steps=1000000',))
+  try:
+    _wait(lambda: _log_has(job, 'chief-0', 'examples/sec'), 120,
+          'the chief to train', process)
+    process.send_signal(signal.SIGINT)
+  finally:
+    code, _, err = _finish(process, timeout=120)
+  assert code == 130, err[-3000:]
+  assert 'every task was stopped' in err
+  _assert_all_stopped(job)

@@ -1,0 +1,72 @@
+"""Malformed TF_CONFIG fails before any server starts, naming the problem."""
+
+import json
+
+import pytest
+
+from cli_helpers import run_module
+from trainer import cluster_config
+
+CLUSTER = {'chief': ['127.0.0.1:2222'], 'worker': ['127.0.0.1:2223'],
+           'ps': ['127.0.0.1:2224']}
+
+
+def _env(cluster, task):
+  return {'TF_CONFIG': json.dumps({'cluster': cluster, 'task': task})}
+
+
+@pytest.mark.parametrize('cluster,task', [
+    (CLUSTER, {'type': 'chief', 'index': 0}),
+    (CLUSTER, {'type': 'worker', 'index': 0}),
+    (CLUSTER, {'type': 'ps', 'index': 0}),
+    (CLUSTER, {'type': 'evaluator', 'index': 0}),
+    ({'master': ['h:1'], 'worker': ['h:2']}, {'type': 'master', 'index': 0}),
+    ({}, {}),
+    ({}, {'trial': '3'}),
+])
+def test_valid_configs_pass(cluster, task):
+  assert cluster_config.check_tf_config(_env(cluster, task)) is not None
+
+
+@pytest.mark.parametrize('tf_config,match', [
+    ('{"cluster": ', 'not valid JSON'),
+    ('["chief"]', 'must be a JSON object'),
+    (json.dumps({'cluster': CLUSTER, 'task': {'type': 'trainer', 'index': 0}}),
+     "unknown task type 'trainer'"),
+    (json.dumps({'cluster': CLUSTER, 'task': {'type': 'worker', 'index': 1}}),
+     r"index 1 is out of range: cluster\['worker'\] has 1"),
+    (json.dumps({'cluster': CLUSTER, 'task': {'type': 'worker', 'index': -1}}),
+     'index must be an int >= 0'),
+    (json.dumps({'cluster': {'worker': ['h:1'], 'ps': ['h:2']},
+                 'task': {'type': 'worker', 'index': 0}}),
+     'no "chief"'),
+    (json.dumps({'cluster': {**CLUSTER, 'master': ['h:9']},
+                 'task': {'type': 'chief', 'index': 0}}),
+     'both "chief" and "master"'),
+    (json.dumps({'cluster': {**CLUSTER, 'chief': ['h:1', 'h:2']},
+                 'task': {'type': 'chief', 'index': 0}}),
+     'exactly one address'),
+    (json.dumps({'cluster': {**CLUSTER, 'trainers': ['h:1']},
+                 'task': {'type': 'chief', 'index': 0}}),
+     "unknown job 'trainers'"),
+    (json.dumps({'cluster': CLUSTER, 'task': {}}), 'needs a "type"'),
+    (json.dumps({'cluster': {}, 'task': {'type': 'master', 'index': 0}}),
+     "cluster has no 'master' job"),
+    (json.dumps({'cluster': CLUSTER, 'task': {'type': 'evaluator',
+                                              'index': 2}}),
+     'one evaluator'),
+])
+def test_malformed_configs_are_named(tf_config, match):
+  with pytest.raises(ValueError, match=match):
+    cluster_config.check_tf_config({'TF_CONFIG': tf_config})
+
+
+def test_task_refuses_malformed_tf_config_before_starting(tmp_path):
+  bad = json.dumps({'cluster': CLUSTER, 'task': {'type': 'worker',
+                                                 'index': 4}})
+  result = run_module('trainer.task', f'--job-dir={tmp_path / "job"}',
+                      env={'TF_CONFIG': bad}, check=False, timeout=120)
+  assert result.returncode == 1
+  assert 'index 4 is out of range' in result.stderr
+  assert 'Started server' not in result.stderr
+  assert not (tmp_path / 'job').exists()

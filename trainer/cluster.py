@@ -1,0 +1,117 @@
+"""`python -m trainer.cluster`: a TF_CONFIG cluster on this machine.
+
+    python -m trainer.cluster --job-dir=runs/c --workers=1 --ps=1 -- \
+        --train-steps=2000 --cpu-towers=2
+
+Starts a chief, `--workers` more workers, `--ps` parameter servers and an
+evaluator, each `python -m trainer.task` with the flags after `--` and its
+own TF_CONFIG, exactly as Vertex AI or a Kubeflow TFJob would; logs go to
+<job-dir>/logs/<task>.log. It is for trying a cluster on one machine and for
+the tests: TensorFlow's distributed runtime does the real work.
+
+Every process is stopped on exit, on Ctrl-C and when one task fails for good
+(after `--max-restarts`). The whole cluster runs in a private network
+namespace with only a loopback interface, because TensorFlow's servers listen
+on all interfaces.
+"""
+
+import os
+import signal
+import sys
+
+from trainer import environment
+
+environment.configure(sys.argv)
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from absl import app
+from absl import flags
+from absl import logging
+
+from trainer import cli
+from trainer import cluster_launch
+from trainer import private_network
+
+flags.DEFINE_string('job-dir', None, 'Output directory shared by all tasks.')
+flags.DEFINE_integer('workers', 1, 'Workers besides the chief.', lower_bound=0)
+flags.DEFINE_integer('ps', 1, 'Parameter servers.', lower_bound=0)
+flags.DEFINE_boolean('evaluator', True, 'Run an evaluator task.')
+flags.DEFINE_integer('max-restarts', 0,
+                     'Times each task may be restarted after dying.',
+                     lower_bound=0)
+flags.DEFINE_float('grace-secs', 10.0,
+                   'Seconds a task gets after SIGTERM before SIGKILL.',
+                   lower_bound=0.0)
+cli._HYPHENATED.extend(['job-dir', 'max-restarts', 'grace-secs'])  # pylint: disable=protected-access
+
+
+def _task_args(argv):
+  """Flags for every task: those after `--`, plus the shared job dir."""
+  extra = list(argv[1:])
+  if extra and extra[0] == '--':
+    extra = extra[1:]
+  for arg in extra:
+    if arg.startswith(('--job-dir', '--job_dir')):
+      raise ValueError('Give --job-dir to trainer.cluster, not after --.')
+  return [f'--job-dir={cli.value("job-dir")}', *extra]
+
+
+def run(argv) -> None:
+  """Builds the cluster spec and supervises the tasks.
+
+  Raises:
+    ValueError: bad flags.
+    cluster_launch.ClusterFailed: a task failed for good.
+  """
+  job_dir = cli.value('job-dir')
+  if not job_dir:
+    raise ValueError('--job-dir is required.')
+  private_network.bring_up_loopback()
+  log_dir = os.path.join(job_dir, 'logs')
+  os.makedirs(log_dir, exist_ok=True)
+  spec = cluster_launch.cluster_spec(cli.value('workers'), cli.value('ps'))
+  tasks = cluster_launch.make_tasks(spec, cli.value('evaluator'), log_dir)
+  logging.info('Cluster %s in network namespace with interfaces %s', spec,
+               private_network.interfaces())
+  supervisor = cluster_launch.Supervisor(
+      tasks, _task_args(argv), cli.value('max-restarts'),
+      os.path.join(log_dir, 'cluster.json'), cli.value('grace-secs'))
+  supervisor.run()
+
+
+def _raise_interrupt(signum, frame):
+  del signum, frame
+  raise KeyboardInterrupt
+
+
+def main(argv):
+  if not private_network.inside():
+    try:
+      sys.exit(private_network.reexec_inside(['-m', 'trainer.cluster',
+                                              *sys.argv[1:]]))
+    except private_network.PrivateNetworkError as e:
+      sys.stderr.write(f'cluster: error: cannot make a private network '
+                       f'namespace ({e}); TensorFlow servers listen on all '
+                       'interfaces, so the launcher will not start them '
+                       'outside one.\n')
+      sys.exit(1)
+  # SIGTERM (from the outer launcher, or a job scheduler) stops the tasks the
+  # way Ctrl-C does.
+  signal.signal(signal.SIGTERM, _raise_interrupt)
+  try:
+    run(argv)
+  except ValueError as e:
+    sys.stderr.write(f'cluster: error: {e}\n')
+    sys.exit(2)
+  except cluster_launch.ClusterFailed as e:
+    sys.stderr.write(f'cluster: error: {e}\n')
+    sys.exit(1)
+  except KeyboardInterrupt:
+    sys.stderr.write('cluster: interrupted; every task was stopped.\n')
+    sys.exit(130)
+  print(f'cluster: done; logs in {os.path.join(cli.value("job-dir"), "logs")}',
+        flush=True)
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=cli.parse_or_exit)

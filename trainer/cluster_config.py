@@ -1,0 +1,103 @@
+"""Checking TF_CONFIG before any server starts.
+
+RunConfig accepts some broken cluster descriptions and fails later, inside
+the distributed runtime, with messages about gRPC channels. The task calls
+`check_tf_config` first, so a typo in a job manifest fails at once, saying
+what is wrong.
+"""
+
+import json
+import os
+from typing import Any, Dict, Optional
+
+TASK_TYPES = ('chief', 'master', 'worker', 'ps', 'evaluator')
+
+
+def _fail(message: str) -> None:
+  raise ValueError(f'TF_CONFIG: {message}')
+
+
+def load_tf_config(environ=None) -> Optional[Dict[str, Any]]:
+  """TF_CONFIG as a dict, or None when it is unset or empty.
+
+  Raises:
+    ValueError: TF_CONFIG is not a JSON object.
+  """
+  environ = os.environ if environ is None else environ
+  raw = environ.get('TF_CONFIG', '').strip()
+  if not raw:
+    return None
+  try:
+    config = json.loads(raw)
+  except json.JSONDecodeError as e:
+    raise ValueError(f'TF_CONFIG is not valid JSON ({e}): {raw[:200]!r}') from e
+  if not isinstance(config, dict):
+    _fail(f'must be a JSON object, got {raw[:200]!r}')
+  return config
+
+
+def check_tf_config(environ=None) -> Optional[Dict[str, Any]]:
+  """Validates the cluster and task of TF_CONFIG.
+
+  Returns:
+    The parsed TF_CONFIG, or None when unset.
+
+  Raises:
+    ValueError: bad JSON, an unknown task type, an index out of range, a
+      cluster with workers or ps but no chief/master, or both chief and
+      master.
+  """
+  config = load_tf_config(environ)
+  if config is None:
+    return None
+  cluster = config.get('cluster') or {}
+  task = config.get('task') or {}
+  if not isinstance(cluster, dict) or not isinstance(task, dict):
+    _fail('"cluster" and "task" must be JSON objects.')
+  for job, addresses in cluster.items():
+    if job not in TASK_TYPES or job == 'evaluator':
+      _fail(f'unknown job {job!r} in "cluster"; use chief (or master), '
+            'worker and ps (the evaluator is not part of the cluster).')
+    if not isinstance(addresses, list) or not addresses:
+      _fail(f'cluster[{job!r}] must be a non-empty list of host:port.')
+  _check_leader(cluster)
+  _check_task(cluster, task)
+  return config
+
+
+def _check_leader(cluster: Dict[str, Any]) -> None:
+  if 'chief' in cluster and 'master' in cluster:
+    _fail('the cluster has both "chief" and "master"; they are two names '
+          'for the same task: keep one.')
+  leader = 'chief' if 'chief' in cluster else 'master'
+  if cluster and leader not in cluster and (
+      'worker' in cluster or 'ps' in cluster):
+    _fail('the cluster has no "chief" (or "master") task; add one: it '
+          'initialises the variables and writes the checkpoints.')
+  if leader in cluster and len(cluster[leader]) != 1:
+    _fail(f'cluster[{leader!r}] must list exactly one address, got '
+          f'{len(cluster[leader])}.')
+
+
+def _check_task(cluster: Dict[str, Any], task: Dict[str, Any]) -> None:
+  task_type = task.get('type')
+  if task_type is None:
+    if cluster:
+      _fail('"task" needs a "type" (chief, worker, ps or evaluator) when '
+            'a cluster is given.')
+    return
+  if task_type not in TASK_TYPES:
+    _fail(f'unknown task type {task_type!r}; use one of {TASK_TYPES}.')
+  index = task.get('index', 0)
+  if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+    _fail(f'task index must be an int >= 0, got {index!r}.')
+  if task_type == 'evaluator':
+    if index != 0:
+      _fail(f'there is one evaluator; its index must be 0, got {index}.')
+    return
+  if task_type not in cluster:
+    _fail(f'the task is a {task_type!r} but the cluster has no '
+          f'{task_type!r} job: {sorted(cluster)}.')
+  if index >= len(cluster[task_type]):
+    _fail(f'task index {index} is out of range: cluster[{task_type!r}] has '
+          f'{len(cluster[task_type])} address(es).')

@@ -1,0 +1,196 @@
+"""Starting and supervising the processes of a local TF_CONFIG cluster.
+
+One process per task, each `python -m trainer.task` with its own TF_CONFIG
+and log file. The supervisor restarts a task that dies (up to a limit, like
+a Kubeflow TFJob's OnFailure policy), stops everything when one task fails
+for good, and stops the parameter servers (which never exit by themselves)
+once the chief and the evaluator are done.
+"""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+from absl import logging
+
+from trainer import private_network
+
+
+@dataclasses.dataclass
+class Task:
+  """One process of the cluster."""
+  type: str
+  index: int
+  tf_config: Dict
+  log_path: str
+  process: Optional[subprocess.Popen] = None
+  restarts: int = 0
+  exit_code: Optional[int] = None
+
+  @property
+  def name(self) -> str:
+    return f'{self.type}:{self.index}'
+
+
+class ClusterFailed(RuntimeError):
+  """A task failed and could not be restarted; the cluster was stopped."""
+
+
+def cluster_spec(num_workers: int, num_ps: int) -> Dict[str, List[str]]:
+  """A chief, `num_workers` more workers and `num_ps` ps on free ports."""
+  spec = {'chief': [f'127.0.0.1:{private_network.free_port()}']}
+  if num_workers:
+    spec['worker'] = [f'127.0.0.1:{private_network.free_port()}'
+                      for _ in range(num_workers)]
+  if num_ps:
+    spec['ps'] = [f'127.0.0.1:{private_network.free_port()}'
+                  for _ in range(num_ps)]
+  return spec
+
+
+def make_tasks(spec: Dict[str, List[str]], evaluator: bool,
+               log_dir: str) -> List[Task]:
+  """A Task for every address of `spec`, plus an evaluator if asked."""
+  tasks = []
+  roles = [(job, i) for job in ('ps', 'chief', 'worker')
+           for i in range(len(spec.get(job, [])))]
+  if evaluator:
+    roles.append(('evaluator', 0))
+  for job, index in roles:
+    config = {'cluster': spec, 'task': {'type': job, 'index': index},
+              'environment': 'cloud'}
+    tasks.append(Task(job, index, config,
+                      os.path.join(log_dir, f'{job}-{index}.log')))
+  return tasks
+
+
+class Supervisor:
+  """Runs the tasks until the chief and evaluator finish or one fails.
+
+  Args:
+    tasks: What to run.
+    task_args: Flags for every `trainer.task` process.
+    max_restarts: How often each task may be restarted after dying.
+    state_path: Where to keep a JSON view of the tasks and their pids.
+    grace_secs: How long a task gets to stop after SIGTERM before SIGKILL.
+  """
+
+  def __init__(self, tasks: Sequence[Task], task_args: Sequence[str],
+               max_restarts: int, state_path: str, grace_secs: float = 10.0):
+    self._tasks = list(tasks)
+    self._args = list(task_args)
+    self._max_restarts = max_restarts
+    self._state_path = state_path
+    self._grace = grace_secs
+
+  def run(self, poll_secs: float = 0.5) -> None:
+    """Starts every task and supervises them.
+
+    Raises:
+      ClusterFailed: a task failed beyond its restarts.
+    """
+    try:
+      for task in self._tasks:
+        self._start(task)
+      self._write_state()
+      while not self._finished():
+        time.sleep(poll_secs)
+        self._check_tasks()
+    finally:
+      self.stop_all()
+
+  def _start(self, task: Task) -> None:
+    env = {**os.environ, 'TF_CONFIG': json.dumps(task.tf_config)}
+    with open(task.log_path, 'a') as log:
+      log.write(f'=== {time.strftime("%H:%M:%S")} starting {task.name} '
+                f'(restart {task.restarts}) ===\n')
+      log.flush()
+      task.process = subprocess.Popen(
+          [sys.executable, '-m', 'trainer.task', *self._args], env=env,
+          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+          preexec_fn=private_network.die_with_parent)
+    task.exit_code = None
+    logging.info('Started %s (pid %d), log %s', task.name, task.process.pid,
+                 task.log_path)
+
+  def _check_tasks(self) -> None:
+    for task in self._tasks:
+      if task.exit_code is not None or task.process.poll() is None:
+        continue
+      code = task.process.returncode
+      if code == 0:
+        task.exit_code = 0
+        logging.info('%s finished.', task.name)
+        continue
+      if task.restarts >= self._max_restarts:
+        task.exit_code = code
+        raise ClusterFailed(
+            f'{task.name} exited with {_describe(code)} after '
+            f'{task.restarts} restart(s); stopped the cluster. Its log: '
+            f'{task.log_path}\n{_tail(task.log_path)}')
+      task.restarts += 1
+      logging.warning('%s exited with %s; restarting it (%d of %d).',
+                      task.name, _describe(code), task.restarts,
+                      self._max_restarts)
+      self._start(task)
+      self._write_state()
+
+  def _finished(self) -> bool:
+    """Done when the chief and the evaluator (if any) exited cleanly."""
+    return all(t.exit_code == 0 for t in self._tasks
+               if t.type in ('chief', 'evaluator'))
+
+  def stop_all(self) -> None:
+    """Stops every live task.
+
+    Workers get SIGTERM (the chief then saves a checkpoint) and SIGKILL after
+    the grace period. Parameter servers get SIGKILL at once: they block in
+    C++ where no signal handler runs, and hold nothing a checkpoint lacks.
+    """
+    live = [t for t in self._tasks if t.process and t.process.poll() is None]
+    for task in live:
+      task.process.send_signal(signal.SIGKILL if task.type == 'ps'
+                               else signal.SIGTERM)
+    deadline = time.time() + self._grace
+    for task in live:
+      try:
+        task.process.wait(max(0.0, deadline - time.time()))
+      except subprocess.TimeoutExpired:
+        task.process.kill()
+        task.process.wait()
+    if live:
+      logging.info('Stopped %s.', ', '.join(t.name for t in live))
+    self._write_state()
+
+  def _write_state(self) -> None:
+    state = {'tasks': [
+        {'name': t.name, 'type': t.type, 'index': t.index,
+         'pid': t.process.pid if t.process else None,
+         'running': bool(t.process and t.process.poll() is None),
+         'restarts': t.restarts, 'log': t.log_path,
+         'address': (t.tf_config['cluster'].get(t.type) or [None])[t.index]
+                    if t.type != 'evaluator' else None}
+        for t in self._tasks]}
+    temp = self._state_path + '.tmp'
+    with open(temp, 'w') as f:
+      json.dump(state, f, indent=2)
+    os.replace(temp, self._state_path)
+
+
+def _describe(code: int) -> str:
+  if code < 0:
+    return f'signal {signal.Signals(-code).name}'
+  return f'exit code {code}'
+
+
+def _tail(path: str, lines: int = 15) -> str:
+  try:
+    with open(path, errors='replace') as f:
+      return ''.join(f.readlines()[-lines:])
+  except OSError:
+    return ''

@@ -1,0 +1,105 @@
+"""Surviving preemption: SIGTERM saves a checkpoint, then the task exits.
+
+Cloud machines get a SIGTERM before they are reclaimed. While training, the
+signal only raises a flag; the next step's hook saves a checkpoint with the
+Estimator's own saver (chief only: it owns the checkpoints) and raises
+`Preempted`, which the task turns into a clear log line and exit code 143.
+Outside the training loop (graph building, evaluation, export) the signal
+raises `Preempted` at once: nothing there is worth finishing, and the last
+checkpoint is already on disk. Re-running the same command resumes.
+"""
+
+import contextlib
+import os
+import signal
+import threading
+from typing import Iterator, Optional
+
+from absl import logging
+import tensorflow as tf
+
+tf1 = tf.compat.v1
+
+EXIT_CODE = 128 + signal.SIGTERM
+
+
+class Preempted(Exception):
+  """Training stopped on SIGTERM; the message says what was saved."""
+
+
+class _State:
+  requested = False
+  in_training = 0
+
+
+_state = _State()
+_lock = threading.Lock()
+
+
+def _on_sigterm(signum, frame):
+  del frame
+  _state.requested = True
+  if not _state.in_training:
+    raise Preempted(f'Received signal {signum} outside the training loop; '
+                    'the latest checkpoint is the one to resume from.')
+
+
+@contextlib.contextmanager
+def sigterm_handled() -> Iterator[None]:
+  """Installs the SIGTERM handler for the duration (main thread only)."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  previous = signal.signal(signal.SIGTERM, _on_sigterm)
+  _state.requested = False
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+class PreemptionHook(tf1.train.SessionRunHook):
+  """Saves a checkpoint and stops training once SIGTERM has arrived.
+
+  Args:
+    model_dir: Where the Estimator writes checkpoints.
+    is_chief: Only the chief saves; other workers just stop.
+  """
+
+  def __init__(self, model_dir: str, is_chief: bool = True):
+    self._model_dir = model_dir
+    self._is_chief = is_chief
+    self._saver: Optional[tf1.train.Saver] = None
+    self._step = None
+
+  def begin(self):
+    savers = tf1.get_collection(tf1.GraphKeys.SAVERS)
+    self._saver = savers[0] if savers else None
+    self._step = tf1.train.get_global_step()
+    with _lock:
+      _state.in_training += 1
+
+  def after_run(self, run_context, run_values):
+    if not _state.requested:
+      return
+    step = run_context.session.run(self._step)
+    if self._is_chief and self._saver is not None:
+      path = self._saver.save(run_context.session,
+                              os.path.join(self._model_dir, 'model.ckpt'),
+                              global_step=step)
+      message = f'Received SIGTERM: saved {path} at step {step}.'
+    else:
+      message = f'Received SIGTERM at step {step} (not the chief: no save).'
+    logging.warning('%s Re-run the same command to resume.', message)
+    self._leave()  # end() is not called after an exception.
+    raise Preempted(message)
+
+  def end(self, session):
+    del session
+    self._leave()
+
+  def _leave(self):
+    with _lock:
+      if self._step is not None:
+        _state.in_training -= 1
+        self._step = None
