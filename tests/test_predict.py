@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from cli_helpers import run_module
+from cli_helpers import eval_line, run_module
 
 
 def _rows(path):
@@ -76,3 +76,20 @@ def test_bad_arguments_fail_clearly(trained, csv_files, tmp_path, args,
   assert result.returncode == 1
   assert message in result.stderr
   assert not list(tmp_path.iterdir())  # No partial output.
+
+
+def test_saved_model_mode_equals_checkpoint_mode(trained, csv_files, tmp_path):
+  job_dir, result = trained
+  export_dir = eval_line(result)['export']
+  outputs = {}
+  for mode, extra in (('ckpt', ()), ('saved', (f'--saved-model={export_dir}',))):
+    out = tmp_path / f'{mode}.csv'
+    run_module('trainer.predict', f'--job-dir={job_dir}',
+               f'--predict-files={csv_files[1]}', f'--output={out}',
+               '--batch-size=10', '--cpu-towers=3', *extra)
+    outputs[mode] = _rows(out)
+  assert [r[0] for r in outputs['saved']] == [r[0] for r in outputs['ckpt']]
+  np.testing.assert_allclose(
+      np.array([[float(v) for v in r[1:]] for r in outputs['saved'][1:]]),
+      np.array([[float(v) for v in r[1:]] for r in outputs['ckpt'][1:]]),
+      rtol=1e-5, atol=1e-6)

@@ -116,10 +116,13 @@ class OneUpdate:
           f'Optimizer call {call + 1} of the last tower has no counterpart in '
           f'towers {missing}: every tower must call the optimizer the same '
           'number of times.')
-    total = self._global_loss(call)
     self.applying = True
     try:
-      with self._unshared():
+      # Under the user's own name scope, not the last tower's: the backward
+      # pass spans every tower (each op on its tower's device).
+      with tf1.get_default_graph().name_scope(self._unprefixed_scope()), \
+          self._unshared():
+        total = self._global_loss(call)
         return compute(opt, total, var_list=var_list,
                        gate_gradients=gate_gradients,
                        aggregation_method=aggregation_method,

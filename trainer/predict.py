@@ -4,9 +4,10 @@
         --output=predictions.csv --cpu-towers=4
 
 Rebuilds the model a `trainer.task` run saved in `--job-dir` (its
-trainer_config.json and latest checkpoint), splits every batch across the
-towers (the last batch may be short) and writes one row per input, in input
-order: CSV with an id column, or TFRecord tf.Examples. The output is written
+trainer_config.json and latest checkpoint) -- or, with `--saved-model`,
+runs an exported SavedModel, imported once per tower -- splits every batch
+across the towers (the last batch may be short) and writes one row per
+input, in input order: CSV with an id column, or TFRecord tf.Examples. The output is written
 to a temporary file and renamed when complete, so a failed run leaves no
 file that looks whole.
 """
@@ -35,6 +36,8 @@ from trainer import cli
 from trainer import train
 from trainer.replicate import replicate_model_fn
 from trainer.run_config import make_run_config
+from trainer.run_config import session_device_counts
+from trainer.saved_model_towers import SavedModelTowers
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('job-dir', None, 'Directory a trainer.task run wrote '
@@ -48,8 +51,12 @@ flags.DEFINE_integer('cpu-towers', None, 'Virtual CPU devices to spread over.',
 flags.DEFINE_integer('num-gpus', None, 'GPUs to spread over; default: all.',
                      lower_bound=0)
 flags.DEFINE_string('checkpoint', None, 'A checkpoint path; default: latest.')
+flags.DEFINE_string('saved-model', None,
+                    'Predict with this exported SavedModel (json serving '
+                    'input) instead of the job dir\'s checkpoint; --job-dir '
+                    'still says how to read the input files.')
 cli._HYPHENATED.extend(['job-dir', 'predict-files', 'batch-size', 'cpu-towers',
-                        'num-gpus'])  # pylint: disable=protected-access
+                        'num-gpus', 'saved-model'])  # pylint: disable=protected-access
 
 
 def load_options(job_dir: str) -> train.TaskOptions:
@@ -73,7 +80,7 @@ def load_options(job_dir: str) -> train.TaskOptions:
 
 def predict(job_dir: str, predict_files: List[str], output: str,
             batch_size: int = 256, cpu_towers=None, num_gpus=None,
-            checkpoint=None) -> int:
+            checkpoint=None, saved_model=None) -> int:
   """Predicts every example of predict_files into output.
 
   Returns:
@@ -89,10 +96,12 @@ def predict(job_dir: str, predict_files: List[str], output: str,
   options = load_options(job_dir)
   options = dataclasses.replace(options, eval_files=predict_files)
   data = train.build_data(options, model_fns.model_kind(options.model))
+  config = make_run_config(job_dir, cpu_devices=cpu_towers, num_gpus=num_gpus)
+  if saved_model:
+    return _predict_saved_model(saved_model, data, config, batch_size, output)
   checkpoint = checkpoint or tf.train.latest_checkpoint(job_dir)
   if not checkpoint:
     raise ValueError(f'No checkpoint in {job_dir}; train it first.')
-  config = make_run_config(job_dir, cpu_devices=cpu_towers, num_gpus=num_gpus)
   estimator = tf.estimator.Estimator(
       replicate_model_fn(model_fns.get_model_fn(options.model)),
       config=config, params=train.model_params(options, data))
@@ -100,6 +109,24 @@ def predict(job_dir: str, predict_files: List[str], output: str,
   rows = estimator.predict(data.predict_input_fn(batch_size),
                            checkpoint_path=checkpoint)
   return _write_atomically(output, ids, rows)
+
+
+def _predict_saved_model(export_dir, data, config, batch_size, output) -> int:
+  """Runs the SavedModel over the towers of `config`."""
+  if not tf.io.gfile.exists(os.path.join(export_dir, 'saved_model.pb')):
+    raise ValueError(f'--saved-model={export_dir} holds no saved_model.pb.')
+  num_gpus, num_cpus = session_device_counts(config.session_config)
+  devices = ([f'/device:GPU:{i}' for i in range(num_gpus)] if num_gpus else
+             [f'/device:CPU:{i}' for i in range(num_cpus)])
+  towers = SavedModelTowers(export_dir, devices, config.session_config)
+  try:
+    batches = (
+        {k: v.numpy() for k, v in features.items()}
+        for features in data.predict_input_fn(batch_size)())
+    return _write_atomically(output, data.example_ids(),
+                             towers.predict(batches))
+  finally:
+    towers.close()
 
 
 def _paired(ids: List[str], rows: Iterable[Dict[str, np.ndarray]]):
@@ -176,7 +203,7 @@ def main(argv):
                     cli.split_multi(cli.value('predict-files')),
                     cli.value('output'), cli.value('batch-size'),
                     cli.value('cpu-towers'), cli.value('num-gpus'),
-                    cli.value('checkpoint'))
+                    cli.value('checkpoint'), cli.value('saved-model'))
   except ValueError as e:
     logging.error('%s', e)
     sys.stderr.write(f'predict: error: {e}\n')
