@@ -162,5 +162,5 @@ def trained(tmp_path_factory, csv_files):
   result = run_module('trainer.task', f'--job-dir={job_dir}',
                       f'--train-files={csv_files[0]}',
                       f'--eval-files={csv_files[1]}', '--train-steps=120',
-                      *CSV_FLAGS)
+                      '--export-best', *CSV_FLAGS)
   return job_dir, result

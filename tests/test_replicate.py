@@ -412,3 +412,20 @@ def test_idle_towers_leave_batch_norm_statistics_finite(tmp_path, data):
   assert 'batch_normalization/moving_mean' in values
   for name, value in values.items():
     assert np.all(np.isfinite(value)), name
+
+
+def test_training_hooks_are_kept_and_run_once_per_step(tmp_path, data):
+  calls = []
+
+  class CountingHook(tf1.train.SessionRunHook):
+
+    def after_run(self, run_context, run_values):
+      calls.append(1)
+
+  def model_fn(features, labels, mode, params):
+    spec = classifier_model_fn(features, labels, mode, params)
+    return spec._replace(training_hooks=[CountingHook()])
+
+  _train(tmp_path, 'hooks', 3, 12, data, {'optimizer': OPTIMIZERS['sgd']},
+         model_fn=model_fn)
+  assert len(calls) == STEPS  # Tower 0's hook, not one per tower.

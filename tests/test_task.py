@@ -21,6 +21,10 @@ def test_trains_evaluates_and_exports(trained):
   export_dir = metrics['export']
   assert export_dir.startswith(str(job_dir))
   assert os.path.exists(os.path.join(export_dir, 'saved_model.pb'))
+  # --export-best kept the best model on the tuning metric as well.
+  best = tf.io.gfile.glob(os.path.join(job_dir, 'export', 'best', '*',
+                                       'saved_model.pb'))
+  assert len(best) == 1
   # The towers really ran: ops were placed on both virtual devices.
   assert 'examples/sec' in result.stderr and '2 towers' in result.stderr
 
@@ -174,3 +178,27 @@ def test_malformed_csv_row_names_file_and_line(tmp_path):
                        f'--train-files={bad}', '--train-steps=20',
                        '--skip-malformed', *CSV_FLAGS)
   assert int(eval_line(skipped)['global_step']) == 20
+
+
+_SERVE_CSV = """
+import json, sys
+import tensorflow as tf
+serve = tf.saved_model.load(sys.argv[1]).signatures['serving_default']
+lines = ['0.9,-0.2,red', '-2.0,0.1,blue', '0.1,0.3,red', '1.5,1.0,green',
+         '-1.0,0.0,green', '0.0,0.0,red', '2.0,-1.0,blue']
+print(json.dumps({n: serve(csv_lines=tf.constant(lines[:n]))['class_ids']
+                  .numpy().tolist() for n in (1, 7)}))
+"""
+
+
+def test_csv_export_format_serves_csv_lines(tmp_path, csv_files):
+  result = run_module('trainer.task', f'--job-dir={tmp_path}',
+                      f'--train-files={csv_files[0]}',
+                      f'--eval-files={csv_files[1]}', '--train-steps=120',
+                      '--export-format=csv', *CSV_FLAGS)
+  served = subprocess.run(
+      [sys.executable, '-c', _SERVE_CSV, eval_line(result)['export']],
+      capture_output=True, text=True, check=True)
+  classes = json.loads(served.stdout.strip().splitlines()[-1])
+  assert len(classes['1']) == 1 and len(classes['7']) == 7
+  assert classes['7'][:2] == [1, 0]

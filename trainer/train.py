@@ -205,10 +205,16 @@ def _exporters(options, data, metric):
   if options.export_best:
     maximize = hptuning.goal_for(metric) == 'MAXIMIZE'
 
-    def better(best, current):
-      if maximize:
-        return current[metric] > best[metric]
-      return current[metric] < best[metric]
+    # BestExporter checks these argument names. It also replays every event
+    # of the eval directory, including ones without the metric (such as the
+    # tuning-metric summary): those never count as better.
+    def better(best_eval_result, current_eval_result):
+      if metric not in current_eval_result:
+        return False
+      if metric not in best_eval_result:
+        return True
+      best, current = best_eval_result[metric], current_eval_result[metric]
+      return current > best if maximize else current < best
 
     exporters.append(tf.estimator.BestExporter(
         'best', receiver, compare_fn=better, exports_to_keep=1))
