@@ -14,6 +14,7 @@ FLAGS = flags.FLAGS
 
 # Where the flag names below live, to rewrite underscore spellings.
 _HYPHENATED: List[str] = []
+_task_flags_defined = False
 
 
 def _define(kind: Callable, name: str, *args, **kwargs):
@@ -23,9 +24,16 @@ def _define(kind: Callable, name: str, *args, **kwargs):
 
 
 def define_task_flags() -> None:
-  """Defines every flag of `trainer.task` (idempotent per process)."""
-  if 'job-dir' in FLAGS:
+  """Defines every flag of `trainer.task` (idempotent per process).
+
+  A flag of the same name defined elsewhere (another entry point imported
+  into the same process) fails loudly with absl's DuplicateFlagError rather
+  than leaving the task's flags undefined.
+  """
+  global _task_flags_defined
+  if _task_flags_defined:
     return
+  _task_flags_defined = True
   d = _define
   # Where things go.
   d(flags.DEFINE_string, 'job-dir', None,

@@ -1,0 +1,130 @@
+"""The search space of a sweep, in Optuna's terms.
+
+Cloud's parameter types and scales map onto Optuna's `suggest_*` calls; the
+algorithm picks the sampler and `enableTrialEarlyStopping` the pruner:
+
+| Cloud | Optuna |
+| --- | --- |
+| DOUBLE, UNIT_LINEAR_SCALE (or unset) | `suggest_float(name, min, max)` |
+| DOUBLE, UNIT_LOG_SCALE | `suggest_float(name, min, max, log=True)` |
+| INTEGER | `suggest_int(name, min, max[, log=True])` |
+| DISCRETE | `suggest_categorical(name, values)` (numbers stay numbers) |
+| CATEGORICAL | `suggest_categorical(name, strings)` |
+| UNIT_REVERSE_LOG_SCALE | mirrored log scale, see `REVERSE_LOG_SUFFIX` |
+| algorithm unset / ALGORITHM_UNSPECIFIED | `TPESampler` |
+| RANDOM_SEARCH | `RandomSampler` |
+| GRID_SEARCH | `GridSampler` over every value of every parameter |
+| enableTrialEarlyStopping | `MedianPruner` (else `NopPruner`) |
+"""
+
+from typing import Any, Dict, Optional, Union
+
+import optuna
+
+from trainer.sweep_config import ParamSpec
+from trainer.sweep_config import SweepConfig
+
+# A UNIT_REVERSE_LOG_SCALE parameter NAME is stored in Optuna as
+# NAME + REVERSE_LOG_SUFFIX holding t, drawn on a log scale in [min, max];
+# the trial gets v = min + max - t. Log-scale draws crowd near min, so the
+# values crowd near max, which is what the reverse log scale is for (e.g. a
+# momentum close to 1).
+REVERSE_LOG_SUFFIX = ':reverse_log'
+
+Value = Union[int, float, str]
+
+
+def sampler(config: SweepConfig,
+            seed: Optional[int] = None) -> optuna.samplers.BaseSampler:
+  """The Optuna sampler for the config's algorithm.
+
+  Args:
+    config: The sweep configuration.
+    seed: Seed of the sampler's random draws; None draws a fresh one.
+
+  Returns:
+    GridSampler, RandomSampler or TPESampler.
+  """
+  if config.algorithm == 'GRID_SEARCH':
+    space = {spec.name: spec.grid_values() for spec in config.params}
+    return _RerunSafeGridSampler(space, seed=seed)
+  if config.algorithm == 'RANDOM_SEARCH':
+    return optuna.samplers.RandomSampler(seed=seed)
+  # The constant liar keeps parallel trials from all being drawn next to
+  # the same promising point while the others run.
+  return optuna.samplers.TPESampler(
+      seed=seed, constant_liar=config.max_parallel_trials > 1)
+
+
+class _RerunSafeGridSampler(optuna.samplers.GridSampler):
+  """GridSampler that survives the queued reruns of interrupted trials.
+
+  A rerun is an enqueued trial: it has fixed parameters and no grid point
+  of its own. GridSampler.after_trial looks that grid point up when one
+  point is left and fails with KeyError('grid_id') (optuna/optuna#6844).
+  Its only job there is to stop the optimize loop once the grid is covered,
+  which the sweep decides by its own count anyway, so a rerun skips it.
+  """
+
+  def after_trial(self, study, trial, state, values) -> None:
+    if 'grid_id' not in trial.system_attrs:
+      return
+    super().after_trial(study, trial, state, values)
+
+
+def pruner(config: SweepConfig,
+           startup_trials: int) -> optuna.pruners.BasePruner:
+  """MedianPruner when early stopping is on, else a pruner that never prunes.
+
+  Args:
+    config: The sweep configuration.
+    startup_trials: Trials that must complete before any is pruned.
+  """
+  if not config.early_stopping:
+    return optuna.pruners.NopPruner()
+  return optuna.pruners.MedianPruner(n_startup_trials=startup_trials)
+
+
+def direction(config: SweepConfig) -> str:
+  """Optuna's study direction for the config's goal."""
+  return 'maximize' if config.goal == 'MAXIMIZE' else 'minimize'
+
+
+def suggest(trial: optuna.Trial, config: SweepConfig) -> Dict[str, Value]:
+  """Draws every parameter of one trial.
+
+  Args:
+    trial: The Optuna trial to draw from (its sampler decides).
+    config: The sweep configuration.
+
+  Returns:
+    {parameterName: the value the trial's flag gets}, in config order.
+  """
+  grid = config.algorithm == 'GRID_SEARCH'
+  return {spec.name: _suggest_one(trial, spec, grid)
+          for spec in config.params}
+
+
+def _suggest_one(trial: optuna.Trial, spec: ParamSpec, grid: bool) -> Value:
+  if spec.type == 'DISCRETE':
+    return trial.suggest_categorical(spec.name, list(spec.discrete_values))
+  if spec.type == 'CATEGORICAL':
+    return trial.suggest_categorical(spec.name, list(spec.categorical_values))
+  integer = spec.type == 'INTEGER'
+  draw = trial.suggest_int if integer else trial.suggest_float
+  low, high = spec.min_value, spec.max_value
+  # A grid visits every integer: a scale would only reorder them.
+  scale = None if grid else spec.scale_type
+  if scale == 'UNIT_REVERSE_LOG_SCALE':
+    mirrored = draw(spec.name + REVERSE_LOG_SUFFIX, low, high, log=True)
+    value = low + high - mirrored
+    # Rounding can step a float just outside the range; clamp it back.
+    return value if integer else min(max(value, low), high)
+  return draw(spec.name, low, high, log=scale == 'UNIT_LOG_SCALE')
+
+
+def flag_value(value: Any) -> str:
+  """How a parameter value is spelled on the trial's command line."""
+  if isinstance(value, float):
+    return repr(value)  # Shortest exact spelling: 0.0001, 1e-05.
+  return str(value)
