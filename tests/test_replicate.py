@@ -429,3 +429,14 @@ def test_training_hooks_are_kept_and_run_once_per_step(tmp_path, data):
   _train(tmp_path, 'hooks', 3, 12, data, {'optimizer': OPTIMIZERS['sgd']},
          model_fn=model_fn)
   assert len(calls) == STEPS  # Tower 0's hook, not one per tower.
+
+
+@pytest.mark.parametrize('onednn,warned', [('1', True), ('0', False)])
+def test_cpu_eval_towers_warn_about_onednn_empty_shards(monkeypatch, caplog,
+                                                        onednn, warned):
+  from trainer import replicate  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(replicate, '_warned_about_onednn', False)
+  monkeypatch.setenv('TF_ENABLE_ONEDNN_OPTS', onednn)
+  with caplog.at_level('WARNING'):
+    build_replicated(classifier_model_fn, 2, mode='eval')
+  assert ('oneDNN convolution fails' in caplog.text) == warned

@@ -9,8 +9,10 @@ variables whose names are those of the unwrapped model_fn.
 
 import contextlib
 import inspect
+import os
 from typing import Any, Callable, List, Optional, Sequence
 
+from absl import logging
 import tensorflow as tf
 
 from trainer import one_update
@@ -139,6 +141,8 @@ class _TowerBuilder:
 
   def build(self, features, labels, kwargs) -> tf.estimator.EstimatorSpec:
     num_towers = len(self._devices)
+    if self._mode == ModeKeys.EVAL:
+      _warn_about_onednn_once(self._devices)
     with tf.name_scope('split_batch'):
       batch = sharding.global_batch_size(
           sharding.named_leaves(features, labels))
@@ -233,6 +237,33 @@ def _per_tower_collections(graph, index):
       added[key] = list(ref)
       keep = added[key] if (index == 0 or key != tf1.GraphKeys.SUMMARIES) else []
       ref[:] = saved[key] + keep
+
+
+_warned_about_onednn = False
+
+
+def _warn_about_onednn_once(devices: Sequence[str]) -> None:
+  """Warns that oneDNN convolutions fail on the empty shards of EVAL.
+
+  An evaluation batch smaller than the tower count leaves towers an empty
+  shard (a copy would count in the metrics). TF 2.15's oneDNN CPU Conv2D
+  returns a wrongly shaped result for an empty batch; the default kernels,
+  and GPU ones, do not.
+  """
+  global _warned_about_onednn
+  on_cpu = all(tf.DeviceSpec.from_string(d).device_type == 'CPU'
+               for d in devices)
+  if (_warned_about_onednn or not on_cpu or
+      os.environ.get('TF_ENABLE_ONEDNN_OPTS') == '0'):
+    return
+  _warned_about_onednn = True
+  logging.warning(
+      'Evaluating on %d CPU towers with oneDNN on: an evaluation batch '
+      'smaller than %d leaves some towers an empty shard, on which '
+      'TensorFlow 2.15\'s oneDNN convolution fails. Models with '
+      'convolutions should set TF_ENABLE_ONEDNN_OPTS=0 before importing '
+      'TensorFlow (the trainer\'s command-line tools do).', len(devices),
+      len(devices))
 
 
 def _canonical_devices(devices) -> List[str]:
