@@ -17,7 +17,12 @@ _HYPHENATED: List[str] = []
 _task_flags_defined = False
 
 
-def _define(kind: Callable, name: str, *args, **kwargs):
+def define(kind: Callable, name: str, *args, **kwargs) -> None:
+  """Defines a flag with `kind` (e.g. flags.DEFINE_string).
+
+  Hyphenated names are recorded so that their underscore spellings are
+  accepted too.
+  """
   kind(name, *args, **kwargs)
   if '-' in name:
     _HYPHENATED.append(name)
@@ -34,7 +39,7 @@ def define_task_flags() -> None:
   if _task_flags_defined:
     return
   _task_flags_defined = True
-  d = _define
+  d = define
   # Where things go.
   d(flags.DEFINE_string, 'job-dir', None,
     'Output directory (checkpoints, summaries, exports); any path tf.io.gfile '

@@ -32,17 +32,17 @@ from trainer import cli
 from trainer import cluster_launch
 from trainer import private_network
 
-flags.DEFINE_string('job-dir', None, 'Output directory shared by all tasks.')
-flags.DEFINE_integer('workers', 1, 'Workers besides the chief.', lower_bound=0)
-flags.DEFINE_integer('ps', 1, 'Parameter servers.', lower_bound=0)
-flags.DEFINE_boolean('evaluator', True, 'Run an evaluator task.')
-flags.DEFINE_integer('max-restarts', 0,
-                     'Times each task may be restarted after dying.',
-                     lower_bound=0)
-flags.DEFINE_float('grace-secs', 10.0,
-                   'Seconds a task gets after SIGTERM before SIGKILL.',
-                   lower_bound=0.0)
-cli._HYPHENATED.extend(['job-dir', 'max-restarts', 'grace-secs'])  # pylint: disable=protected-access
+cli.define(flags.DEFINE_string, 'job-dir', None,
+           'Output directory shared by all tasks.')
+cli.define(flags.DEFINE_integer, 'workers', 1, 'Workers besides the chief.',
+           lower_bound=0)
+cli.define(flags.DEFINE_integer, 'ps', 1, 'Parameter servers.', lower_bound=0)
+cli.define(flags.DEFINE_boolean, 'evaluator', True, 'Run an evaluator task.')
+cli.define(flags.DEFINE_integer, 'max-restarts', 0,
+           'Times each task may be restarted after dying.', lower_bound=0)
+cli.define(flags.DEFINE_float, 'grace-secs', 10.0,
+           'Seconds a task gets after SIGTERM before SIGKILL.',
+           lower_bound=0.0)
 
 
 def _task_args(argv):

@@ -39,24 +39,24 @@ from trainer.run_config import make_run_config
 from trainer.run_config import session_device_counts
 from trainer.saved_model_towers import SavedModelTowers
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string('job-dir', None, 'Directory a trainer.task run wrote '
-                    '(the trial directory for a sweep trial).')
-flags.DEFINE_multi_string('predict-files', [], 'Input file globs.')
-flags.DEFINE_string('output', None, 'Output file (.csv or .tfrecord).')
-flags.DEFINE_integer('batch-size', 256, 'Global batch, split across towers.',
-                     lower_bound=1)
-flags.DEFINE_integer('cpu-towers', None, 'Virtual CPU devices to spread over.',
-                     lower_bound=1)
-flags.DEFINE_integer('num-gpus', None, 'GPUs to spread over; default: all.',
-                     lower_bound=0)
-flags.DEFINE_string('checkpoint', None, 'A checkpoint path; default: latest.')
-flags.DEFINE_string('saved-model', None,
-                    'Predict with this exported SavedModel (json serving '
-                    'input) instead of the job dir\'s checkpoint; --job-dir '
-                    'still says how to read the input files.')
-cli._HYPHENATED.extend(['job-dir', 'predict-files', 'batch-size', 'cpu-towers',
-                        'num-gpus', 'saved-model'])  # pylint: disable=protected-access
+cli.define(flags.DEFINE_string, 'job-dir', None,
+           'Directory a trainer.task run wrote (the trial directory for a '
+           'sweep trial).')
+cli.define(flags.DEFINE_multi_string, 'predict-files', [], 'Input file globs.')
+cli.define(flags.DEFINE_string, 'output', None,
+           'Output file (.csv or .tfrecord).')
+cli.define(flags.DEFINE_integer, 'batch-size', 256,
+           'Global batch, split across towers.', lower_bound=1)
+cli.define(flags.DEFINE_integer, 'cpu-towers', None,
+           'Virtual CPU devices to spread over.', lower_bound=1)
+cli.define(flags.DEFINE_integer, 'num-gpus', None,
+           'GPUs to spread over; default: all.', lower_bound=0)
+cli.define(flags.DEFINE_string, 'checkpoint', None,
+           'A checkpoint path; default: latest.')
+cli.define(flags.DEFINE_string, 'saved-model', None,
+           'Predict with this exported SavedModel (json serving input) '
+           'instead of the job dir\'s checkpoint; --job-dir still says how '
+           'to read the input files.')
 
 
 def load_options(job_dir: str) -> train.TaskOptions:
