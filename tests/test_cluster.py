@@ -15,6 +15,9 @@ from cli_helpers import ROOT, read_json_lines
 
 TASK_ARGS = ('--hidden-units=16', '--train-batch-size=32',
              '--eval-batch-size=360')
+# How long a cluster may take to start training: four TensorFlow processes
+# import and build graphs on two cores, slowly when the machine is busy.
+_START_SECS = 300
 
 
 def _launch(job_dir, *args, task_args=(), env=None):
@@ -101,12 +104,13 @@ def test_cluster_trains_evaluates_and_reports_in_a_private_network(tmp_path):
                                '--cpu-towers=2'),
                     env={'CLOUD_ML_HP_METRIC_FILE': str(metric_file)})
   try:
-    state = _wait(lambda: _state(tmp_path / 'job'), 60, 'cluster.json')
+    state = _wait(lambda: _state(tmp_path / 'job'), 120, 'cluster.json',
+                  process)
     # The servers listen on all interfaces of their own network namespace:
     # from this (the host's) namespace, their ports are closed.
     # Once the chief trains, every server of the cluster is listening.
-    _wait(lambda: _log_has(tmp_path / 'job', 'chief-0', 'examples/sec'), 120,
-          'the chief to train', process)
+    _wait(lambda: _log_has(tmp_path / 'job', 'chief-0', 'examples/sec'),
+          _START_SECS, 'the chief to train', process)
     host, port = state['ps:0']['address'].split(':')
     with pytest.raises(ConnectionRefusedError):
       socket.create_connection((host, int(port)), timeout=5).close()
@@ -132,7 +136,7 @@ def test_killed_worker_is_restarted_and_rejoins(tmp_path):
                     task_args=('--train-steps=3000',
                                '--save-checkpoints-steps=500'))
   try:
-    _wait(lambda: _log_has(job, 'worker-0', 'examples/sec'), 120,
+    _wait(lambda: _log_has(job, 'worker-0', 'examples/sec'), _START_SECS,
           'the worker to train', process)
     os.kill(_state(job)['worker:0']['pid'], signal.SIGKILL)
   finally:
@@ -150,7 +154,7 @@ def test_restarted_ps_recovers_or_rerun_resumes(tmp_path):
   task_args = ('--train-steps=4000', '--save-checkpoints-steps=500')
   process = _launch(job, *args, task_args=task_args)
   try:
-    _wait(lambda: _step(job) >= 500, 180, 'a checkpoint', process)
+    _wait(lambda: _step(job) >= 500, _START_SECS, 'a checkpoint', process)
     saved = _step(job)
     os.kill(_state(job)['ps:0']['pid'], signal.SIGKILL)
   finally:
@@ -183,10 +187,12 @@ def test_interrupt_stops_every_task(tmp_path):
   process = _launch(job, '--workers=1', '--ps=1',
                     task_args=('--train-steps=1000000',))
   try:
-    _wait(lambda: _log_has(job, 'chief-0', 'examples/sec'), 120,
+    _wait(lambda: _log_has(job, 'chief-0', 'examples/sec'), _START_SECS,
           'the chief to train', process)
-    process.send_signal(signal.SIGINT)
   finally:
+    # Also when the wait failed: this cluster would never stop by itself.
+    if process.poll() is None:
+      process.send_signal(signal.SIGINT)
     code, _, err = _finish(process, timeout=120)
   assert code == 130, err[-3000:]
   assert 'every task was stopped' in err

@@ -86,8 +86,9 @@ CASES = {
                  first_layer_size=16, num_layers=2, dropout=0.1,
                  learning_rate=0.05),
             tabular_data, 30, 32),
+    # 60 steps: at 30 the accuracy sat close to the 0.9 the test asks for.
     'cifar_cnn': (IMAGE_PARAMS,
-                  lambda: image_data(64, IMAGE_SHAPE, 4), 30, 32),
+                  lambda: image_data(64, IMAGE_SHAPE, 4), 60, 32),
     'resnet': (dict(IMAGE_PARAMS, resnet_depth=8),
                lambda: image_data(64, IMAGE_SHAPE, 4), 30, 32),
     'keras_app': (dict(BASE, n_classes=2, image_shape=KERAS_IMAGE_SHAPE,
