@@ -1,6 +1,7 @@
 """Parsing and checking hptuning_config.yaml (trainer.sweep_config)."""
 
 import copy
+import os
 import textwrap
 
 import pytest
@@ -196,3 +197,10 @@ def test_invalid_file_structure(tmp_path, text, message):
 def test_missing_file_is_named(tmp_path):
   with pytest.raises(ValueError, match=r'cannot read --config .*nope.yaml'):
     sweep_config.load(str(tmp_path / 'nope.yaml'))
+
+
+def test_the_documented_example_config_is_valid():
+  from cli_helpers import ROOT  # pylint: disable=g-import-not-at-top
+  config = sweep_config.load(
+      os.path.join(ROOT, 'docs', 'example_hptuning_config.yaml'))
+  assert [p.name for p in config.params] == ['learning-rate', 'optimizer']
