@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import time
+import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
 from absl import logging
@@ -188,10 +189,14 @@ def _with_step_logging(model_fn, global_batch_size: int, num_towers: int):
 
 
 def _save_task_config(model_dir: str, options: TaskOptions) -> None:
-  """Writes the options atomically: a half-written file is never read."""
+  """Writes the options atomically: a half-written file is never read.
+
+  The temporary name is unique to this process, so tasks sharing a job dir
+  never rename each other's file.
+  """
   tf.io.gfile.makedirs(model_dir)
   path = os.path.join(model_dir, CONFIG_FILE)
-  temp = path + '.tmp'
+  temp = f'{path}.tmp-{os.getpid()}-{uuid.uuid4().hex}'
   with tf.io.gfile.GFile(temp, 'w') as f:
     json.dump(dataclasses.asdict(options), f, indent=2, sort_keys=True)
   tf.io.gfile.rename(temp, path, overwrite=True)
@@ -270,7 +275,8 @@ def run(options: TaskOptions) -> Dict[str, Any]:
                          options.train_batch_size, towers),
       config=config, params=model_params(options, data))
   metric = options.hypertune_metric or 'accuracy'
-  _save_task_config(model_dir, options)
+  if config.is_chief:  # One writer per job dir: the chief (or a local run).
+    _save_task_config(model_dir, options)
   logging.info('Training %s on %d tower(s) into %s', options.model, towers,
                model_dir)
   train_spec = tf.estimator.TrainSpec(
