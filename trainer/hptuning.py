@@ -8,13 +8,14 @@ library's metric file (what the tuning service reads;
 `CLOUD_ML_HP_METRIC_FILE` says where, `CLOUD_ML_HP_METRIC_TAG` what tag).
 """
 
-import json
 import os
 import re
 from typing import Any, Dict, Optional
 
 from absl import logging
 import tensorflow as tf
+
+from trainer import cluster_config
 
 DEFAULT_SUMMARY_TAG = 'training/hptuning/metric'
 _UNSAFE = re.compile(r'[^A-Za-z0-9_.-]+')
@@ -27,17 +28,8 @@ def trial_id(environ=None) -> Optional[str]:
     ValueError: TF_CONFIG is set but is not a JSON object.
   """
   environ = os.environ if environ is None else environ
-  raw = None
-  if environ.get('TF_CONFIG'):
-    try:
-      tf_config = json.loads(environ['TF_CONFIG'])
-    except json.JSONDecodeError as e:
-      raise ValueError(f'TF_CONFIG is not valid JSON ({e}): '
-                       f'{environ["TF_CONFIG"][:200]!r}') from e
-    if not isinstance(tf_config, dict):
-      raise ValueError('TF_CONFIG must be a JSON object, got '
-                       f'{environ["TF_CONFIG"][:200]!r}')
-    raw = (tf_config.get('task') or {}).get('trial')
+  tf_config = cluster_config.load_tf_config(environ) or {}
+  raw = (tf_config.get('task') or {}).get('trial')
   if raw in (None, '') and environ.get('CLOUD_ML_TRIAL_ID'):
     raw = environ['CLOUD_ML_TRIAL_ID']
   if raw in (None, ''):
