@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -58,3 +59,22 @@ def write_tabular_csv(path, rows=160, seed=0, header=True, extra_lines=()):
 def read_json_lines(path):
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def wait_until(condition, timeout, what, process=None, output=lambda: ''):
+  """Polls `condition` until it is truthy; returns its value.
+
+  Raises:
+    AssertionError: `timeout` seconds passed, or `process` exited first
+      (with the tail of `output()` in the message).
+  """
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if process is not None and process.poll() is not None:
+      raise AssertionError(f'the process exited ({process.returncode}) while '
+                           f'waiting for {what}:\n{output()[-3000:]}')
+    found = condition()
+    if found:
+      return found
+    time.sleep(0.3)
+  raise AssertionError(f'timed out waiting for {what}')

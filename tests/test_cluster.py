@@ -6,12 +6,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import tensorflow as tf
 
-from cli_helpers import ROOT, read_json_lines
+from cli_helpers import ROOT, read_json_lines, wait_until
 
 TASK_ARGS = ('--hidden-units=16', '--train-batch-size=32',
              '--eval-batch-size=360')
@@ -40,17 +39,8 @@ def _state(job_dir):
 
 
 def _wait(predicate, timeout, what, process=None):
-  deadline = time.time() + timeout
-  while time.time() < deadline:
-    if process is not None and process.poll() is not None:
-      raise AssertionError(f'the launcher exited ({process.returncode}) '
-                           f'while waiting for {what}:\n'
-                           f'{process.stderr.read()[-3000:]}')
-    value = predicate()
-    if value:
-      return value
-    time.sleep(0.3)
-  raise AssertionError(f'timed out waiting for {what}')
+  return wait_until(predicate, timeout, what, process,
+                    lambda: process.stderr.read())
 
 
 def _alive(pid):

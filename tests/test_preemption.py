@@ -8,7 +8,7 @@ import time
 
 import tensorflow as tf
 
-from cli_helpers import ROOT, eval_line, run_module
+from cli_helpers import ROOT, eval_line, run_module, wait_until
 
 # Long enough that the signal always lands mid-training.
 ARGS = ('--train-steps=1000000', '--save-checkpoints-steps=2000',
@@ -28,16 +28,18 @@ def _start(job_dir):
 
 def _wait_for_training(job_dir, process, timeout=120):
   """Returns once the task logs training steps (the graph is built)."""
-  deadline = time.time() + timeout
   path = os.path.join(job_dir, 'task.log')
-  while time.time() < deadline:
-    assert process.poll() is None, open(path).read()[-3000:]
+
+  def log():
     with open(path) as f:
-      if 'examples/sec' in f.read():
-        return
-    time.sleep(0.5)
-  process.kill()
-  raise AssertionError('training did not start')
+      return f.read()
+
+  try:
+    wait_until(lambda: 'examples/sec' in log(), timeout, 'training to start',
+               process, log)
+  except AssertionError:
+    process.kill()  # It would train a million steps.
+    raise
 
 
 def _checkpoint_step(job_dir):

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import optuna
 import pytest
@@ -23,6 +22,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 import tensorflow as tf
 
+from cli_helpers import wait_until
 from trainer import sweep_devices
 from trainer import sweep_process
 from trainer import sweep_study
@@ -226,16 +226,6 @@ RESUME_CONFIG = """\
     """
 
 
-def _wait_for(condition, timeout, what):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    found = condition()
-    if found:
-      return found
-    time.sleep(0.3)
-  raise AssertionError(f'timed out waiting for {what}')
-
-
 def test_resume_after_kill_9_reruns_nothing_finished(root):
   job_dir = root / 'resume'
   config = _write_config(root / 'resume.yaml', RESUME_CONFIG)
@@ -257,7 +247,7 @@ def test_resume_after_kill_9_reruns_nothing_finished(root):
                  and 'pid_start' in t.user_attrs]
       return (done, running) if done and running else None
 
-    done, running = _wait_for(second_trial_running, 120,
+    done, running = wait_until(second_trial_running, 120,
                               'a finished and a running trial')
   finally:
     os.killpg(sweep.pid, signal.SIGKILL)
@@ -494,7 +484,7 @@ def test_ctrl_c_stops_the_trials_and_resume_reruns_them(root, fake_trainer):
       running = [t for t in _trials(job_dir) if 'pid_start' in t.user_attrs]
       return running if len(running) == 2 else None
 
-    running = _wait_for(both_running, 60, 'two running trials')
+    running = wait_until(both_running, 60, 'two running trials')
     sweep.send_signal(signal.SIGINT)  # What Ctrl-C sends to the sweep.
     _, stderr = sweep.communicate(timeout=60)
   finally:
