@@ -434,7 +434,7 @@ def test_training_hooks_are_kept_and_run_once_per_step(tmp_path, data):
 @pytest.mark.parametrize('onednn,warned', [('1', True), ('0', False)])
 def test_cpu_eval_towers_warn_about_onednn_empty_shards(monkeypatch, caplog,
                                                         onednn, warned):
-  from trainer import replicate  # pylint: disable=g-import-not-at-top
+  from estimator_towers import replicate  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(replicate, '_warned_about_onednn', False)
   monkeypatch.setenv('TF_ENABLE_ONEDNN_OPTS', onednn)
   with caplog.at_level('WARNING'):

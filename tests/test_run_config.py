@@ -1,4 +1,4 @@
-"""Tests for trainer.run_config, on real TensorFlow objects."""
+"""Tests for estimator_towers.run_config, on real TensorFlow objects."""
 
 import json
 import logging
@@ -6,7 +6,7 @@ import logging
 import pytest
 import tensorflow as tf
 
-from trainer import run_config as rc
+from estimator_towers import run_config as rc
 
 ONE = tf.compat.v1.GraphOptions().rewrite_options.ONE
 CLUSTER = {

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from trainer import sharding
+from estimator_towers import sharding
 
 tf1 = tf.compat.v1
 

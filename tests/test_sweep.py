@@ -23,9 +23,9 @@ from tensorboard.plugins.hparams import metadata as hparams_metadata
 import tensorflow as tf
 
 from cli_helpers import wait_until
-from trainer import sweep_devices
-from trainer import sweep_process
-from trainer import sweep_study
+from trainer.sweep import devices as sweep_devices
+from trainer.sweep import process as sweep_process
+from trainer.sweep import study as sweep_study
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ('--train-steps=30', '--cpu-towers=1', '--model=dnn',

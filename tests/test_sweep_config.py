@@ -1,4 +1,4 @@
-"""Parsing and checking hptuning_config.yaml (trainer.sweep_config)."""
+"""Parsing and checking hptuning_config.yaml (trainer.sweep.config)."""
 
 import copy
 import os
@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from trainer import sweep_config
+from trainer.sweep import config as sweep_config
 
 
 def _block(**overrides):

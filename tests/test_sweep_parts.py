@@ -15,13 +15,13 @@ import time
 import optuna
 import pytest
 
-from trainer import sweep_config
-from trainer import sweep_devices
-from trainer import sweep_metrics
-from trainer import sweep_process
-from trainer import sweep_report
-from trainer import sweep_space
-from trainer import sweep_study
+from trainer.sweep import config as sweep_config
+from trainer.sweep import devices as sweep_devices
+from trainer.sweep import metrics as sweep_metrics
+from trainer.sweep import process as sweep_process
+from trainer.sweep import report as sweep_report
+from trainer.sweep import space as sweep_space
+from trainer.sweep import study as sweep_study
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 

@@ -20,11 +20,6 @@ import sys
 from typing import Dict, Iterable, List
 
 
-from trainer import environment
-
-environment.configure(sys.argv)
-
-# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 from absl import logging
@@ -32,12 +27,12 @@ import numpy as np
 import tensorflow as tf
 
 import model_fns
+from estimator_towers.replicate import replicate_model_fn
+from estimator_towers.run_config import make_run_config
+from estimator_towers.run_config import session_device_counts
+from estimator_towers.saved_model_towers import SavedModelTowers
 from trainer import cli
 from trainer import train
-from trainer.replicate import replicate_model_fn
-from trainer.run_config import make_run_config
-from trainer.run_config import session_device_counts
-from trainer.saved_model_towers import SavedModelTowers
 
 cli.define(flags.DEFINE_string, 'job-dir', None,
            'Directory a trainer.task run wrote (the trial directory for a '

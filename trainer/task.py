@@ -10,11 +10,6 @@ This module only parses flags; `trainer.train` does the work.
 
 import sys
 
-from trainer import environment
-
-environment.configure(sys.argv)
-
-# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import logging
 import tensorflow as tf

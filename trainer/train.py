@@ -17,13 +17,13 @@ import tensorflow as tf
 
 import input_fns
 import model_fns
+from estimator_towers.replicate import replicate_model_fn
+from estimator_towers.run_config import make_run_config
+from estimator_towers.run_config import session_device_counts
 from trainer import cluster_config
 from trainer import hptuning
 from trainer import preemption
 from trainer import step_logging
-from trainer.replicate import replicate_model_fn
-from trainer.run_config import make_run_config
-from trainer.run_config import session_device_counts
 
 CONFIG_FILE = 'trainer_config.json'
 

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 from absl import logging
 
-from trainer import private_network
+from trainer.cluster import private_network
 
 
 @dataclasses.dataclass

@@ -15,13 +15,13 @@ from typing import Any, Callable, List, Optional, Sequence
 from absl import logging
 import tensorflow as tf
 
-from trainer import one_update
-from trainer import sharding
-from trainer import spec_merge
-from trainer import tower as tower_lib
-from trainer import update_chain
-from trainer import variable_sharing
-from trainer.run_config import session_device_counts
+from estimator_towers import one_update
+from estimator_towers import sharding
+from estimator_towers import spec_merge
+from estimator_towers import tower as tower_lib
+from estimator_towers import update_chain
+from estimator_towers import variable_sharing
+from estimator_towers.run_config import session_device_counts
 
 tf1 = tf.compat.v1
 ModeKeys = tf.estimator.ModeKeys

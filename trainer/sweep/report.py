@@ -15,9 +15,9 @@ from typing import Any, Dict, List, Optional, Sequence
 import optuna
 from optuna.trial import FrozenTrial
 
-from trainer import sweep_config
-from trainer import sweep_study
-from trainer.sweep_config import SweepConfig
+from trainer.sweep import config as sweep_config
+from trainer.sweep import study as sweep_study
+from trainer.sweep.config import SweepConfig
 
 RESULTS_FILE = 'sweep_results.csv'
 

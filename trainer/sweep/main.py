@@ -19,19 +19,16 @@ import sys
 import threading
 from typing import List, Sequence
 
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-
-# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 import optuna
 
-from trainer import sweep_config
-from trainer import sweep_devices
-from trainer import sweep_report
-from trainer import sweep_runner
-from trainer import sweep_space
-from trainer import sweep_study
+from trainer.sweep import config as sweep_config
+from trainer.sweep import devices as sweep_devices
+from trainer.sweep import report as sweep_report
+from trainer.sweep import runner as sweep_runner
+from trainer.sweep import space as sweep_space
+from trainer.sweep import study as sweep_study
 from trainer.cli import value
 
 FLAGS = flags.FLAGS
@@ -276,6 +273,7 @@ def finish(outcome: str, sweep: sweep_runner.Sweep, study: optuna.Study,
   return 0
 
 
-if __name__ == '__main__':
+def run_main() -> None:
+  """The `python -m trainer.sweep` entry point."""
   flags.mark_flags_as_required(['config', 'job-dir'])
   app.run(main, flags_parser=parse_flags)

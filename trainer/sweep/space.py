@@ -21,8 +21,8 @@ from typing import Any, Dict, Optional, Union
 
 import optuna
 
-from trainer.sweep_config import ParamSpec
-from trainer.sweep_config import SweepConfig
+from trainer.sweep.config import ParamSpec
+from trainer.sweep.config import SweepConfig
 
 # A UNIT_REVERSE_LOG_SCALE parameter NAME is stored in Optuna as
 # NAME + REVERSE_LOG_SUFFIX holding t, drawn on a log scale in [min, max];

@@ -20,13 +20,13 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import optuna
 
-from trainer import sweep_devices
-from trainer import sweep_hparams
-from trainer import sweep_report
-from trainer import sweep_space
-from trainer import sweep_study
-from trainer import sweep_trials
-from trainer.sweep_config import SweepConfig
+from trainer.sweep import devices as sweep_devices
+from trainer.sweep import hparams as sweep_hparams
+from trainer.sweep import report as sweep_report
+from trainer.sweep import space as sweep_space
+from trainer.sweep import study as sweep_study
+from trainer.sweep import trials as sweep_trials
+from trainer.sweep.config import SweepConfig
 
 DONE = 'done'
 TOO_MANY_FAILURES = 'too_many_failures'

@@ -20,9 +20,9 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from trainer import sweep_metrics
-from trainer import sweep_process
-from trainer import sweep_space
+from trainer.sweep import metrics as sweep_metrics
+from trainer.sweep import process as sweep_process
+from trainer.sweep import space as sweep_space
 
 COMPLETE = 'complete'
 FAILED = 'failed'

@@ -13,9 +13,9 @@ import threading
 import types
 from typing import Any, Mapping, Optional
 
-from trainer import sweep_trials
-from trainer.sweep_config import ParamSpec
-from trainer.sweep_config import SweepConfig
+from trainer.sweep import trials as sweep_trials
+from trainer.sweep.config import ParamSpec
+from trainer.sweep.config import SweepConfig
 
 SESSION_DIR = 'hparams'
 

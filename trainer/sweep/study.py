@@ -27,8 +27,8 @@ import optuna
 from optuna.trial import FrozenTrial
 from optuna.trial import TrialState
 
-from trainer import sweep_process
-from trainer import sweep_trials
+from trainer.sweep import process as sweep_process
+from trainer.sweep import trials as sweep_trials
 
 DB_FILE = 'sweep.db'
 LOCK_FILE = 'sweep.lock'

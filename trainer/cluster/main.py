@@ -19,18 +19,13 @@ import os
 import signal
 import sys
 
-from trainer import environment
-
-environment.configure(sys.argv)
-
-# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 from absl import logging
 
 from trainer import cli
-from trainer import cluster_launch
-from trainer import private_network
+from trainer.cluster import launch as cluster_launch
+from trainer.cluster import private_network
 
 cli.define(flags.DEFINE_string, 'job-dir', None,
            'Output directory shared by all tasks.')
@@ -113,5 +108,6 @@ def main(argv):
         flush=True)
 
 
-if __name__ == '__main__':
+def run_main() -> None:
+  """The `python -m trainer.cluster` entry point."""
   app.run(main, flags_parser=cli.parse_or_exit)

@@ -1,0 +1,31 @@
+"""estimator_towers: every device of a machine from a one-device model_fn.
+
+The library. `replicate_model_fn` wraps a `tf.estimator` model_fn written for
+one device into in-graph towers that compute what one device computes on the
+same global batch; `make_run_config` builds the session the towers run in.
+It never imports the trainer application (`trainer/`), which is built on it.
+
+Public API:
+  make_run_config: a RunConfig with devices, placement, memory and threads.
+  replicate_model_fn: wraps a one-device model_fn into in-graph towers.
+  tower_context: which tower the model_fn being built is (index, count).
+  TowerContext: what tower_context returns.
+"""
+
+import sys
+
+if not (3, 9) <= sys.version_info[:2] <= (3, 11):
+  raise ImportError(
+      'estimator_towers needs Python 3.9, 3.10 or 3.11: tf.estimator ships '
+      'only up to TensorFlow 2.15, which has no wheels for Python '
+      f'{sys.version_info[0]}.{sys.version_info[1]}. Create the environment '
+      'with python3.11 (run.sh does this).')
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from estimator_towers.replicate import replicate_model_fn
+from estimator_towers.run_config import make_run_config
+from estimator_towers.tower import tower_context
+from estimator_towers.tower import TowerContext
+
+__all__ = ['TowerContext', 'make_run_config', 'replicate_model_fn',
+           'tower_context']
