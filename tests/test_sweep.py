@@ -67,10 +67,13 @@ def no_process_survives(root):
 
 
 def _env(extra_path=None):
-  env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2',
+  env = {**os.environ,
          'PYTHONPATH': os.pathsep.join(p for p in (ROOT, extra_path) if p)}
   env.pop('TF_CONFIG', None)
   env.pop('OMP_NUM_THREADS', None)
+  # The package's own default, which keeps TensorFlow's import-time C++
+  # noise off stderr (the sweep's errors are its first line).
+  env.pop('TF_CPP_MIN_LOG_LEVEL', None)
   return env
 
 
