@@ -36,17 +36,21 @@ class OneUpdate:
 
   Args:
     num_towers: How many towers call the model_fn.
-    loss_weights: One scalar tensor per tower that scales its loss; their sum
-      is the global-batch loss.
+    weigh: Given the towers' losses of one optimizer call, returns one scalar
+      weight per tower such that the weighted sum is the global-batch loss.
     unshared: A context factory inside which new variables (slots) may be
       created in any tower; see `VariableSharing.unshared`.
   """
 
-  def __init__(self, num_towers: int, loss_weights: List[tf.Tensor],
+  def __init__(self, num_towers: int,
+               weigh: Callable[[List[tf.Tensor]], List[tf.Tensor]],
                unshared: Callable[[], contextlib.AbstractContextManager]):
     self._num_towers = num_towers
-    self._weights = loss_weights
+    self._weigh = weigh
     self._unshared = unshared
+    # Ops the model_fn made the optimizer calls depend on, per tower.
+    self.call_dependencies: List[List[tf.Operation]] = [
+        [] for _ in range(num_towers)]
     self._losses: Dict[int, Dict[int, tf.Tensor]] = {}
     self._tower: Optional[int] = None
     self._tower_name_scope = ''
@@ -75,11 +79,17 @@ class OneUpdate:
 
     _Optimizer.compute_gradients = routed_compute
     _Optimizer.apply_gradients = routed_apply
+    overriding = _overriding_subclasses()
+    for cls in overriding:
+      cls.apply_gradients = _refusing(cls, cls.__dict__['apply_gradients'],
+                                      outer._owns_call)
     try:
       yield
     finally:
       _Optimizer.compute_gradients = compute
       _Optimizer.apply_gradients = apply
+      for cls, method in overriding.items():
+        cls.apply_gradients = method
 
   @contextlib.contextmanager
   def tower(self, index: int, name_scope: str) -> Iterator[None]:
@@ -102,6 +112,7 @@ class OneUpdate:
     tower = self._tower
     call = self._counts['compute'][tower]
     self._counts['compute'][tower] += 1
+    self._record_dependencies(tower)
     if callable(loss):
       raise TypeError(
           'replicate_model_fn needs the loss as a Tensor in graph mode; '
@@ -131,15 +142,28 @@ class OneUpdate:
       self.applying = False
 
   def _global_loss(self, call: int) -> tf.Tensor:
-    losses = self._losses[call]
+    losses = [self._losses[call][t] for t in range(self._num_towers)]
     with tf.name_scope('global_loss'):
+      weights = self._weigh(losses)
       return tf.add_n([
-          losses[t] * tf.cast(self._weights[t], losses[t].dtype)
-          for t in range(self._num_towers)])
+          loss * tf.cast(weight, loss.dtype)
+          for loss, weight in zip(losses, weights)])
+
+  def _record_dependencies(self, tower: int) -> None:
+    """Remembers the control dependencies around a tower's optimizer call.
+
+    An earlier tower's update is discarded, so what the model_fn made it
+    wait for (asserts on the tower's shard, side effects) must run anyway.
+    """
+    graph = tf1.get_default_graph()
+    # Private, but the only record of the enclosing control_dependencies.
+    for controller in graph._control_dependencies_stack:  # pylint: disable=protected-access
+      self.call_dependencies[tower].extend(controller.control_inputs)
 
   def _apply(self, apply, opt, grads_and_vars, global_step=None, name=None):
     tower = self._tower
     self._counts['apply'][tower] += 1
+    self._record_dependencies(tower)
     if self._counts['apply'][tower] > self._counts['compute'][tower]:
       raise ValueError(
           'apply_gradients was called with gradients that did not come from '
@@ -187,6 +211,39 @@ class OneUpdate:
           f'apply_gradients {applied} times. Apply the gradients through the '
           'same optimizer (optimizer.apply_gradients) so that the towers make '
           'one update.')
+
+
+def _overriding_subclasses() -> Dict[type, Callable]:
+  """Optimizer classes with their own apply_gradients, and that method.
+
+  Such optimizers (SyncReplicasOptimizer, loss-scaling or cross-shard
+  wrappers) do their own aggregation around the update; called once per
+  tower they would wait for each other or scale twice.
+  """
+  found, pending = {}, list(_Optimizer.__subclasses__())
+  while pending:
+    cls = pending.pop()
+    pending.extend(cls.__subclasses__())
+    if 'apply_gradients' in cls.__dict__:
+      found[cls] = cls.__dict__['apply_gradients']
+  return found
+
+
+def _refusing(cls: type, method: Callable, owns_call: Callable[[], bool]):
+  """`method`, failing clearly when called while towers are built."""
+
+  def apply_gradients(opt, *args, **kwargs):
+    if owns_call():
+      raise ValueError(
+          f'{cls.__name__} overrides Optimizer.apply_gradients to aggregate '
+          'or transform the update itself, which replicate_model_fn cannot '
+          'make into one update of the towers (SyncReplicasOptimizer would '
+          'wait forever). Use the optimizer it wraps directly: the towers '
+          'already aggregate the whole batch; for loss scaling, scale the '
+          'loss in the model_fn. Or use RunConfig(train_distribute=...).')
+    return method(opt, *args, **kwargs)
+
+  return apply_gradients
 
 
 def _variables(var_list) -> List[tf.Variable]:

@@ -15,10 +15,12 @@ from typing import Any, Callable, List, Optional, Sequence
 from absl import logging
 import tensorflow as tf
 
+from estimator_towers import loss_reduction as reduction_lib
 from estimator_towers import one_update
 from estimator_towers import sharding
 from estimator_towers import spec_merge
 from estimator_towers import tower as tower_lib
+from estimator_towers import tower_effects
 from estimator_towers import update_chain
 from estimator_towers import variable_sharing
 from estimator_towers.run_config import session_device_counts
@@ -37,7 +39,7 @@ _VARIABLE_OPS = frozenset([
 # `tf.compat.v1.losses.get_total_loss()` must not add up earlier towers.
 _PER_TOWER_COLLECTIONS = (tf1.GraphKeys.LOSSES, tf1.GraphKeys.UPDATE_OPS,
                           tf1.GraphKeys.SUMMARIES)
-_LOSS_REDUCTIONS = ('mean', 'sum')
+_LOSS_REDUCTIONS = ('auto', 'mean', 'sum')
 _INPUT_PIPELINE_OPS = frozenset(['IteratorGetNext', 'IteratorGetNextSync',
                                  'QueueDequeueV2', 'QueueDequeueManyV2',
                                  'QueueDequeueUpToV2'])
@@ -49,7 +51,7 @@ def replicate_model_fn(model_fn: ModelFn,
                        devices: Optional[Sequence[str]] = None,
                        *,
                        variables_device: str = '/device:CPU:0',
-                       loss_reduction: str = 'mean',
+                       loss_reduction: str = 'auto',
                        replicate_serving: bool = False) -> ModelFn:
   """Wraps a one-device `model_fn` so that it uses several devices.
 
@@ -79,8 +81,13 @@ def replicate_model_fn(model_fn: ModelFn,
     devices: Tower devices, e.g. `['/gpu:0', '/gpu:1']`. None takes them from
       the RunConfig the Estimator passes: its GPUs, else its (virtual) CPUs.
     variables_device: Where the shared variables live.
-    loss_reduction: 'mean' if the model_fn's loss is a mean over its batch
-      (the Estimator convention), 'sum' if it is a sum.
+    loss_reduction: How the model_fn's loss reduces its batch, which decides
+      how the towers' losses add up. 'auto' reads it off the loss: a sum
+      (`reduce_sum`, `Reduction.SUM` of the `tf.compat.v1` canned
+      Estimators) adds the towers' losses; a mean or any sum divided by a
+      count (`reduce_mean`, `SUM_OVER_BATCH_SIZE`, `SUM_BY_NONZERO_WEIGHTS`)
+      weighs each tower by its share of the divisor. 'mean' or 'sum' state
+      it; a contradiction with the loss is an error.
     replicate_serving: Keep towers in serving graphs (features fed by
       placeholders, as `export_saved_model` builds). By default a serving
       graph runs the model_fn once without device pins, so the SavedModel
@@ -93,8 +100,8 @@ def replicate_model_fn(model_fn: ModelFn,
     TypeError: `model_fn` is not callable or `devices` is not a list of
       device strings.
     ValueError: `devices` is empty or repeats a device, or `loss_reduction`
-      is unknown. Devices the session lacks are reported when the Estimator
-      calls the model_fn.
+      is unknown. Devices the session lacks, and a `loss_reduction` the loss
+      contradicts, are reported when the Estimator calls the model_fn.
   """
   if not callable(model_fn):
     raise TypeError(f'model_fn must be callable, got {model_fn!r}.')
@@ -103,10 +110,16 @@ def replicate_model_fn(model_fn: ModelFn,
                      f'{_LOSS_REDUCTIONS}.')
   if devices is not None:
     devices = _canonical_devices(devices)
+  variables_device = _canonical_variables_device(variables_device)
   accepted = _accepted_args(model_fn)
+  if 'features' not in accepted:
+    raise ValueError(f'{_name(model_fn)} has no `features` argument; a '
+                     'model_fn takes features (and some of labels, mode, '
+                     'params, config), as tf.estimator.Estimator requires.')
 
   def replicated_model_fn(features, labels, mode, params, config):
     tower_devices = _tower_devices(devices, config)
+    _check_variables_device(variables_device, config)
     kwargs = {'mode': mode, 'params': params, 'config': config}
     kwargs = {k: v for k, v in kwargs.items() if k in accepted}
     if labels is not None and 'labels' not in accepted:
@@ -115,10 +128,15 @@ def replicate_model_fn(model_fn: ModelFn,
           'labels. Add a `labels` argument or return only features.')
     if 'labels' in accepted:
       kwargs['labels'] = labels
-    if len(tower_devices) == 1 or (
-        mode == ModeKeys.PREDICT and not replicate_serving and
+    if mode == ModeKeys.PREDICT and not replicate_serving and (
         _is_serving_graph(features)):
-      return model_fn(features, **kwargs)
+      return model_fn(features=features, **kwargs)
+    if len(tower_devices) == 1:
+      if devices is None:  # One device of the session: as if unwrapped.
+        return model_fn(features=features, **kwargs)
+      with tf1.get_default_graph().device(
+          _placer(tower_devices[0], variables_device, lambda: False)):
+        return model_fn(features=features, **kwargs)
     builder = _TowerBuilder(model_fn, tower_devices, variables_device,
                             loss_reduction, mode)
     return builder.build(features, labels, kwargs)
@@ -154,31 +172,36 @@ class _TowerBuilder:
       pad = self._mode != ModeKeys.EVAL
       feature_shards = sharding.split_batch(features, sizes, num_towers, pad)
       label_shards = sharding.split_batch(labels, sizes, num_towers, pad)
-      weights = self._loss_weights(sizes, batch, num_towers)
-    self._update = one_update.OneUpdate(num_towers, weights,
+    first_ids = []
+    weigh = reduction_lib.TowerWeights(
+        self._reduction, sizes, list(zip(feature_shards, label_shards)),
+        first_ids)
+    self._update = one_update.OneUpdate(num_towers, weigh,
                                         self._sharing.unshared)
     specs, update_ops = [], []
+    graph = tf1.get_default_graph()
     with self._update.routing():
       for i in range(num_towers):
+        first_ids.append(_next_op_id(graph))
         spec, added = self._build_tower(i, feature_shards[i], label_shards[i],
                                         kwargs)
         specs.append(spec)
         update_ops.append(added[tf1.GraphKeys.UPDATE_OPS])
     if self._mode == ModeKeys.TRAIN:
       update_chain.chain_towers(update_ops)
-      return spec_merge.merge_train(specs, weights, sizes,
-                                    [op for ops in update_ops for op in ops])
+      effects = []
+      for i, spec in enumerate(specs[:-1]):
+        effects.extend(tower_effects.earlier_tower_effects(
+            spec.train_op, first_ids[i],
+            reduction_lib.ExampleDependence(
+                (feature_shards[i], label_shards[i]), first_ids[i]),
+            self._update.call_dependencies[i]))
+      return spec_merge.merge_train(specs, weigh, sizes,
+                                    [op for ops in update_ops for op in ops],
+                                    effects)
     if self._mode == ModeKeys.EVAL:
-      return spec_merge.merge_eval(specs, weights, sizes)
+      return spec_merge.merge_eval(specs, weigh, sizes)
     return spec_merge.merge_predict(specs, sizes)
-
-  def _loss_weights(self, sizes, batch, num_towers) -> List[tf.Tensor]:
-    sizes = tf.cast(sizes, tf.float32)
-    if self._reduction == 'sum':
-      share = tf.minimum(sizes, 1.0)
-    else:
-      share = sizes / tf.maximum(tf.cast(batch, tf.float32), 1.0)
-    return tf.unstack(share, num=num_towers)
 
   def _build_tower(self, index, features, labels, kwargs):
     device = self._devices[index]
@@ -196,7 +219,9 @@ class _TowerBuilder:
       stack.enter_context(self._sharing.tower(index))
       stack.enter_context(self._update.tower(index, name_scope))
       added = stack.enter_context(_per_tower_collections(graph, index))
-      spec = self._model_fn(features, **tower_kwargs)
+      # As the Estimator calls it: features by keyword, so that any order
+      # of the arguments works.
+      spec = self._model_fn(features=features, **tower_kwargs)
     if not isinstance(spec, tf.estimator.EstimatorSpec):
       raise TypeError(f'{_name(self._model_fn)} returned {type(spec).__name__}'
                       '; a model_fn must return a tf.estimator.EstimatorSpec.')
@@ -205,16 +230,23 @@ class _TowerBuilder:
     return spec, added
 
   def _device_fn(self, tower_device: str):
-    variables_device = self._variables_device
     update = self._update
+    return _placer(tower_device, self._variables_device,
+                   lambda: update.applying)
 
-    def place(op):
-      if op.type in _VARIABLE_OPS:
-        return variables_device
-      # The one update goes where apply_gradients puts it: by the variables.
-      return '' if update.applying else tower_device
 
-    return place
+def _placer(tower_device: str, variables_device: str,
+            applying: Callable[[], bool]):
+  """A device function: variables on `variables_device`, the rest on the
+  tower's device, except the one update, which goes where apply_gradients
+  puts it (by the variables)."""
+
+  def place(op):
+    if op.type in _VARIABLE_OPS:
+      return variables_device
+    return '' if applying() else tower_device
+
+  return place
 
 
 @contextlib.contextmanager
@@ -292,6 +324,35 @@ def _canonical_devices(devices) -> List[str]:
   return canonical
 
 
+def _canonical_variables_device(device) -> str:
+  if not isinstance(device, str):
+    raise TypeError(f"variables_device must be a device string such as "
+                    f"'/cpu:0' or '/gpu:0', got {device!r}.")
+  try:
+    spec = tf.DeviceSpec.from_string(device)
+  except ValueError as e:
+    raise ValueError(f'variables_device={device!r} is not a device name like '
+                     "'/cpu:0' or '/gpu:0'.") from e
+  if spec.device_type is not None and spec.device_type not in ('CPU', 'GPU'):
+    raise ValueError(f'variables_device={device!r} must name a CPU or a GPU.')
+  return spec.to_string()
+
+
+def _check_variables_device(device: str, config) -> None:
+  """Fails when the session lacks the local device `device` names."""
+  spec = tf.DeviceSpec.from_string(device)
+  if spec.job is not None or spec.device_type is None:
+    return  # A cluster task or a whole machine: the cluster decides.
+  num_gpus, num_cpus = session_device_counts(
+      getattr(config, 'session_config', None))
+  available = {'GPU': num_gpus, 'CPU': num_cpus}[spec.device_type]
+  if (spec.device_index or 0) >= available:
+    raise ValueError(
+        f'variables_device={device!r}, but the session has {available} '
+        f'{spec.device_type} device(s). Name one it has (the default is '
+        "'/cpu:0').")
+
+
 def _tower_devices(devices, config) -> List[str]:
   """The towers: explicit `devices` checked against the session, or all."""
   session_config = getattr(config, 'session_config', None)
@@ -327,6 +388,12 @@ def _is_serving_graph(features) -> bool:
       placeholders += 1
     pending.extend(t.op for t in op.inputs)
   return placeholders > 0
+
+
+def _next_op_id(graph: tf.Graph) -> int:
+  """The id the graph's next op will get: ops are numbered in creation order."""
+  # Private, but the only way to tell a tower's ops from earlier ones.
+  return max(graph._nodes_by_id, default=0) + 1  # pylint: disable=protected-access
 
 
 def _accepted_args(model_fn) -> frozenset:

@@ -1,10 +1,11 @@
 """Merging the towers' EstimatorSpecs into the one the Estimator runs.
 
-Hooks, the scaffold and user summaries come from tower 0, so they appear once,
-under the names one-device training gives them.
+Hooks and user summaries come from tower 0, so they appear once, under the
+names one-device training gives them; so does the scaffold, except in
+training (see merge_train).
 """
 
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import tensorflow as tf
 
@@ -14,13 +15,19 @@ _export = tf.estimator.export
 
 
 def weighted_loss(specs: Sequence[tf.estimator.EstimatorSpec],
-                  weights: Sequence[tf.Tensor],
+                  weigh: Callable[[List[tf.Tensor]], List[tf.Tensor]],
                   sizes: tf.Tensor) -> tf.Tensor:
   """The global-batch loss: towers' losses weighted, idle towers left out.
+
+  Args:
+    specs: The towers' specs.
+    weigh: Returns the towers' weights for a list of their losses.
+    sizes: Each tower's number of real examples.
 
   An idle tower's loss may be NaN (the mean of nothing); `tf.where` drops it
   instead of multiplying it by zero.
   """
+  weights = weigh([spec.loss for spec in specs])
   terms = []
   for i, spec in enumerate(specs):
     loss = spec.loss
@@ -38,20 +45,37 @@ def _check_same_keys(what: str, per_tower: Sequence) -> None:
           f'{sorted(keys)}. Every tower must build the same model.')
 
 
-def merge_train(specs, weights, sizes, update_ops: Sequence) -> tf.estimator.EstimatorSpec:
-  """One TRAIN spec: weighted loss; every tower's train_op and UPDATE_OPS."""
+def merge_train(specs, weigh, sizes, update_ops: Sequence,
+                effects: Sequence[tf.Operation]) -> tf.estimator.EstimatorSpec:
+  """One TRAIN spec: weighted loss; the last tower's train_op.
+
+  Args:
+    specs: The towers' specs.
+    weigh: Returns the towers' weights for a list of their losses.
+    sizes: Each tower's number of real examples.
+    update_ops: Every tower's UPDATE_OPS (batch-norm statistics).
+    effects: What earlier towers' train_ops must still run (see
+      tower_effects); their updates are the last tower's one update.
+
+  The last tower's scaffold is used: a Saver the model_fn builds after its
+  optimizer call sees the optimizer's slots only in the last tower, where
+  they are created.
+  """
   for i, spec in enumerate(specs):
     if spec.loss is None:
       raise ValueError(f'Tower {i} returned a TRAIN EstimatorSpec without a '
                        'loss; set EstimatorSpec(loss=...).')
-  loss = weighted_loss(specs, weights, sizes)
-  train_op = tf.group(*[s.train_op for s in specs], *update_ops,
+    if spec.train_op is None:
+      raise ValueError(f'Tower {i} returned a TRAIN EstimatorSpec without a '
+                       'train_op; set EstimatorSpec(train_op=...).')
+  loss = weighted_loss(specs, weigh, sizes)
+  train_op = tf.group(specs[-1].train_op, *effects, *update_ops,
                       name='replicated_train_op')
-  first = specs[0]
-  return first._replace(loss=loss, train_op=train_op)
+  return specs[0]._replace(loss=loss, train_op=train_op,
+                           scaffold=specs[-1].scaffold)
 
 
-def merge_eval(specs, weights, sizes) -> tf.estimator.EstimatorSpec:
+def merge_eval(specs, weigh, sizes) -> tf.estimator.EstimatorSpec:
   """One EVAL spec: weighted loss; metrics read from tower 0's shared state.
 
   The towers' metric variables are tower 0's (see variable_sharing), so each
@@ -67,7 +91,7 @@ def merge_eval(specs, weights, sizes) -> tf.estimator.EstimatorSpec:
   for name, (value, update) in specs[0].eval_metric_ops.items():
     updates = [update] + [s.eval_metric_ops[name][1] for s in specs[1:]]
     metrics[name] = (value, tf.group(*updates))
-  return specs[0]._replace(loss=weighted_loss(specs, weights, sizes),
+  return specs[0]._replace(loss=weighted_loss(specs, weigh, sizes),
                            eval_metric_ops=metrics)
 
 
@@ -78,7 +102,18 @@ def _concat(name: str, tensors: List[tf.Tensor], sizes) -> tf.Tensor:
         f'Prediction {name} is a scalar; predictions need the batch as their '
         'first dimension so that the towers\' outputs can be put back in '
         'input order.')
-  return tf.concat([t[:sizes[i]] for i, t in enumerate(tensors)], axis=0)
+  rows = []
+  for i, tensor in enumerate(tensors):
+    fed = tf.maximum(sizes[i], 1)  # An idle tower got one padding example.
+    check = tf.debugging.assert_equal(
+        tf.shape(tensor, out_type=tf.int32)[0], fed, message=(
+            f'Prediction {name} of tower {i} does not have one row per '
+            'example of its shard. A '
+            'prediction must keep the batch as its first dimension: one row '
+            'per input example.'))
+    with tf.control_dependencies([check]):
+      rows.append(tf.identity(tensor[:sizes[i]]))
+  return tf.concat(rows, axis=0)
 
 
 def _concat_dict(what: str, dicts: Sequence[Dict], sizes) -> Dict:

@@ -39,6 +39,13 @@ class VariableSharing:
   def _counting_getter(self, getter, name, *args, **kwargs):
     """Marks creations that come from `get_variable`, which the store shares."""
     self._local.depth = self._get_variable_depth + 1
+    initializer = kwargs.get('initializer')
+    if isinstance(initializer, tf.Tensor):
+      # Slots (e.g. an EMA's) pass only a Tensor initial value, whose dtype
+      # the variable takes; the scope fills in float32, which reuse then
+      # checks against, failing float64 variables. (An explicit dtype that
+      # disagrees with the Tensor was refused before this point.)
+      kwargs['dtype'] = initializer.dtype.base_dtype
     try:
       return getter(name, *args, **kwargs)
     finally:

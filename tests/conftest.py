@@ -164,3 +164,26 @@ def trained(tmp_path_factory, csv_files):
                       f'--eval-files={csv_files[1]}', '--train-steps=120',
                       '--export-best', *CSV_FLAGS)
   return job_dir, result
+
+
+def save_start_checkpoint(model_fn, input_fn, model_dirs, params=None):
+  """Writes one step-0 checkpoint of `model_fn` into each of `model_dirs`.
+
+  Layer initializers of canned and Keras models are not reproduced by
+  `tf_random_seed` across different graphs, so the one-device and the
+  replicated Estimator both resume from these weights instead.
+  """
+  with tf.Graph().as_default():
+    features, labels = tf1.data.make_one_shot_iterator(input_fn()).get_next()
+    tf1.train.get_or_create_global_step()
+    kwargs = {'params': params} if params is not None else {}
+    model_fn(features=features, labels=labels,
+             mode=tf.estimator.ModeKeys.TRAIN,
+             config=tf.estimator.RunConfig(), **kwargs)
+    saver = tf1.train.Saver()
+    with tf1.Session() as session:
+      session.run([tf1.global_variables_initializer(),
+                   tf1.tables_initializer()])
+      for model_dir in model_dirs:
+        saver.save(session, os.path.join(str(model_dir), 'model.ckpt'),
+                   global_step=0)

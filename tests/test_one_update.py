@@ -124,3 +124,19 @@ def test_optimizer_is_left_unpatched_afterwards_even_on_error():
     with tf1.Session() as session:
       session.run(tf1.global_variables_initializer())
       assert np.isclose(session.run(grad), 6.0)
+
+
+def test_optimizer_overriding_apply_gradients_is_refused():
+  # SyncReplicasOptimizer would wait forever for the towers' updates.
+
+  def model_fn(features, labels, mode):
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, _linear(features))
+    optimizer = tf1.train.SyncReplicasOptimizer(
+        tf1.train.GradientDescentOptimizer(0.1), replicas_to_aggregate=1)
+    train_op = optimizer.minimize(loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  original = tf1.train.SyncReplicasOptimizer.apply_gradients
+  with pytest.raises(ValueError, match='SyncReplicasOptimizer overrides'):
+    build_replicated(model_fn, 2)
+  assert tf1.train.SyncReplicasOptimizer.apply_gradients is original

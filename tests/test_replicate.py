@@ -268,6 +268,9 @@ def test_each_tower_computes_forward_and_gradients_on_its_device():
     ({'devices': ['/cpu']}, ValueError, 'with its index'),
     ({'devices': [0, 1]}, TypeError, 'must hold strings'),
     ({'loss_reduction': 'avg'}, ValueError, "loss_reduction='avg'"),
+    ({'variables_device': 0}, TypeError, 'variables_device must be'),
+    ({'variables_device': 'cpu zero'}, ValueError, "'cpu zero' is not"),
+    ({'variables_device': '/tpu:0'}, ValueError, 'a CPU or a GPU'),
 ])
 def test_bad_arguments_fail_at_once(kwargs, error, match):
   with pytest.raises(error, match=match):
@@ -282,6 +285,57 @@ def test_model_fn_must_be_callable():
 def test_devices_the_session_lacks_are_named():
   with pytest.raises(ValueError, match=r'/device:CPU:5.*2 CPU device'):
     build_replicated(classifier_model_fn, 2, devices=['/cpu:0', '/cpu:5'])
+
+
+def test_variables_device_the_session_lacks_is_named():
+  with pytest.raises(ValueError, match=r"variables_device='/device:GPU:0'.*0 "
+                     'GPU device'):
+    build_replicated(classifier_model_fn, 2, variables_device='/gpu:0')
+
+
+def test_variables_device_is_normalised_and_used():
+  graph, _ = build_replicated(classifier_model_fn, 2, variables_device='/cpu:1')
+  variables = [op for op in graph.get_operations() if op.type == 'VarHandleOp']
+  assert variables and all(op.device == '/device:CPU:1' for op in variables)
+
+
+def test_one_explicit_device_is_pinned():
+  graph, _ = build_replicated(classifier_model_fn, 2, devices=['/cpu:1'])
+  matmuls = [op for op in graph.get_operations() if op.type == 'MatMul']
+  assert matmuls and all(op.device == '/device:CPU:1' for op in matmuls)
+  variables = [op for op in graph.get_operations() if op.type == 'VarHandleOp']
+  assert variables and all(op.device == '/device:CPU:0' for op in variables)
+
+
+def test_model_fn_arguments_in_any_order(tmp_path, data):
+  # The Estimator passes features by keyword; so must the wrapper.
+
+  def model_fn(mode, features, labels, params):
+    return classifier_model_fn(features, labels, mode, params)
+
+  params = {'optimizer': OPTIMIZERS['sgd']}
+  one = _train(tmp_path, 'one', 1, 10, data, params)
+  many = _train(tmp_path, 'many', 3, 10, data, params, model_fn=model_fn)
+  assert_same_variables(variables_of(one), variables_of(many))
+
+
+def test_model_fn_without_features_argument_is_refused():
+  with pytest.raises(ValueError, match='no `features` argument'):
+    trainer.replicate_model_fn(lambda inputs, labels, mode: None)
+
+
+def test_predictions_not_one_row_per_example_fail_at_run_time(tmp_path, data):
+  x, _ = data
+
+  def model_fn(features, mode):
+    logits = tf1.layers.dense(features['x'], 2)
+    return tf.estimator.EstimatorSpec(
+        mode, predictions={'mean': tf.reduce_mean(logits, 0, keepdims=True)})
+
+  estimator = make_estimator(model_fn, tmp_path, 2)
+  with pytest.raises(tf.errors.InvalidArgumentError, match='one row per'):
+    list(estimator.predict(dataset_input_fn({'x': x}, batch_size=10,
+                                            repeat=False)))
 
 
 def test_explicit_devices_pick_the_towers(tmp_path, data):

@@ -1,0 +1,346 @@
+"""How a tower's loss combines its examples, and so how towers' losses add up.
+
+One device computes the loss of the global batch. The towers compute it on
+their shards, and the wrapper weights and adds the towers' losses. Which
+weights are exact depends on how the loss reduces its examples:
+
+* a **sum** over examples (`tf.compat.v1.losses` with `Reduction.SUM`, the
+  default of the `tf.compat.v1.estimator` canned Estimators, or a hand-written
+  `reduce_sum`): the global loss is the towers' sum, weight 1 each;
+* a **ratio** of a sum by a count that depends on the batch (`reduce_mean`,
+  the other `Reduction`s, a sum divided by the number of examples or by the
+  sum of the weights): the global loss is the sum of the numerators over the
+  sum of the denominators, so tower t weighs `D_t / sum(D)`. For a plain mean
+  that is the tower's share of the examples.
+
+`analyze` reads this off the graph of the loss: it follows additions,
+scalings, casts and divisions back to the reductions over the tower's
+examples. Terms that do not depend on the examples (regularization) are
+fine in a ratio, since the weights add up to one; in a sum they would be
+counted once per tower, so that is an error. A loss the analysis cannot read
+is reported as unknown, and the caller decides.
+"""
+
+import dataclasses
+from typing import Callable, Dict, List, Optional
+
+from absl import logging
+import tensorflow as tf
+
+SUM = 'sum'
+RATIO = 'ratio'
+UNKNOWN = 'unknown'
+
+_PASS_THROUGH = frozenset(['Identity', 'Cast', 'StopGradient', 'Squeeze',
+                           'Reshape', 'CheckNumerics', 'CheckNumericsV2',
+                           'EnsureShape'])
+_ADD = frozenset(['Add', 'AddV2', 'AddN', 'Sub'])
+_SCALE = frozenset(['Mul'])
+_DIVIDE = frozenset(['RealDiv', 'Div', 'DivNoNan', 'TrueDiv'])
+_MAX_OPS = 2000  # Bound on the walk: losses are small subgraphs at the top.
+
+
+@dataclasses.dataclass
+class Reduction:
+  """What `analyze` found.
+
+  Attributes:
+    kind: SUM, RATIO or UNKNOWN.
+    divisors: For RATIO, one scalar tensor per ratio term: the count the
+      term's sum is divided by.
+    constant_terms: Whether the loss adds terms that do not depend on the
+      examples (e.g. regularization).
+    detail: A phrase saying what was found, for error messages.
+  """
+  kind: str
+  divisors: List[tf.Tensor] = dataclasses.field(default_factory=list)
+  constant_terms: bool = False
+  detail: str = ''
+
+
+def analyze(loss: tf.Tensor,
+            depends_on_examples: Callable[[tf.Tensor], bool]) -> Reduction:
+  """Classifies how `loss` reduces the tower's examples.
+
+  Args:
+    loss: A tower's scalar loss.
+    depends_on_examples: Tells whether a tensor depends on the tower's shard
+      of the batch.
+
+  Returns:
+    A `Reduction`.
+  """
+  terms: List[tuple] = []
+  _collect_terms(loss, depends_on_examples, terms, [0])
+  kinds = {kind for kind, _, _ in terms}
+  constant = 'constant' in kinds
+  kinds.discard('constant')
+  found = ', '.join(sorted(f'{k} ({name})' for k, _, name in terms
+                           if k != 'constant'))
+  if not kinds or UNKNOWN in kinds or kinds == {SUM, RATIO}:
+    detail = found or 'no reduction over the examples'
+    if kinds == {SUM, RATIO}:
+      detail = f'it adds a sum and a mean: {found}'
+    return Reduction(UNKNOWN, constant_terms=constant, detail=detail)
+  kind = kinds.pop()
+  divisors = [d for k, d, _ in terms if k == RATIO]
+  return Reduction(kind, divisors, constant, found)
+
+
+def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
+                   budget: List[int]) -> None:
+  """Appends (kind, divisor, op name) for each additive term of `tensor`."""
+  budget[0] += 1
+  if budget[0] > _MAX_OPS:
+    terms.append((UNKNOWN, None, tensor.op.name))
+    return
+  if not depends(tensor):
+    terms.append(('constant', None, tensor.op.name))
+    return
+  op = tensor.op
+  if op.type in _PASS_THROUGH or _reduces_a_scalar(tensor):
+    _collect_terms(op.inputs[0], depends, terms, budget)
+  elif op.type in _ADD:
+    for t in op.inputs:
+      _collect_terms(t, depends, terms, budget)
+  elif op.type in _SCALE:
+    varying = [t for t in op.inputs if depends(t)]
+    if len(varying) == 1:
+      _collect_terms(varying[0], depends, terms, budget)
+    else:
+      terms.append((UNKNOWN, None, op.name))
+  elif op.type in _DIVIDE:
+    numerator, denominator = op.inputs[0], op.inputs[1]
+    if not depends(denominator):  # A scaling, e.g. by a fixed batch size.
+      _collect_terms(numerator, depends, terms, budget)
+    elif _reduces_all(numerator, SUM):
+      terms.append((RATIO, denominator, op.name))
+    else:
+      terms.append((UNKNOWN, None, op.name))
+  elif _reduces_all(tensor, SUM):
+    terms.append((SUM, None, op.name))
+  elif _reduces_all(tensor, 'mean'):
+    count = tf.cast(tf.size(op.inputs[0]), tensor.dtype)
+    terms.append((RATIO, count, op.name))
+  else:
+    terms.append((UNKNOWN, None, op.name))
+
+
+def _reduces_all(tensor: tf.Tensor, how: str) -> bool:
+  """Whether `tensor` is a reduce_sum / reduce_mean over the examples.
+
+  The reduced tensor must be a scalar of a tensor whose first dimension is
+  the (dynamic) batch: a sum of per-feature means is not a sum over examples.
+  """
+  op = _skip_pass_through(tensor).op
+  wanted = 'Sum' if how == SUM else 'Mean'
+  if op.type != wanted or tensor.shape.rank != 0:
+    return False
+  reduced = op.inputs[0].shape
+  return reduced.rank is None or (reduced.rank >= 1 and reduced[0] is None)
+
+
+def _skip_pass_through(tensor: tf.Tensor) -> tf.Tensor:
+  while tensor.op.type in _PASS_THROUGH or _reduces_a_scalar(tensor):
+    tensor = tensor.op.inputs[0]
+  return tensor
+
+
+def _reduces_a_scalar(tensor: tf.Tensor) -> bool:
+  """A Sum or Mean of a scalar, an identity (tf.compat.v1.losses adds one)."""
+  op = tensor.op
+  return op.type in ('Sum', 'Mean') and op.inputs[0].shape.rank == 0
+
+
+class ExampleDependence:
+  """Answers whether a tensor depends on one tower's shard of the batch.
+
+  The walk follows data inputs only among the ops the tower created (by op
+  id, from `first_id` on) and stops at the shard's tensors.
+
+  Args:
+    shard: The tower's features and labels (any nest of tensors).
+    first_id: The id of the first op the tower's model_fn call created.
+  """
+
+  def __init__(self, shard, first_id: int):
+    leaves = tf.nest.flatten(shard, expand_composites=True)
+    self._shard_ops = {t.op.name for t in leaves if isinstance(t, tf.Tensor)}
+    self._first_id = first_id
+    self._memo: Dict[str, bool] = {}
+
+  def __call__(self, tensor: tf.Tensor) -> bool:
+    root = tensor.op
+    stack, visiting = [(root, False)], set()
+    while stack:
+      op, expanded = stack.pop()
+      if op.name in self._memo:
+        continue
+      if op.name in self._shard_ops:
+        self._memo[op.name] = True
+      elif op._id < self._first_id:  # pylint: disable=protected-access
+        self._memo[op.name] = False
+      elif expanded:
+        # An input still unresolved here closes a loop: it adds nothing new.
+        self._memo[op.name] = any(self._memo.get(t.op.name, False)
+                                  for t in op.inputs)
+      elif op.name not in visiting:
+        visiting.add(op.name)
+        stack.append((op, True))
+        stack.extend((t.op, False) for t in op.inputs
+                     if t.op.name not in self._memo)
+    return self._memo[root.name]
+
+
+def exact_weights(losses: List[tf.Tensor], reductions: List[Reduction],
+                  active: tf.Tensor) -> Optional[List[tf.Tensor]]:
+  """Tower weights that make the weighted sum the global-batch loss.
+
+  Args:
+    losses: The towers' losses.
+    reductions: `analyze` of each, all SUM or all RATIO.
+    active: A bool per tower: False for idle towers (their weight is 0).
+
+  Returns:
+    For SUM, 1 for active towers. For RATIO with one divisor per tower,
+    `D_t / sum(D)` over active towers. None when the towers' losses have
+    several ratio terms each (the caller falls back to example shares).
+  """
+  num = len(losses)
+  kind = reductions[0].kind
+  if kind == SUM:
+    return [tf.where(active[t], tf.ones([], loss.dtype),
+                     tf.zeros([], loss.dtype))
+            for t, loss in enumerate(losses)]
+  if any(len(r.divisors) != 1 for r in reductions):
+    return None
+  counts = [tf.where(active[t],
+                     tf.cast(tf.stop_gradient(r.divisors[0]), tf.float32),
+                     0.0) for t, r in enumerate(reductions)]
+  total = tf.add_n(counts)
+  return [tf.math.divide_no_nan(counts[t], total) for t in range(num)]
+
+
+_warned: set = set()
+
+
+class TowerWeights:
+  """Weights the towers' losses so that they add up to the global-batch loss.
+
+  Args:
+    requested: 'auto' (read the reduction off each loss), 'mean' or 'sum'
+      (what the user says the loss is; checked against the graph).
+    sizes: Each tower's number of real examples (an int32 vector).
+    shards: Each tower's features and labels.
+    first_ids: For each tower, the id of the first op its model_fn created.
+  """
+
+  def __init__(self, requested: str, sizes: tf.Tensor, shards: List,
+               first_ids: List[int]):
+    self._requested = requested
+    self._sizes = sizes
+    self._shards = shards
+    self._first_ids = first_ids
+    self._cache: Dict[tuple, List[tf.Tensor]] = {}
+
+  def __call__(self, losses: List[tf.Tensor]) -> List[tf.Tensor]:
+    """One scalar weight per tower for these losses (one per tower).
+
+    Raises:
+      ValueError: the requested reduction contradicts the loss, or the loss
+        is a sum that adds a term counted once per tower (regularization).
+    """
+    key = tuple(id(loss) for loss in losses)
+    if key not in self._cache:
+      self._cache[key] = self._weights(losses)
+    return self._cache[key]
+
+  def _weights(self, losses: List[tf.Tensor]) -> List[tf.Tensor]:
+    reductions = [analyze(loss, ExampleDependence(self._shards[t],
+                                                  self._first_ids[t]))
+                  for t, loss in enumerate(losses)]
+    kind = self._resolve(losses[0], reductions)
+    active = self._sizes > 0
+    if kind == SUM:
+      return [tf.where(active[t], tf.ones([], loss.dtype),
+                       tf.zeros([], loss.dtype))
+              for t, loss in enumerate(losses)]
+    if all(r.kind == RATIO for r in reductions):
+      exact = exact_weights(losses, reductions, active)
+      if exact is not None:
+        return exact
+      return self._shares_checked(reductions, losses[0])
+    return self._shares()
+
+  def _resolve(self, loss: tf.Tensor, reductions: List[Reduction]) -> str:
+    """The reduction to weigh by: SUM or RATIO (a mean)."""
+    found = reductions[0]
+    kinds = {r.kind for r in reductions}
+    if len(kinds) > 1:
+      found = Reduction(UNKNOWN, detail='towers reduce differently')
+    name = loss.op.name
+    if found.kind == SUM and found.constant_terms:
+      raise ValueError(
+          f'The loss {name!r} is a sum over the examples plus terms that do '
+          'not depend on them (e.g. regularization). Each tower would count '
+          'those terms once, so the towers cannot add up to the one-device '
+          'loss. Make the loss a mean (e.g. loss_reduction='
+          'tf.compat.v1.losses.Reduction.SUM_OVER_BATCH_SIZE in a canned '
+          'Estimator), or add the regularization outside the sum.')
+    requested = {'mean': RATIO, 'sum': SUM}.get(self._requested)
+    if found.kind == UNKNOWN:
+      if requested is None:
+        _warn_once(name, found.detail)
+        return RATIO
+      return requested
+    if requested is not None and requested != found.kind:
+      said = 'a sum' if found.kind == SUM else 'a mean (a ratio)'
+      raise ValueError(
+          f"loss_reduction={self._requested!r}, but the loss {name!r} is "
+          f'{said} over the examples ({found.detail}). Leave loss_reduction '
+          "at 'auto', or pass the reduction the loss has.")
+    return found.kind
+
+  def _shares(self) -> List[tf.Tensor]:
+    sizes = tf.cast(self._sizes, tf.float32)
+    total = tf.maximum(tf.reduce_sum(sizes), 1.0)
+    return tf.unstack(sizes / total, num=len(self._shards))
+
+  def _shares_checked(self, reductions: List[Reduction],
+                      loss: tf.Tensor) -> List[tf.Tensor]:
+    """Example shares, asserting at run time that they are exact.
+
+    A loss with several ratio terms (two means, say) splits exactly by
+    example shares only if every divisor is proportional to the examples.
+    """
+    shares = self._shares()
+    checks = []
+    terms = len(reductions[0].divisors)
+    if any(len(r.divisors) != terms for r in reductions):
+      raise ValueError(f'The towers\' losses {loss.op.name!r} have different '
+                       'numbers of terms; every tower must build one model.')
+    active = self._sizes > 0
+    for k in range(terms):
+      counts = [tf.where(active[t],
+                         tf.cast(tf.stop_gradient(r.divisors[k]), tf.float32),
+                         0.0) for t, r in enumerate(reductions)]
+      fractions = tf.math.divide_no_nan(tf.stack(counts), tf.add_n(counts))
+      checks.append(tf.debugging.assert_near(
+          fractions, tf.stack(shares), atol=1e-6, message=(
+              f'The loss {loss.op.name!r} adds several ratios whose divisors '
+              'are not proportional to the towers\' numbers of examples (e.g. '
+              'a sum of weighted means), so no weighting of the towers gives '
+              'the one-device loss. Return one ratio (or a sum) as the loss.')))
+    with tf.control_dependencies(checks):
+      return [tf.identity(s) for s in shares]
+
+
+def _warn_once(name: str, detail: str) -> None:
+  if name in _warned:
+    return
+  _warned.add(name)
+  logging.warning(
+      'replicate_model_fn cannot tell how the loss %r reduces its examples '
+      '(%s), so it weighs each tower by its share of the examples, which is '
+      "exact for a mean. If the loss is a sum, pass loss_reduction='sum'; "
+      "pass loss_reduction='mean' to silence this warning.", name, detail)

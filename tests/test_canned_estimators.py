@@ -1,0 +1,100 @@
+"""The canned Estimators' own model_fns, replicated, equal one device.
+
+The `tf.compat.v1.estimator` canned Estimators sum their loss over the batch
+and DNNLinearCombined advances global_step itself; both must come out as on
+one device, from the same start checkpoint, on batches that do not divide by
+the tower count.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import trainer
+from conftest import (assert_same_variables, dataset_input_fn,
+                      save_start_checkpoint, variables_of)
+
+tf1 = tf.compat.v1
+STEPS = 4
+BATCH = 7  # Divides by neither 2 nor 3 towers.
+COLUMNS = [tf.feature_column.numeric_column('x', shape=(5,))]
+
+
+def _v1_canned(kind):
+  v1 = tf1.estimator
+  if kind == 'dnn':
+    return v1.DNNClassifier(hidden_units=[4], feature_columns=COLUMNS)
+  if kind == 'linear':
+    return v1.LinearClassifier(feature_columns=COLUMNS)
+  if kind == 'combined':
+    return v1.DNNLinearCombinedClassifier(
+        linear_feature_columns=COLUMNS, dnn_feature_columns=COLUMNS,
+        dnn_hidden_units=[4])
+  if kind == 'baseline':
+    return v1.BaselineClassifier()
+  if kind == 'dnn_regressor':
+    return v1.DNNRegressor(hidden_units=[4], feature_columns=COLUMNS)
+  raise ValueError(kind)
+
+
+def _pair(tmp_path, model_fn, towers, input_fn, params=None, **wrapper_kwargs):
+  """(one-device, replicated) Estimators that start from one checkpoint."""
+  dirs = [tmp_path / 'one', tmp_path / 'many']
+  save_start_checkpoint(model_fn, input_fn, dirs, params)
+  one = tf.estimator.Estimator(
+      model_fn, config=trainer.make_run_config(str(dirs[0]), cpu_devices=1),
+      params=params)
+  many = tf.estimator.Estimator(
+      trainer.replicate_model_fn(model_fn, **wrapper_kwargs), params=params,
+      config=trainer.make_run_config(str(dirs[1]), cpu_devices=towers))
+  return one, many
+
+
+def _labels(data, kind):
+  x, y = data
+  labels = y[:, None].astype(np.float32 if 'regressor' in kind else np.int32)
+  return {'x': x}, labels
+
+
+@pytest.mark.parametrize('kind', ['dnn', 'linear', 'combined', 'baseline',
+                                  'dnn_regressor'])
+@pytest.mark.parametrize('towers', [2, 3])
+def test_v1_canned_training_equals_one_device(tmp_path, data, kind, towers):
+  features, labels = _labels(data, kind)
+  input_fn = dataset_input_fn(features, labels, BATCH)
+  one, many = _pair(tmp_path, _v1_canned(kind).model_fn, towers, input_fn)
+  one.train(input_fn, steps=STEPS)
+  many.train(input_fn, steps=STEPS)
+  # global_step advances once per step, also where the model_fn advances it
+  # itself (DNNLinearCombined), and every variable and slot matches.
+  assert many.get_variable_value('global_step') == STEPS
+  assert_same_variables(variables_of(one), variables_of(many))
+
+
+def test_v1_canned_eval_and_predict_equal_one_device(tmp_path, data):
+  features, labels = _labels(data, 'combined')
+  train_fn = dataset_input_fn(features, labels, BATCH)
+  one, many = _pair(tmp_path, _v1_canned('combined').model_fn, 3, train_fn)
+  one.train(train_fn, steps=2)
+  many.train(train_fn, steps=2)
+  eval_fn = dataset_input_fn(features, labels, BATCH, repeat=False)
+  expected, actual = one.evaluate(eval_fn), many.evaluate(eval_fn)
+  assert sorted(expected) == sorted(actual)
+  for name in expected:
+    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
+                               atol=1e-6, err_msg=name)
+  predict_fn = dataset_input_fn(features, None, BATCH, repeat=False)
+  expected, actual = list(one.predict(predict_fn)), list(many.predict(predict_fn))
+  assert len(actual) == len(expected) == len(features["x"])
+  for a, b in zip(expected, actual):
+    np.testing.assert_allclose(b['logits'], a['logits'], rtol=1e-5, atol=1e-6)
+
+
+def test_sum_loss_is_detected_so_gradients_are_not_shrunk(tmp_path, data):
+  # Forcing the mean weighting on a summed loss is refused, not run.
+  features, labels = _labels(data, 'dnn')
+  input_fn = dataset_input_fn(features, labels, BATCH)
+  _, many = _pair(tmp_path, _v1_canned('dnn').model_fn, 2, input_fn,
+                  loss_reduction='mean')
+  with pytest.raises(ValueError, match=r"loss_reduction='mean'.*is a sum"):
+    many.train(input_fn, steps=1)

@@ -1,0 +1,106 @@
+"""How a tower's loss reduces its examples decides how towers add up.
+
+`loss_reduction='auto'` reads it off the loss; these losses are written so
+that a wrong weighting changes the trained weights.
+"""
+
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import (assert_same_variables, dataset_input_fn, make_estimator,
+                      seeded, variables_of)
+from estimator_towers import loss_reduction
+
+tf1 = tf.compat.v1
+Reduction = tf1.losses.Reduction
+BATCH = 7
+
+
+def _logits(features):
+  return tf1.layers.dense(features['x'], 1, kernel_initializer=seeded(5))
+
+
+def model_fn(features, labels, mode, params):
+  logits = _logits(features)
+  labels = tf.cast(labels[:, None], tf.float32)
+  kind = params['loss']
+  if kind == 'nonzero_weights':  # Divides by the number of nonzero weights.
+    weights = tf.cast(features['x'][:, 1:2] > 0, tf.float32)
+    loss = tf1.losses.sigmoid_cross_entropy(
+        labels, logits, weights=weights,
+        reduction=Reduction.SUM_BY_NONZERO_WEIGHTS)
+  elif kind == 'sum_plus_l2':
+    loss = tf.reduce_sum(tf.square(logits - labels)) + 0.1 * tf.add_n(
+        [tf.nn.l2_loss(v) for v in tf1.trainable_variables()])
+  elif kind == 'mean_plus_sum':
+    loss = tf.reduce_mean(tf.square(logits - labels)) + tf.reduce_sum(logits)
+  elif kind == 'mean':
+    loss = tf.reduce_mean(tf.square(logits - labels))
+  step = tf1.train.get_or_create_global_step()
+  train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(loss, step)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _train(tmp_path, data, name, towers, loss, **wrapper_kwargs):
+  x, y = data
+  estimator = make_estimator(model_fn, tmp_path / name, towers,
+                             {'loss': loss}, **wrapper_kwargs)
+  estimator.train(dataset_input_fn({'x': x}, y, BATCH), steps=3)
+  return estimator
+
+
+def test_ratio_by_nonzero_weights_equals_one_device(tmp_path, data):
+  # The towers' shares of the examples are not the right weights here: each
+  # tower weighs by its share of the nonzero weights.
+  one = _train(tmp_path, data, 'one', 1, 'nonzero_weights')
+  many = _train(tmp_path, data, 'many', 3, 'nonzero_weights')
+  assert_same_variables(variables_of(one), variables_of(many))
+
+
+def test_sum_with_regularization_is_refused(tmp_path, data):
+  with pytest.raises(ValueError, match='sum over the examples plus terms'):
+    _train(tmp_path, data, 'many', 2, 'sum_plus_l2')
+
+
+def test_explicit_reduction_contradicting_the_loss_is_refused(tmp_path, data):
+  with pytest.raises(ValueError, match=r"loss_reduction='sum'.*a mean"):
+    _train(tmp_path, data, 'many', 2, 'mean', loss_reduction='sum')
+
+
+def test_unreadable_loss_warns_and_weighs_by_examples(tmp_path, data, caplog):
+  with caplog.at_level(logging.WARNING):
+    _train(tmp_path, data, 'many', 2, 'mean_plus_sum')
+  assert "cannot tell how the loss" in caplog.text
+  assert "loss_reduction='sum'" in caplog.text
+
+
+@pytest.mark.parametrize('build,expected', [
+    (lambda x: tf.reduce_sum(x), loss_reduction.SUM),
+    (lambda x: 0.5 * tf.reduce_sum(tf.square(x)), loss_reduction.SUM),
+    (lambda x: tf.reduce_mean(x), loss_reduction.RATIO),
+    (lambda x: tf.reduce_sum(x) / tf.cast(tf.shape(x)[0], tf.float32),
+     loss_reduction.RATIO),
+    (lambda x: tf.reduce_sum(x) / 32.0, loss_reduction.SUM),
+    (lambda x: tf.reduce_sum(tf.reduce_mean(x, 0)), loss_reduction.UNKNOWN),
+    (lambda x: tf.reduce_mean(x) * tf.reduce_sum(x), loss_reduction.UNKNOWN),
+])
+def test_analyze_reads_the_reduction(build, expected):
+  with tf.Graph().as_default():
+    x = tf1.placeholder(tf.float32, [None, 3])
+    found = loss_reduction.analyze(
+        build(x), loss_reduction.ExampleDependence(x, first_id=0))
+  assert found.kind == expected, found.detail
+
+
+def test_analyze_tells_constant_terms():
+  with tf.Graph().as_default():
+    x = tf1.placeholder(tf.float32, [None, 3])
+    w = tf1.get_variable('w', [3])
+    found = loss_reduction.analyze(
+        tf.reduce_sum(x * w) + tf.nn.l2_loss(w),
+        loss_reduction.ExampleDependence(x, first_id=0))
+  assert (found.kind, found.constant_terms) == (loss_reduction.SUM, True)
+  np.testing.assert_equal(found.divisors, [])

@@ -1,0 +1,141 @@
+"""What a model_fn chains around its update happens once per step, as on one
+device: a manual global_step increment, a second optimizer, an EMA of the
+weights, a Saver of its own; and every tower's asserts run.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import (assert_same_variables, dataset_input_fn, make_estimator,
+                      seeded, variables_of)
+
+tf1 = tf.compat.v1
+STEPS = 3
+BATCH = 7
+
+
+def _net(x, name, dtype=tf.float32, outputs=1):
+  with tf1.variable_scope(name):
+    hidden = tf1.layers.Dense(4, tf.nn.tanh, kernel_initializer=seeded(3),
+                              dtype=dtype)(x)
+    return tf1.layers.Dense(outputs, kernel_initializer=seeded(4),
+                            dtype=dtype)(hidden)
+
+
+def _loss(features, labels, dtype=tf.float32):
+  x = tf.cast(features['x'], dtype)
+  logits = _net(x, 'net', dtype)
+  return tf1.losses.sigmoid_cross_entropy(
+      tf.cast(labels[:, None], dtype), logits)
+
+
+def gan_style_model_fn(features, labels, mode):
+  """Two losses, two optimizers, global_step advanced by hand."""
+  x = features['x']
+  generated = _net(x, 'generator', outputs=5)
+  real = _net(x, 'discriminator')
+  with tf1.variable_scope('', reuse=True):
+    fake = _net(generated, 'discriminator')
+  d_loss = tf.reduce_mean(tf.square(real - tf.cast(labels[:, None], tf.float32))
+                          + tf.square(fake))
+  g_loss = tf.reduce_mean(tf.square(fake - 1.0))
+  step = tf1.train.get_or_create_global_step()
+  d_vars = tf1.trainable_variables('discriminator')
+  g_vars = tf1.trainable_variables('generator')
+  train_op = tf.group(
+      tf1.train.AdamOptimizer(0.05, name='d_adam').minimize(
+          d_loss, var_list=d_vars),
+      tf1.train.GradientDescentOptimizer(0.3).minimize(g_loss,
+                                                        var_list=g_vars),
+      step.assign_add(1))
+  return tf.estimator.EstimatorSpec(mode, loss=d_loss + g_loss,
+                                    train_op=train_op)
+
+
+def ema_model_fn(features, labels, mode, params):
+  """An exponential moving average applied after the update."""
+  loss = _loss(features, labels, params['dtype'])
+  step = tf1.train.get_or_create_global_step()
+  update = tf1.train.MomentumOptimizer(0.3, 0.9).minimize(loss, step)
+  ema = tf1.train.ExponentialMovingAverage(0.8)
+  with tf.control_dependencies([update]):
+    train_op = ema.apply(tf1.trainable_variables())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def saver_model_fn(features, labels, mode):
+  """Its own Saver, built after the optimizer as model_fns do."""
+  loss = _loss(features, labels)
+  train_op = tf1.train.AdamOptimizer(0.05).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  scaffold = tf1.train.Scaffold(saver=tf1.train.Saver(max_to_keep=2))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
+                                    scaffold=scaffold)
+
+
+def asserting_model_fn(features, labels, mode, params):
+  """Asserts on each tower's shard around the optimizer calls."""
+  loss = _loss(features, labels)
+  optimizer = tf1.train.GradientDescentOptimizer(0.1)
+  check = tf.debugging.assert_less(features['x'], 50.0,
+                                   message='feature out of range')
+  step = tf1.train.get_or_create_global_step()
+  if params['where'] == 'minimize':
+    with tf.control_dependencies([check]):
+      train_op = optimizer.minimize(loss, step)
+  else:  # Only around compute_gradients; apply_gradients outside.
+    with tf.control_dependencies([check]):
+      grads = optimizer.compute_gradients(loss)
+    train_op = optimizer.apply_gradients(grads, step)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _train_both(tmp_path, data, model_fn, towers, params=None, steps=STEPS):
+  x, y = data
+  input_fn = dataset_input_fn({'x': x}, y, BATCH)
+  trained = []
+  for name, count in (('one', 1), ('many', towers)):
+    estimator = make_estimator(model_fn, tmp_path / name, count, params)
+    estimator.train(input_fn, steps=steps)
+    trained.append(estimator)
+  return trained
+
+
+@pytest.mark.parametrize('towers', [2, 3])
+def test_manual_global_step_and_two_optimizers_equal_one_device(
+    tmp_path, data, towers):
+  one, many = _train_both(tmp_path, data, gan_style_model_fn, towers)
+  assert many.get_variable_value('global_step') == STEPS
+  assert_same_variables(variables_of(one), variables_of(many))
+
+
+@pytest.mark.parametrize('dtype', [tf.float32, tf.float64])
+def test_ema_after_the_update_equals_one_device(tmp_path, data, dtype):
+  one, many = _train_both(tmp_path, data, ema_model_fn, 3, {'dtype': dtype})
+  names = variables_of(many)
+  assert any(n.endswith('ExponentialMovingAverage') for n in names)
+  assert_same_variables(variables_of(one), names)
+
+
+def test_saver_of_the_model_fn_saves_slots_and_resumes(tmp_path, data):
+  one, many = _train_both(tmp_path, data, saver_model_fn, 2)
+  assert any(n.endswith('/Adam') for n in variables_of(many))
+  x, y = data
+  input_fn = dataset_input_fn({'x': x}, y, BATCH)
+  one.train(input_fn, steps=2)
+  many.train(input_fn, steps=2)  # Resumes: restores the slots too.
+  assert many.get_variable_value('global_step') == STEPS + 2
+  assert_same_variables(variables_of(one), variables_of(many))
+
+
+@pytest.mark.parametrize('where', ['minimize', 'compute_gradients'])
+def test_assert_on_the_first_towers_shard_fires(tmp_path, data, where):
+  x, y = data
+  x = x.copy()
+  x[0, 0] = 1000.0  # First example of the first batch: tower 0's shard.
+  estimator = make_estimator(asserting_model_fn, tmp_path / where, 2,
+                             {'where': where})
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match='feature out of range'):
+    estimator.train(dataset_input_fn({'x': x}, y, BATCH), steps=1)
