@@ -23,7 +23,7 @@ calls are matched by their order within each tower.
 
 import contextlib
 import threading
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import tensorflow as tf
 
@@ -52,6 +52,7 @@ class OneUpdate:
     self.call_dependencies: List[List[tf.Operation]] = [
         [] for _ in range(num_towers)]
     self._losses: Dict[int, Dict[int, tf.Tensor]] = {}
+    self._scopes: Dict[tuple, str] = {}
     self._tower: Optional[int] = None
     self._tower_name_scope = ''
     self._counts = {'compute': [0] * num_towers, 'apply': [0] * num_towers}
@@ -77,19 +78,63 @@ class OneUpdate:
         return apply(opt, grads_and_vars, *args, **kwargs)
       return outer._apply(apply, opt, grads_and_vars, *args, **kwargs)
 
-    _Optimizer.compute_gradients = routed_compute
-    _Optimizer.apply_gradients = routed_apply
-    overriding = _overriding_subclasses()
-    for cls in overriding:
-      cls.apply_gradients = _refusing(cls, cls.__dict__['apply_gradients'],
-                                      outer._owns_call)
+    patches = {(_Optimizer, 'compute_gradients'): routed_compute,
+               (_Optimizer, 'apply_gradients'): routed_apply}
+    patches.update(self._keras_patches())
+    for cls, method in _overriding_subclasses().items():
+      patches[(cls, 'apply_gradients')] = _refusing(cls, method,
+                                                    outer._owns_call)
+    originals = {key: key[0].__dict__[key[1]] for key in patches}
+    for (cls, name), method in patches.items():
+      setattr(cls, name, method)
     try:
       yield
     finally:
-      _Optimizer.compute_gradients = compute
-      _Optimizer.apply_gradients = apply
-      for cls, method in overriding.items():
-        cls.apply_gradients = method
+      for (cls, name), method in originals.items():
+        setattr(cls, name, method)
+
+  def _keras_patches(self) -> Dict[tuple, Callable]:
+    """Routes the legacy Keras optimizers the TF2 Estimators use.
+
+    Their graph-mode path is `get_updates` = `get_gradients` then
+    `apply_gradients`; `minimize` goes through `_compute_gradients`.
+    """
+    keras_optimizer = _keras_legacy_optimizer()
+    if keras_optimizer is None:
+      return {}
+    get_gradients = keras_optimizer.get_gradients
+    compute = keras_optimizer._compute_gradients  # pylint: disable=protected-access
+    apply = keras_optimizer.apply_gradients
+    outer = self
+
+    def routed_get_gradients(opt, loss, params):
+      if not outer._owns_call():
+        return get_gradients(opt, loss, params)
+      params = tf.nest.flatten(params)
+      return outer._gradients(
+          loss, lambda: [_zeros_like(v) for v in params],
+          lambda total: _keras_gradients(opt, total, params, None, True))
+
+    def routed_compute(opt, loss, var_list, grad_loss=None, tape=None):
+      if not outer._owns_call():
+        return compute(opt, loss, var_list, grad_loss=grad_loss, tape=tape)
+      del tape  # Graph mode: tf.gradients sees every tower's ops.
+      loss = loss() if callable(loss) else loss
+      variables = tf.nest.flatten(var_list() if callable(var_list)
+                                  else var_list)
+      return outer._gradients(
+          loss, lambda: [(_zeros_like(v), v) for v in variables],
+          lambda total: list(zip(_keras_gradients(
+              opt, total, variables, grad_loss, False), variables)))
+
+    def routed_apply(opt, grads_and_vars, *args, **kwargs):
+      if not outer._owns_call():
+        return apply(opt, grads_and_vars, *args, **kwargs)
+      return outer._apply(apply, opt, grads_and_vars, *args, **kwargs)
+
+    return {(keras_optimizer, 'get_gradients'): routed_get_gradients,
+            (keras_optimizer, '_compute_gradients'): routed_compute,
+            (keras_optimizer, 'apply_gradients'): routed_apply}
 
   @contextlib.contextmanager
   def tower(self, index: int, name_scope: str) -> Iterator[None]:
@@ -109,17 +154,39 @@ class OneUpdate:
                gate_gradients=_Optimizer.GATE_OP, aggregation_method=None,
                colocate_gradients_with_ops=False, grad_loss=None):
     del colocate_gradients_with_ops  # Always colocated: see module doc.
-    tower = self._tower
-    call = self._counts['compute'][tower]
-    self._counts['compute'][tower] += 1
-    self._record_dependencies(tower)
     if callable(loss):
       raise TypeError(
           'replicate_model_fn needs the loss as a Tensor in graph mode; '
           f'compute_gradients got the callable {loss!r}.')
+    return self._gradients(
+        loss, lambda: [(_zeros_like(v), v) for v in _variables(var_list)],
+        lambda total: compute(
+            opt, total, var_list=var_list, gate_gradients=gate_gradients,
+            aggregation_method=aggregation_method,
+            colocate_gradients_with_ops=True, grad_loss=grad_loss))
+
+  def _gradients(self, loss: tf.Tensor, placeholder: Callable[[], Any],
+                 differentiate: Callable[[tf.Tensor], Any]) -> Any:
+    """One tower's gradient call.
+
+    Args:
+      loss: The tower's loss.
+      placeholder: Returns what an earlier tower gets back: zeros shaped
+        like the gradients (the update they would feed is not made).
+      differentiate: Given the global-batch loss, returns the gradients in
+        the form the optimizer's method returns them.
+
+    Returns:
+      The placeholder for earlier towers; the global-batch gradients for
+      the last tower.
+    """
+    tower = self._tower
+    call = self._counts['compute'][tower]
+    self._counts['compute'][tower] += 1
+    self._record_call(tower, ('compute', call))
     self._losses.setdefault(call, {})[tower] = loss
     if tower < self._num_towers - 1:
-      return [(_zeros_like(v), v) for v in _variables(var_list)]
+      return placeholder()
     missing = [t for t in range(self._num_towers)
                if t not in self._losses[call]]
     if missing:
@@ -129,15 +196,10 @@ class OneUpdate:
           'number of times.')
     self.applying = True
     try:
-      # Under the user's own name scope, not the last tower's: the backward
-      # pass spans every tower (each op on its tower's device).
-      with tf1.get_default_graph().name_scope(self._unprefixed_scope()), \
-          self._unshared():
-        total = self._global_loss(call)
-        return compute(opt, total, var_list=var_list,
-                       gate_gradients=gate_gradients,
-                       aggregation_method=aggregation_method,
-                       colocate_gradients_with_ops=True, grad_loss=grad_loss)
+      # Under tower 0's name scope, the one-device one: the backward pass
+      # spans every tower (each op on its tower's device).
+      with self._first_tower_scope(('compute', call)), self._unshared():
+        return differentiate(self._global_loss(call))
     finally:
       self.applying = False
 
@@ -149,46 +211,47 @@ class OneUpdate:
           loss * tf.cast(weight, loss.dtype)
           for loss, weight in zip(losses, weights)])
 
-  def _record_dependencies(self, tower: int) -> None:
-    """Remembers the control dependencies around a tower's optimizer call.
+  def _record_call(self, tower: int, call: tuple) -> None:
+    """Remembers the context of a tower's optimizer call.
 
     An earlier tower's update is discarded, so what the model_fn made it
-    wait for (asserts on the tower's shard, side effects) must run anyway.
+    wait for (asserts on the tower's shard, side effects) must run anyway;
+    and tower 0's name scope is the one-device one, under which the last
+    tower builds the update (slot names in checkpoints depend on it).
     """
     graph = tf1.get_default_graph()
+    if tower == 0:
+      self._scopes[call] = graph.get_name_scope()
     # Private, but the only record of the enclosing control_dependencies.
     for controller in graph._control_dependencies_stack:  # pylint: disable=protected-access
       self.call_dependencies[tower].extend(controller.control_inputs)
 
-  def _apply(self, apply, opt, grads_and_vars, global_step=None, name=None):
+  def _first_tower_scope(self, call: tuple):
+    scope = self._scopes.get(call, '')
+    return tf1.get_default_graph().name_scope(scope + '/' if scope else '')
+
+  def _apply(self, apply, opt, grads_and_vars, *args, **kwargs):
     tower = self._tower
+    call = self._counts['apply'][tower]
     self._counts['apply'][tower] += 1
-    self._record_dependencies(tower)
+    self._record_call(tower, ('apply', call))
     if self._counts['apply'][tower] > self._counts['compute'][tower]:
       raise ValueError(
           'apply_gradients was called with gradients that did not come from '
-          'Optimizer.compute_gradients. Under replicate_model_fn compute them '
-          'with optimizer.compute_gradients(loss) (or call '
-          'optimizer.minimize(loss)), so that they are the gradients of the '
-          'whole batch.')
+          'the optimizer\'s own gradient method. Under replicate_model_fn '
+          'compute them with optimizer.compute_gradients(loss) (Keras: '
+          'optimizer.get_gradients, or call minimize / get_updates), so that '
+          'they are the gradients of the whole batch.')
     if tower < self._num_towers - 1:
       return tf.no_op(name='update_in_last_tower')
     self.applying = True
     try:
-      # Under the name scope the one-device model_fn would have used, so
-      # slot and non-slot variables get checkpoint-compatible names.
-      with tf1.get_default_graph().name_scope(self._unprefixed_scope()):
-        with self._unshared():
-          return apply(opt, grads_and_vars, global_step=global_step, name=name)
+      # Under the name scope the one-device model_fn used, so slot and
+      # non-slot variables get checkpoint-compatible names.
+      with self._first_tower_scope(('apply', call)), self._unshared():
+        return apply(opt, grads_and_vars, *args, **kwargs)
     finally:
       self.applying = False
-
-  def _unprefixed_scope(self) -> str:
-    scope = tf1.get_default_graph().get_name_scope()
-    prefix = self._tower_name_scope
-    if prefix and (scope == prefix or scope.startswith(prefix + '/')):
-      scope = scope[len(prefix) + 1:]
-    return scope + '/' if scope else ''
 
   def check_tower(self, index: int) -> None:
     """Fails when tower `index` did not use the optimizer like tower 0."""
@@ -197,9 +260,12 @@ class OneUpdate:
     if index == 0 and computed == 0:
       raise ValueError(
           'In TRAIN mode, replicate_model_fn needs the train_op built by a '
-          'tf.compat.v1.train.Optimizer: call optimizer.minimize(loss, '
-          'global_step=...) or compute_gradients then apply_gradients. The '
-          'model_fn made no such call.')
+          'tf.compat.v1.train.Optimizer (minimize, or compute_gradients then '
+          'apply_gradients) or a tf.keras.optimizers.legacy optimizer '
+          '(get_updates, minimize, or get_gradients then apply_gradients). '
+          'The model_fn made no such call. The new tf.keras.optimizers '
+          '(non-legacy) do not run in graph mode: use '
+          'tf.keras.optimizers.legacy.')
     if computed != self._counts['compute'][0]:
       raise ValueError(
           f'Tower {index} called Optimizer.compute_gradients {computed} times '
@@ -263,3 +329,27 @@ def _zeros_like(variable) -> tf.Tensor:
   if shape.is_fully_defined():
     return tf.zeros(shape, variable.dtype.base_dtype)
   return tf.zeros_like(variable)
+
+
+def _keras_legacy_optimizer():
+  """The base class of Keras's legacy optimizers, if Keras is installed."""
+  try:
+    return tf.keras.optimizers.legacy.Optimizer
+  except (AttributeError, ImportError):
+    return None
+
+
+def _keras_gradients(opt, total: tf.Tensor, variables: List, grad_loss,
+                     require_all: bool) -> List[Optional[tf.Tensor]]:
+  """Keras's gradients of `total`, each computed on its forward op's device."""
+  # Private, but the name Keras gives its gradient scope.
+  with tf.name_scope(opt._name + '/gradients'):  # pylint: disable=protected-access
+    grads = tf1.gradients(total, variables, grad_ys=grad_loss,
+                          colocate_gradients_with_ops=True)
+  if require_all:
+    for grad, variable in zip(grads, variables):
+      if grad is None:
+        raise ValueError(
+            f'Variable {variable.name} has no gradient: the loss does not '
+            'depend on it through differentiable ops.')
+  return grads

@@ -6,6 +6,7 @@ GPUs. Initializers carry op-level seeds so the one-device and the towered
 graph start from the same weights although their graphs differ.
 """
 
+import inspect
 import os
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
@@ -58,9 +59,13 @@ def make_estimator(model_fn, model_dir, towers=1, params=None, replicate=None,
 
 
 def variables_of(estimator):
-  """Every checkpointed variable of the estimator, by name."""
+  """Every checkpointed variable of the estimator, by name.
+
+  The object graph that object-based checkpoints add is not a variable.
+  """
   return {name: estimator.get_variable_value(name)
-          for name in estimator.get_variable_names()}
+          for name in estimator.get_variable_names()
+          if name != '_CHECKPOINTABLE_OBJECT_GRAPH'}
 
 
 def assert_same_variables(expected, actual, rtol=1e-5, atol=1e-6):
@@ -176,14 +181,17 @@ def save_start_checkpoint(model_fn, input_fn, model_dirs, params=None):
   with tf.Graph().as_default():
     features, labels = tf1.data.make_one_shot_iterator(input_fn()).get_next()
     tf1.train.get_or_create_global_step()
-    kwargs = {'params': params} if params is not None else {}
-    model_fn(features=features, labels=labels,
-             mode=tf.estimator.ModeKeys.TRAIN,
-             config=tf.estimator.RunConfig(), **kwargs)
-    saver = tf1.train.Saver()
+    kwargs = {'labels': labels, 'mode': tf.estimator.ModeKeys.TRAIN,
+              'params': params, 'config': tf.estimator.RunConfig()}
+    accepted = inspect.signature(model_fn).parameters
+    spec = model_fn(features=features,
+                    **{k: v for k, v in kwargs.items() if k in accepted})
+    # The model_fn's own Saver if it has one (e.g. object-based checkpoints).
+    saver = spec.scaffold.saver or tf1.train.Saver()
     with tf1.Session() as session:
       session.run([tf1.global_variables_initializer(),
                    tf1.tables_initializer()])
       for model_dir in model_dirs:
+        os.makedirs(str(model_dir), exist_ok=True)
         saver.save(session, os.path.join(str(model_dir), 'model.ckpt'),
                    global_step=0)

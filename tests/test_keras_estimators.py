@@ -1,0 +1,137 @@
+"""TF2 Estimators train with Keras optimizers; replicated, they equal one
+device: the `tf.estimator` canned Estimators and heads given `optimizer=` or
+`train_op_fn=`.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import trainer
+from conftest import (assert_same_variables, dataset_input_fn,
+                      save_start_checkpoint, seeded, variables_of)
+
+tf1 = tf.compat.v1
+STEPS = 4
+BATCH = 7
+COLUMNS = [tf.feature_column.numeric_column('x', shape=(5,))]
+
+
+def _pair(tmp_path, model_fn, towers, input_fn, params=None):
+  """(one-device, replicated) Estimators that start from one checkpoint."""
+  dirs = [tmp_path / 'one', tmp_path / 'many']
+  save_start_checkpoint(model_fn, input_fn, dirs, params)
+  one = tf.estimator.Estimator(
+      model_fn, params=params,
+      config=trainer.make_run_config(str(dirs[0]), cpu_devices=1))
+  many = tf.estimator.Estimator(
+      trainer.replicate_model_fn(model_fn), params=params,
+      config=trainer.make_run_config(str(dirs[1]), cpu_devices=towers))
+  return one, many
+
+
+def _train_and_compare(tmp_path, data, model_fn, towers, params=None,
+                       float_labels=False):
+  x, y = data
+  labels = y[:, None].astype(np.float32 if float_labels else np.int32)
+  input_fn = dataset_input_fn({'x': x}, labels, BATCH)
+  one, many = _pair(tmp_path, model_fn, towers, input_fn, params)
+  one.train(input_fn, steps=STEPS)
+  many.train(input_fn, steps=STEPS)
+  assert _global_step(many) == STEPS
+  assert_same_variables(variables_of(one), variables_of(many))
+  return one, many
+
+
+def _global_step(estimator):
+  """global_step, also under its object-based checkpoint key."""
+  names = [n for n in estimator.get_variable_names() if 'global_step' in n]
+  assert len(names) == 1, names
+  return estimator.get_variable_value(names[0])
+
+
+@pytest.mark.parametrize('towers', [2, 3])
+def test_tf2_canned_dnn_classifier_equals_one_device(tmp_path, data, towers):
+  estimator = tf.estimator.DNNClassifier(hidden_units=[4],
+                                         feature_columns=COLUMNS)
+  one, many = _train_and_compare(tmp_path, data, estimator.model_fn, towers)
+  # The Keras optimizer's slots, under their one-device names.
+  assert any('Adagrad' in name for name in variables_of(many))
+
+
+def test_tf2_canned_linear_regressor_with_adam_equals_one_device(tmp_path,
+                                                                  data):
+  estimator = tf.estimator.LinearRegressor(
+      feature_columns=COLUMNS,
+      optimizer=lambda: tf.keras.optimizers.legacy.Adam(0.05))
+  _train_and_compare(tmp_path, data, estimator.model_fn, 3, float_labels=True)
+
+
+def head_model_fn(features, labels, mode, params):
+  """A model_fn around a tf.estimator head, as the TF2 guides write them."""
+  hidden = tf.keras.layers.Dense(4, tf.nn.tanh, kernel_initializer=seeded(6))
+  logits = tf.keras.layers.Dense(1, kernel_initializer=seeded(7))(
+      hidden(features['x']))
+  head = tf.estimator.BinaryClassHead()
+  step = tf1.train.get_or_create_global_step()
+  if params['train'] == 'optimizer':
+    optimizer = tf.keras.optimizers.legacy.Adam(0.05)
+    optimizer.iterations = step  # As the canned Estimators do.
+    return head.create_estimator_spec(
+        features, mode, logits, labels, optimizer=optimizer,
+        trainable_variables=tf1.trainable_variables())
+  return head.create_estimator_spec(
+      features, mode, logits, labels,
+      train_op_fn=lambda loss: tf1.train.MomentumOptimizer(
+          0.2, 0.9).minimize(loss, step))
+
+
+@pytest.mark.parametrize('train', ['optimizer', 'train_op_fn'])
+def test_head_equals_one_device(tmp_path, data, train):
+  _train_and_compare(tmp_path, data, head_model_fn, 2, {'train': train})
+
+
+def test_new_keras_optimizer_error_names_the_legacy_one(tmp_path, data):
+  def model_fn(features, labels, mode):
+    logits = tf1.layers.dense(features['x'], 1)
+    loss = tf1.losses.sigmoid_cross_entropy(labels, logits)
+    optimizer = tf.keras.optimizers.SGD(0.1)  # Not legacy: no graph mode.
+    grads = tf1.gradients(loss, tf1.trainable_variables())
+    train_op = optimizer.apply_gradients(
+        zip(grads, tf1.trainable_variables()))
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  x, y = data
+  estimator = tf.estimator.Estimator(
+      trainer.replicate_model_fn(model_fn),
+      config=trainer.make_run_config(str(tmp_path), cpu_devices=2))
+  with pytest.raises(Exception, match='legacy'):
+    estimator.train(dataset_input_fn({'x': x}, y[:, None], BATCH), steps=1)
+
+
+def _keras_model():
+  inputs = tf.keras.Input(shape=(5,), name='x')
+  hidden = tf.keras.layers.Dense(4, tf.nn.tanh, kernel_initializer=seeded(8))(
+      inputs)
+  outputs = tf.keras.layers.Dense(1, tf.nn.sigmoid,
+                                  kernel_initializer=seeded(9))(hidden)
+  model = tf.keras.Model(inputs, outputs)
+  model.compile(optimizer=tf.keras.optimizers.legacy.Adam(0.05),
+                loss='binary_crossentropy')
+  return model
+
+
+@pytest.mark.parametrize('checkpoint_format', ['checkpoint', 'saver'])
+def test_model_to_estimator_equals_one_device_and_resumes(tmp_path, data,
+                                                          checkpoint_format):
+  estimator = tf.keras.estimator.model_to_estimator(
+      keras_model=_keras_model(), checkpoint_format=checkpoint_format,
+      model_dir=str(tmp_path / 'keras'))
+  one, many = _train_and_compare(tmp_path, data, estimator.model_fn, 2,
+                                 float_labels=True)
+  x, y = data
+  input_fn = dataset_input_fn({'x': x}, y[:, None].astype(np.float32), BATCH)
+  one.train(input_fn, steps=2)
+  many.train(input_fn, steps=2)  # Resumes, optimizer slots included.
+  assert _global_step(many) == STEPS + 2
+  assert_same_variables(variables_of(one), variables_of(many))
