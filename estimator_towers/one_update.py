@@ -23,7 +23,7 @@ calls are matched by their order within each tower.
 
 import contextlib
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -81,9 +81,13 @@ class OneUpdate:
     patches = {(_Optimizer, 'compute_gradients'): routed_compute,
                (_Optimizer, 'apply_gradients'): routed_apply}
     patches.update(self._keras_patches())
-    for cls, method in _overriding_subclasses().items():
-      patches[(cls, 'apply_gradients')] = _refusing(cls, method,
-                                                    outer._owns_call)
+    bases = [(_Optimizer, ('apply_gradients',))]
+    if _keras_legacy_optimizer() is not None:
+      bases.append((_keras_legacy_optimizer(),
+                    ('apply_gradients', 'get_gradients', '_compute_gradients')))
+    for base, names in bases:
+      for (cls, name), method in _overriding_subclasses(base, names).items():
+        patches[(cls, name)] = _refusing(cls, name, method, outer._owns_call)
     originals = {key: key[0].__dict__[key[1]] for key in patches}
     for (cls, name), method in patches.items():
       setattr(cls, name, method)
@@ -279,37 +283,44 @@ class OneUpdate:
           'one update.')
 
 
-def _overriding_subclasses() -> Dict[type, Callable]:
-  """Optimizer classes with their own apply_gradients, and that method.
+def _overriding_subclasses(base: type, names: Sequence[str]
+                           ) -> Dict[tuple, Callable]:
+  """Subclasses of `base` with their own version of a method in `names`.
 
-  Such optimizers (SyncReplicasOptimizer, loss-scaling or cross-shard
-  wrappers) do their own aggregation around the update; called once per
-  tower they would wait for each other or scale twice.
+  Returns:
+    {(class, method name): the class's method}.
+
+  Such optimizers (SyncReplicasOptimizer, Keras's LossScaleOptimizer,
+  cross-shard wrappers) do their own aggregation or scaling around the
+  update; called once per tower they would wait for each other or scale
+  twice.
   """
-  found, pending = {}, list(_Optimizer.__subclasses__())
+  found, pending = {}, list(base.__subclasses__())
   while pending:
     cls = pending.pop()
     pending.extend(cls.__subclasses__())
-    if 'apply_gradients' in cls.__dict__:
-      found[cls] = cls.__dict__['apply_gradients']
+    for name in names:
+      if name in cls.__dict__:
+        found[(cls, name)] = cls.__dict__[name]
   return found
 
 
-def _refusing(cls: type, method: Callable, owns_call: Callable[[], bool]):
+def _refusing(cls: type, name: str, method: Callable,
+              owns_call: Callable[[], bool]):
   """`method`, failing clearly when called while towers are built."""
 
-  def apply_gradients(opt, *args, **kwargs):
+  def refusing(opt, *args, **kwargs):
     if owns_call():
       raise ValueError(
-          f'{cls.__name__} overrides Optimizer.apply_gradients to aggregate '
-          'or transform the update itself, which replicate_model_fn cannot '
-          'make into one update of the towers (SyncReplicasOptimizer would '
-          'wait forever). Use the optimizer it wraps directly: the towers '
-          'already aggregate the whole batch; for loss scaling, scale the '
-          'loss in the model_fn. Or use RunConfig(train_distribute=...).')
+          f'{cls.__name__} overrides {name} to aggregate, scale or transform '
+          'the update itself, which replicate_model_fn cannot make into one '
+          'update of the towers (SyncReplicasOptimizer would wait forever). '
+          'Use the optimizer it wraps directly: the towers already aggregate '
+          'the whole batch; for loss scaling, scale the loss in the model_fn. '
+          'Or use RunConfig(train_distribute=...).')
     return method(opt, *args, **kwargs)
 
-  return apply_gradients
+  return refusing
 
 
 def _variables(var_list) -> List[tf.Variable]:

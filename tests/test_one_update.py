@@ -137,6 +137,6 @@ def test_optimizer_overriding_apply_gradients_is_refused():
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
   original = tf1.train.SyncReplicasOptimizer.apply_gradients
-  with pytest.raises(ValueError, match='SyncReplicasOptimizer overrides'):
+  with pytest.raises(ValueError, match='SyncReplicasOptimizer overrides apply_gradients'):
     build_replicated(model_fn, 2)
   assert tf1.train.SyncReplicasOptimizer.apply_gradients is original
