@@ -3,8 +3,9 @@
 The user's model_fn calls `optimizer.minimize(loss)` (or `compute_gradients`
 then `apply_gradients`) once per tower, on the tower's share of the batch.
 Wrapping the optimizer, as `TowerOptimizer` once required, is not needed:
-while the towers are built, the two base-class methods of
-`tf.compat.v1.train.Optimizer` are routed here.
+while the towers are built, the base-class gradient and apply methods of
+`tf.compat.v1.train.Optimizer` and of Keras's legacy optimizers (which the
+TF2 canned Estimators, heads and `model_to_estimator` use) are routed here.
 
 * Towers before the last record their loss. They get zero gradients back
   (only their shapes matter: the update they feed is discarded) and a no-op

@@ -56,13 +56,16 @@ def replicate_model_fn(model_fn: ModelFn,
   """Wraps a one-device `model_fn` so that it uses several devices.
 
   The returned function is a `model_fn` for `tf.estimator.Estimator`. In
-  TRAIN mode the towers' losses are averaged, weighted by each tower's number
-  of examples (the global-batch mean one device computes), each tower's
+  TRAIN mode the towers' losses are weighted so that they add up to the
+  global-batch loss one device computes (see `loss_reduction`), each tower's
   gradients are computed on its own device, and ONE update is applied to ONE
   set of variables: `optimizer.minimize(loss, global_step=...)` works with any
-  `tf.compat.v1.train` optimizer, unwrapped, and so does `compute_gradients`,
-  a transformation of the gradients, then `apply_gradients` (the
-  transformation sees the global-batch gradients). Variables made by
+  `tf.compat.v1.train` or `tf.keras.optimizers.legacy` optimizer, unwrapped,
+  and so does `compute_gradients`, a transformation of the gradients, then
+  `apply_gradients` (the transformation sees the global-batch gradients).
+  Only the last tower's train_op runs, so what the model_fn chains after
+  its update (a manual global_step increment, an EMA) happens once; earlier
+  towers' asserts and shard-dependent writes run too. Variables made by
   `get_variable`, `tf.compat.v1.layers`, feature columns and `tf.keras.layers`
   (named or not) are shared by all towers and keep one-device names, so
   checkpoints move freely between tower counts and plain Estimators. EVAL
@@ -73,7 +76,8 @@ def replicate_model_fn(model_fn: ModelFn,
 
   Inside the model_fn, `trainer.tower_context()` tells the tower index and
   count. Batch-norm statistics are computed per tower (as with any
-  in-graph replication); hooks, scaffold and summaries come from tower 0.
+  in-graph replication); hooks and summaries come from tower 0, the
+  training scaffold from the last tower (its Saver sees the slots).
 
   Args:
     model_fn: A model_fn written for one device, taking some of `features`,
