@@ -18,13 +18,12 @@ scalings, casts and divisions back to the reductions over the tower's
 examples. Terms that do not depend on the examples (regularization) are
 fine in a ratio, since the weights add up to one; in a sum they would be
 counted once per tower, so that is an error. A loss the analysis cannot read
-is reported as unknown, and the caller decides.
+is reported as unknown: `TowerWeights` then needs to be told.
 """
 
 import dataclasses
 from typing import Callable, Dict, List, Optional
 
-from absl import logging
 import tensorflow as tf
 
 SUM = 'sum'
@@ -113,31 +112,36 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
     numerator, denominator = op.inputs[0], op.inputs[1]
     if not depends(denominator):  # A scaling, e.g. by a fixed batch size.
       _collect_terms(numerator, depends, terms, budget)
-    elif _reduces_all(numerator, SUM):
+    elif _reduces_all(numerator, SUM, depends):
       terms.append((RATIO, denominator, op.name))
     else:
       terms.append((UNKNOWN, None, op.name))
-  elif _reduces_all(tensor, SUM):
+  elif _reduces_all(tensor, SUM, depends):
     terms.append((SUM, None, op.name))
-  elif _reduces_all(tensor, 'mean'):
+  elif _reduces_all(tensor, 'mean', depends):
     count = tf.cast(tf.size(op.inputs[0]), tensor.dtype)
     terms.append((RATIO, count, op.name))
   else:
     terms.append((UNKNOWN, None, op.name))
 
 
-def _reduces_all(tensor: tf.Tensor, how: str) -> bool:
+def _reduces_all(tensor: tf.Tensor, how: str, depends) -> bool:
   """Whether `tensor` is a reduce_sum / reduce_mean over the examples.
 
   The reduced tensor must be a scalar of a tensor whose first dimension is
-  the (dynamic) batch: a sum of per-feature means is not a sum over examples.
+  the tower's batch: a sum of per-feature means is not a sum over examples.
+  The batch dimension is unknown while the graph is built, or, when the
+  input's batch size is static, the tower's static share of it.
   """
   op = _skip_pass_through(tensor).op
   wanted = 'Sum' if how == SUM else 'Mean'
   if op.type != wanted or tensor.shape.rank != 0:
     return False
   reduced = op.inputs[0].shape
-  return reduced.rank is None or (reduced.rank >= 1 and reduced[0] is None)
+  if reduced.rank is None:
+    return True
+  return reduced.rank >= 1 and reduced[0] == getattr(depends, 'batch_size',
+                                                      None)
 
 
 def _skip_pass_through(tensor: tf.Tensor) -> tf.Tensor:
@@ -166,6 +170,11 @@ class ExampleDependence:
   def __init__(self, shard, first_id: int):
     leaves = tf.nest.flatten(shard, expand_composites=True)
     self._shard_ops = {t.op.name for t in leaves if isinstance(t, tf.Tensor)}
+    dense = [t for t in tf.nest.flatten(shard) if isinstance(t, tf.Tensor)]
+    # The shard's static number of examples; None when known only at run
+    # time (the usual case; static when the input's batch size is).
+    self.batch_size = (dense[0].shape[0] if dense and dense[0].shape.rank
+                       else None)
     self._first_id = first_id
     self._memo: Dict[str, bool] = {}
 
@@ -221,15 +230,14 @@ def exact_weights(losses: List[tf.Tensor], reductions: List[Reduction],
   return [tf.math.divide_no_nan(counts[t], total) for t in range(num)]
 
 
-_warned: set = set()
-
 
 class TowerWeights:
   """Weights the towers' losses so that they add up to the global-batch loss.
 
   Args:
-    requested: 'auto' (read the reduction off each loss), 'mean' or 'sum'
-      (what the user says the loss is; checked against the graph).
+    requested: 'auto' (read the reduction off each loss; an unreadable one
+      is an error), 'mean' or 'sum' (what the user says the loss is; checked
+      against the graph where it can be read).
     sizes: Each tower's number of real examples (an int32 vector).
     shards: Each tower's features and labels.
     first_ids: For each tower, the id of the first op its model_fn created.
@@ -290,8 +298,12 @@ class TowerWeights:
     requested = {'mean': RATIO, 'sum': SUM}.get(self._requested)
     if found.kind == UNKNOWN:
       if requested is None:
-        _warn_once(name, found.detail)
-        return RATIO
+        # Guessing would train a summed loss with shrunk gradients, silently.
+        raise ValueError(
+            f'replicate_model_fn cannot tell how the loss {name!r} reduces '
+            f'its examples ({found.detail}), so it cannot tell how the '
+            "towers' losses add up. Pass loss_reduction='mean' if the loss "
+            "is a mean over the batch, loss_reduction='sum' if it is a sum.")
       return requested
     if requested is not None and requested != found.kind:
       said = 'a sum' if found.kind == SUM else 'a mean (a ratio)'
@@ -333,14 +345,3 @@ class TowerWeights:
               'the one-device loss. Return one ratio (or a sum) as the loss.')))
     with tf.control_dependencies(checks):
       return [tf.identity(s) for s in shares]
-
-
-def _warn_once(name: str, detail: str) -> None:
-  if name in _warned:
-    return
-  _warned.add(name)
-  logging.warning(
-      'replicate_model_fn cannot tell how the loss %r reduces its examples '
-      '(%s), so it weighs each tower by its share of the examples, which is '
-      "exact for a mean. If the loss is a sum, pass loss_reduction='sum'; "
-      "pass loss_reduction='mean' to silence this warning.", name, detail)

@@ -71,6 +71,21 @@ def test_v1_canned_training_equals_one_device(tmp_path, data, kind, towers):
   assert_same_variables(variables_of(one), variables_of(many))
 
 
+def test_v1_canned_with_a_static_batch_size_equals_one_device(tmp_path, data):
+  # drop_remainder=True makes every shard's size static; the summed loss
+  # must still be read as a sum.
+  features, labels = _labels(data, 'dnn')
+
+  def input_fn():
+    ds = tf.data.Dataset.from_tensor_slices((features, labels))
+    return ds.repeat().batch(BATCH, drop_remainder=True)
+
+  one, many = _pair(tmp_path, _v1_canned('dnn').model_fn, 2, input_fn)
+  one.train(input_fn, steps=STEPS)
+  many.train(input_fn, steps=STEPS)
+  assert_same_variables(variables_of(one), variables_of(many))
+
+
 def test_v1_canned_eval_and_predict_equal_one_device(tmp_path, data):
   features, labels = _labels(data, 'combined')
   train_fn = dataset_input_fn(features, labels, BATCH)

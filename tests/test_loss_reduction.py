@@ -4,8 +4,6 @@
 that a wrong weighting changes the trained weights.
 """
 
-import logging
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -70,11 +68,21 @@ def test_explicit_reduction_contradicting_the_loss_is_refused(tmp_path, data):
     _train(tmp_path, data, 'many', 2, 'mean', loss_reduction='sum')
 
 
-def test_unreadable_loss_warns_and_weighs_by_examples(tmp_path, data, caplog):
-  with caplog.at_level(logging.WARNING):
+def test_unreadable_loss_is_an_error_that_says_what_to_pass(tmp_path, data):
+  with pytest.raises(ValueError, match="cannot tell how the loss.*"
+                     "loss_reduction='mean'.*loss_reduction='sum'"):
     _train(tmp_path, data, 'many', 2, 'mean_plus_sum')
-  assert "cannot tell how the loss" in caplog.text
-  assert "loss_reduction='sum'" in caplog.text
+
+
+def test_unreadable_loss_trains_as_told(tmp_path, data):
+  x, y = data
+  one = _train(tmp_path, data, 'one', 1, 'mean_plus_sum')
+  many = _train(tmp_path, data, 'many', 2, 'mean_plus_sum',
+                loss_reduction='mean')
+  # A mean plus a sum is neither: weighing as a mean differs from one device
+  # (which is why 'auto' refuses to guess).
+  assert not np.allclose(one.get_variable_value('dense/bias'),
+                         many.get_variable_value('dense/bias'))
 
 
 @pytest.mark.parametrize('build,expected', [
@@ -90,6 +98,19 @@ def test_unreadable_loss_warns_and_weighs_by_examples(tmp_path, data, caplog):
 def test_analyze_reads_the_reduction(build, expected):
   with tf.Graph().as_default():
     x = tf1.placeholder(tf.float32, [None, 3])
+    found = loss_reduction.analyze(
+        build(x), loss_reduction.ExampleDependence(x, first_id=0))
+  assert found.kind == expected, found.detail
+
+
+@pytest.mark.parametrize('build,expected', [
+    (lambda x: tf.reduce_sum(x), loss_reduction.SUM),
+    (lambda x: tf.reduce_mean(x), loss_reduction.RATIO),
+    (lambda x: tf.reduce_sum(tf.reduce_mean(x, 0)), loss_reduction.UNKNOWN),
+])
+def test_analyze_with_a_static_batch_size(build, expected):
+  with tf.Graph().as_default():
+    x = tf1.placeholder(tf.float32, [8, 3])
     found = loss_reduction.analyze(
         build(x), loss_reduction.ExampleDependence(x, first_id=0))
   assert found.kind == expected, found.detail
