@@ -1,4 +1,5 @@
-"""SIGTERM and kill -9 during training: nothing is lost, nothing goes back."""
+"""SIGTERM, Ctrl-C, SIGHUP and kill -9 during training: nothing is lost,
+nothing goes back."""
 
 import os
 import signal
@@ -6,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import tensorflow as tf
 
 from cli_helpers import ROOT, eval_line, run_module, wait_until
@@ -66,6 +68,27 @@ def test_sigterm_saves_a_checkpoint_and_rerun_resumes(tmp_path):
                        f'--train-steps={saved + 50}', *ARGS[1:])
   assert f'model.ckpt-{saved}' in resumed.stderr  # Restored from it.
   assert int(eval_line(resumed)['global_step']) == saved + 50
+
+
+@pytest.mark.parametrize('signum,code', [(signal.SIGINT, 130),
+                                         (signal.SIGHUP, 129)])
+def test_ctrl_c_and_hangup_save_a_checkpoint_and_exit_cleanly(tmp_path, signum,
+                                                             code):
+  process, log = _start(tmp_path)
+  try:
+    _wait_for_training(tmp_path, process)
+    process.send_signal(signum)
+    returncode = process.wait(timeout=60)
+  finally:
+    process.kill()
+    log.close()
+  output = (tmp_path / 'task.log').read_text()
+  name = signal.Signals(signum).name
+  assert returncode == code, output[-2000:]
+  assert f'Received {name}: saved' in output
+  assert 'Traceback' not in output and 'KeyboardInterrupt' not in output
+  saved = _checkpoint_step(tmp_path)
+  assert saved and saved > 0 and f'model.ckpt-{saved}' in output
 
 
 def test_kill_9_then_rerun_resumes_from_the_last_checkpoint(tmp_path):

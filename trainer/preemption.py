@@ -1,9 +1,11 @@
-"""Surviving preemption: SIGTERM saves a checkpoint, then the task exits.
+"""Surviving a stop: SIGTERM, SIGINT or SIGHUP saves a checkpoint, then exits.
 
-Cloud machines get a SIGTERM before they are reclaimed. While training, the
-signal only raises a flag; the next step's hook saves a checkpoint with the
+Cloud machines get a SIGTERM before they are reclaimed; a person presses
+Ctrl-C (SIGINT) or closes the terminal (SIGHUP). While training, the signal
+only raises a flag; the next step's hook saves a checkpoint with the
 Estimator's own saver (chief only: it owns the checkpoints) and raises
-`Preempted`, which the task turns into a clear log line and exit code 143.
+`Preempted`, which the task turns into a clear log line and exit code
+128 + the signal number (143, 130, 129), as shells report a signal.
 Outside the training loop (graph building, evaluation, export) the signal
 raises `Preempted` at once: nothing there is worth finishing, and the last
 checkpoint is already on disk. Re-running the same command resumes.
@@ -21,14 +23,23 @@ import tensorflow as tf
 tf1 = tf.compat.v1
 
 EXIT_CODE = 128 + signal.SIGTERM
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class Preempted(Exception):
-  """Training stopped on SIGTERM; the message says what was saved."""
+  """Training stopped on a signal; the message says what was saved.
+
+  Attributes:
+    exit_code: 128 + the signal's number.
+  """
+
+  def __init__(self, message: str, signum: int = signal.SIGTERM):
+    super().__init__(message)
+    self.exit_code = 128 + signum
 
 
 class _State:
-  requested = False
+  requested = 0  # The signal received, 0 for none.
   in_training = 0
 
 
@@ -36,30 +47,36 @@ _state = _State()
 _lock = threading.Lock()
 
 
-def _on_sigterm(signum, frame):
+def _name(signum: int) -> str:
+  return signal.Signals(signum).name
+
+
+def _on_signal(signum, frame):
   del frame
-  _state.requested = True
+  _state.requested = signum
   if not _state.in_training:
-    raise Preempted(f'Received signal {signum} outside the training loop; '
-                    'the latest checkpoint is the one to resume from.')
+    raise Preempted(f'Received {_name(signum)} outside the training loop; '
+                    'the latest checkpoint is the one to resume from.',
+                    signum)
 
 
 @contextlib.contextmanager
 def sigterm_handled() -> Iterator[None]:
-  """Installs the SIGTERM handler for the duration (main thread only)."""
+  """Installs the stop-signal handlers for the duration (main thread only)."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
-  previous = signal.signal(signal.SIGTERM, _on_sigterm)
-  _state.requested = False
+  previous = {signum: signal.signal(signum, _on_signal) for signum in SIGNALS}
+  _state.requested = 0
   try:
     yield
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
 
 
 class PreemptionHook(tf1.train.SessionRunHook):
-  """Saves a checkpoint and stops training once SIGTERM has arrived.
+  """Saves a checkpoint and stops training once a stop signal has arrived.
 
   Args:
     model_dir: Where the Estimator writes checkpoints.
@@ -80,19 +97,21 @@ class PreemptionHook(tf1.train.SessionRunHook):
       _state.in_training += 1
 
   def after_run(self, run_context, run_values):
-    if not _state.requested:
+    signum = _state.requested
+    if not signum:
       return
     step = run_context.session.run(self._step)
     if self._is_chief and self._saver is not None:
       path = self._saver.save(run_context.session,
                               os.path.join(self._model_dir, 'model.ckpt'),
                               global_step=step)
-      message = f'Received SIGTERM: saved {path} at step {step}.'
+      message = f'Received {_name(signum)}: saved {path} at step {step}.'
     else:
-      message = f'Received SIGTERM at step {step} (not the chief: no save).'
+      message = (f'Received {_name(signum)} at step {step} (not the chief: '
+                 'no save).')
     logging.warning('%s Re-run the same command to resume.', message)
     self._leave()  # end() is not called after an exception.
-    raise Preempted(message)
+    raise Preempted(message, signum)
 
   def end(self, session):
     del session

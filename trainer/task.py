@@ -121,15 +121,17 @@ def main(argv):
     sys.stderr.write(f'task: error: {e}\n')
     sys.exit(2)
   try:
-    result = train.run(options)
+    # SIGTERM, Ctrl-C and SIGHUP save a checkpoint instead of a traceback.
+    with preemption.sigterm_handled():
+      result = train.run(options)
   except ValueError as e:
     logging.error('%s', e)
     sys.stderr.write(f'task: error: {e}\n')
     sys.exit(1)
   except preemption.Preempted as e:
-    sys.stderr.write(f'task: preempted: {e} Re-run the same command to '
+    sys.stderr.write(f'task: stopped: {e} Re-run the same command to '
                      'resume.\n')
-    sys.exit(preemption.EXIT_CODE)
+    sys.exit(e.exit_code)
   print(_summary_line(result), flush=True)
 
 
