@@ -89,6 +89,20 @@ def test_rerun_resumes_from_the_latest_checkpoint(tmp_path, csv_files):
   assert 'model.ckpt-40' in second.stderr  # Restored, not started over.
 
 
+def test_rejected_rerun_leaves_the_saved_config_alone(tmp_path, csv_files):
+  args = (f'--job-dir={tmp_path}', f'--train-files={csv_files[0]}',
+          f'--eval-files={csv_files[1]}', *CSV_FLAGS)
+  run_module('trainer.task', *args, '--train-steps=40')
+  config = tmp_path / 'trainer_config.json'
+  saved = config.read_text()
+  rejected = run_module('trainer.task', *args, '--train-steps=80',
+                        '--learning-rate=0', check=False)
+  assert rejected.returncode == 1 and 'learning_rate' in rejected.stderr
+  assert config.read_text() == saved
+  # The job still predicts with the config it was trained with.
+  assert json.loads(saved)['learning_rate'] == 0.05
+
+
 def test_gcloud_local_train_trial_layout_and_metric_file(tmp_path, csv_files):
   metric_file = tmp_path / 'hypertune' / 'metrics.txt'
   # What a non-distributed `gcloud ai-platform local train` sets (no cluster,

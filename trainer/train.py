@@ -25,6 +25,7 @@ from trainer import hptuning
 from trainer import preemption
 from trainer import step_logging
 
+tf1 = tf.compat.v1
 CONFIG_FILE = 'trainer_config.json'
 
 
@@ -202,6 +203,23 @@ def _save_task_config(model_dir: str, options: TaskOptions) -> None:
   tf.io.gfile.rename(temp, path, overwrite=True)
 
 
+class _SaveConfigWhenTraining(tf1.train.SessionRunHook):
+  """Writes trainer_config.json once the training session exists.
+
+  Not before: a run that fails while checking its options, data or graph
+  must leave an existing job dir's config (which trainer.predict reads) as
+  it was; and a re-run that finds training done trains nothing.
+  """
+
+  def __init__(self, model_dir: str, options: TaskOptions):
+    self._model_dir = model_dir
+    self._options = options
+
+  def after_create_session(self, session, coord):
+    del session, coord
+    _save_task_config(self._model_dir, self._options)
+
+
 def _exporters(options, data, metric):
   receiver = data.serving_input_receiver_fn(options.export_format)
   exporters = [tf.estimator.FinalExporter('final', receiver),
@@ -275,14 +293,15 @@ def run(options: TaskOptions) -> Dict[str, Any]:
                          options.train_batch_size, towers),
       config=config, params=model_params(options, data))
   metric = options.hypertune_metric or 'accuracy'
-  if config.is_chief:  # One writer per job dir: the chief (or a local run).
-    _save_task_config(model_dir, options)
   logging.info('Training %s on %d tower(s) into %s', options.model, towers,
                model_dir)
   train_spec = tf.estimator.TrainSpec(
       data.train_input_fn(options.train_batch_size, seed=options.tf_random_seed
                           or 0), max_steps=options.train_steps,
-      hooks=[preemption.PreemptionHook(model_dir, config.is_chief)])
+      hooks=[preemption.PreemptionHook(model_dir, config.is_chief)] + (
+          # One writer per job dir: the chief (or a local run).
+          [_SaveConfigWhenTraining(model_dir, options)] if config.is_chief
+          else []))
   eval_spec = tf.estimator.EvalSpec(
       data.eval_input_fn(options.eval_batch_size), steps=options.eval_steps,
       exporters=_exporters(options, data, metric), start_delay_secs=0,
