@@ -103,6 +103,22 @@ def test_rejected_rerun_leaves_the_saved_config_alone(tmp_path, csv_files):
   assert json.loads(saved)['learning_rate'] == 0.05
 
 
+def test_rerun_of_a_finished_but_unexported_job_evaluates_and_exports(
+    tmp_path, csv_files):
+  args = (f'--job-dir={tmp_path}', f'--train-files={csv_files[0]}',
+          f'--eval-files={csv_files[1]}', *CSV_FLAGS, '--train-steps=40')
+  run_module('trainer.task', *args)
+  # As if killed after the final checkpoint, before evaluating and exporting.
+  for name in ('export', 'eval'):
+    tf.io.gfile.rmtree(str(tmp_path / name))
+  rerun = run_module('trainer.task', *args,
+                     env={'CLOUD_ML_HP_METRIC_FILE': str(tmp_path / 'hp.json')})
+  assert int(eval_line(rerun)['global_step']) == 40
+  assert tf.io.gfile.glob(str(tmp_path / 'export' / 'final' / '*' /
+                              'saved_model.pb'))
+  assert (tmp_path / 'hp.json').exists()  # The tuning metric is reported.
+
+
 def test_gcloud_local_train_trial_layout_and_metric_file(tmp_path, csv_files):
   metric_file = tmp_path / 'hypertune' / 'metrics.txt'
   # What a non-distributed `gcloud ai-platform local train` sets (no cluster,

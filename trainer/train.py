@@ -244,6 +244,22 @@ def _exporters(options, data, metric):
   return exporters
 
 
+def _evaluate_and_export(estimator, eval_spec, model_dir: str):
+  """What train_and_evaluate does after the last step, for a finished run."""
+  checkpoint = tf.train.latest_checkpoint(model_dir)
+  if checkpoint is None:
+    raise ValueError(f'{model_dir} has no checkpoint to evaluate.')
+  logging.info('Training is complete in %s; evaluating and exporting %s.',
+               model_dir, checkpoint)
+  metrics = estimator.evaluate(eval_spec.input_fn, steps=eval_spec.steps,
+                               checkpoint_path=checkpoint)
+  for exporter in eval_spec.exporters:
+    exporter.export(estimator,
+                    os.path.join(model_dir, 'export', exporter.name),
+                    checkpoint, metrics, is_the_final_export=True)
+  return metrics
+
+
 def latest_export(model_dir: str, name: str = 'final') -> Optional[str]:
   """The newest complete SavedModel directory of an exporter, or None."""
   base = os.path.join(model_dir, 'export', name)
@@ -312,6 +328,10 @@ def run(options: TaskOptions) -> Dict[str, Any]:
   # get None.
   metrics = result[0] if result else None
   task = (tf_config or {}).get('task') or {}
+  if metrics is None and not task.get('type'):
+    # Training was already done (e.g. the last run was killed after its final
+    # checkpoint, before the export): evaluate, export and report now.
+    metrics = _evaluate_and_export(estimator, eval_spec, model_dir)
   return {'metrics': metrics, 'export_dir': latest_export(model_dir),
           'model_dir': model_dir, 'towers': towers,
           'task': f"{task['type']}:{task.get('index', 0)}"
