@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from cli_helpers import (CSV_FLAGS, eval_line, read_json_lines, run_module,
-                         write_tabular_csv)
+from cli_helpers import (CSV_FLAGS, ROOT, eval_line, read_json_lines,
+                         run_module, wait_until, write_tabular_csv)
 
 def test_trains_evaluates_and_exports(trained):
   job_dir, result = trained
@@ -232,3 +232,46 @@ def test_csv_export_format_serves_csv_lines(tmp_path, csv_files):
   classes = json.loads(served.stdout.strip().splitlines()[-1])
   assert len(classes['1']) == 1 and len(classes['7']) == 7
   assert classes['7'][:2] == [1, 0]
+
+
+def test_second_task_on_a_busy_job_dir_is_refused(tmp_path):
+  env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT}
+  env.pop('TF_CONFIG', None)
+  with open(tmp_path / 'first.log', 'w') as log:
+    first = subprocess.Popen(
+        [sys.executable, '-m', 'trainer.task', f'--job-dir={tmp_path}',
+         '--train-steps=1000000', '--save-checkpoints-steps=100000',
+         '--hidden-units=8'], cwd=ROOT, env=env, stdout=log,
+        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+      wait_until(lambda: 'examples/sec' in (tmp_path / 'first.log').read_text(),
+                 120, 'the first task to train', first,
+                 lambda: (tmp_path / 'first.log').read_text())
+      second = run_module('trainer.task', f'--job-dir={tmp_path}',
+                          '--train-steps=10', '--hidden-units=8', check=False)
+    finally:
+      first.kill()
+      first.wait()
+  assert second.returncode == 1
+  assert 'another trainer.task is running' in second.stderr
+
+
+def test_rerun_with_another_architecture_is_refused(tmp_path, csv_files):
+  args = (f'--job-dir={tmp_path}', f'--train-files={csv_files[0]}',
+          f'--eval-files={csv_files[1]}', *CSV_FLAGS)
+  run_module('trainer.task', *args, '--train-steps=40')
+  rerun = run_module('trainer.task', *args, '--train-steps=80',
+                     '--hidden-units=32', check=False)
+  assert rerun.returncode == 1
+  assert '--hidden-units: [16, 8] -> [32]' in rerun.stderr
+  assert tf.train.latest_checkpoint(str(tmp_path)).endswith('-40')
+
+
+def test_job_dir_that_is_a_file_is_one_clear_error(tmp_path):
+  path = tmp_path / 'a_file'
+  path.write_text('not a directory')
+  result = run_module('trainer.task', f'--job-dir={path}', '--train-steps=5',
+                      check=False)
+  assert result.returncode == 1
+  assert 'is not a directory this task can write to' in result.stderr
+  assert 'Traceback' not in result.stderr

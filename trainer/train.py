@@ -22,6 +22,7 @@ from estimator_towers.run_config import make_run_config
 from estimator_towers.run_config import session_device_counts
 from trainer import cluster_config
 from trainer import hptuning
+from trainer import job_dir as job_dir_lib
 from trainer import preemption
 from trainer import step_logging
 
@@ -283,11 +284,22 @@ def run(options: TaskOptions) -> Dict[str, Any]:
   Raises:
     ValueError: a bad option, TF_CONFIG or data problem, before training
       starts.
-    preemption.Preempted: SIGTERM arrived; a checkpoint was saved.
+    preemption.Preempted: a stop signal arrived; a checkpoint was saved.
   """
   tf_config = cluster_config.check_tf_config()
   job_dir = options.job_dir or default_job_dir()
   model_dir = hptuning.trial_dir(job_dir, hptuning.trial_id())
+  task = (tf_config or {}).get('task') or {}
+  if task.get('type') not in (None, 'chief', 'master'):
+    return _run(options, tf_config, model_dir)
+  # A local run or a cluster's chief: the one writer of the job dir.
+  with job_dir_lib.locked(model_dir):
+    job_dir_lib.check_same_architecture(model_dir, CONFIG_FILE, options)
+    return _run(options, tf_config, model_dir)
+
+
+def _run(options: TaskOptions, tf_config, model_dir: str) -> Dict[str, Any]:
+  """`run` once the job dir is settled."""
   kind = model_fns.model_kind(options.model)
   model_fn = model_fns.get_model_fn(options.model)
   data = build_data(options, kind)

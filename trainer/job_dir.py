@@ -1,0 +1,96 @@
+"""Guards for a task's job dir: one run at a time, one architecture.
+
+Two `trainer.task` processes on one job dir would interleave their
+checkpoints; a run with another architecture would meet checkpoints it
+cannot (or, worse, can) restore. Both are refused with a clear error.
+"""
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+from typing import Any, Dict, Iterator
+
+import tensorflow as tf
+
+LOCK_FILE = '.trainer.lock'
+# Options that decide the model's variables or how its inputs are read.
+_ARCHITECTURE = ('model', 'hidden_units', 'first_layer_size', 'num_layers',
+                 'scale_factor', 'resnet_depth', 'keras_application',
+                 'input_format', 'label_column', 'columns',
+                 'categorical_columns', 'label_vocabulary', 'n_classes',
+                 'image_size', 'image_channels')
+# Superseded by hidden_units when both runs give it.
+_LAYER_SHAPE = ('first_layer_size', 'num_layers', 'scale_factor')
+
+
+@contextlib.contextmanager
+def locked(model_dir: str) -> Iterator[None]:
+  """Holds the job dir's lock for the duration.
+
+  Only local directories are locked (flock does not reach Cloud Storage).
+
+  Raises:
+    ValueError: another process holds the lock.
+  """
+  if '://' in model_dir:
+    yield
+    return
+  try:
+    tf.io.gfile.makedirs(model_dir)
+    handle = open(os.path.join(model_dir, LOCK_FILE), 'a', encoding='utf-8')
+  except (tf.errors.OpError, OSError) as e:
+    raise ValueError(f'--job-dir {model_dir} is not a directory this task can '
+                     f'write to ({getattr(e, "message", None) or e}). Choose '
+                     'another --job-dir.') from e
+  with handle as f:
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      if e.errno not in (errno.EAGAIN, errno.EACCES):
+        raise
+      raise ValueError(
+          f'another trainer.task is running in {model_dir}; two runs on one '
+          'job dir would interleave their checkpoints. Wait for it to end '
+          'or choose another --job-dir.') from e
+    yield  # The lock goes with the file's close.
+
+
+def check_same_architecture(model_dir: str, config_file: str,
+                            options: Any) -> None:
+  """Refuses to resume a job dir trained with another architecture.
+
+  Args:
+    model_dir: The job dir (trial dir) the run trains in.
+    config_file: The name of the saved options file in it.
+    options: The run's TaskOptions.
+
+  Raises:
+    ValueError: the job dir has checkpoints of a model built with other
+      architecture options; names each difference.
+  """
+  path = os.path.join(model_dir, config_file)
+  if (tf.train.latest_checkpoint(model_dir) is None or
+      not tf.io.gfile.exists(path)):
+    return
+  with tf.io.gfile.GFile(path) as f:
+    saved = json.load(f)
+  current = json.loads(json.dumps(dataclasses.asdict(options)))
+  names = [n for n in _ARCHITECTURE if n in saved]
+  if saved.get('hidden_units') and current.get('hidden_units'):
+    names = [n for n in names if n not in _LAYER_SHAPE]
+  differences = [f'--{n.replace("_", "-")}: {_shown(saved[n])} -> '
+                 f'{_shown(current[n])}'
+                 for n in names if saved[n] != current[n]]
+  if differences:
+    raise ValueError(
+        f'{model_dir} holds checkpoints of another model ('
+        + '; '.join(differences) + '). Resuming would restore weights of the '
+        'old architecture or fail halfway. Use a new --job-dir, or the '
+        'options the job was trained with.')
+
+
+def _shown(value: Dict[str, Any]) -> str:
+  return 'unset' if value is None else json.dumps(value)
