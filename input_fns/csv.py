@@ -273,8 +273,8 @@ def csv_data(train_files: Sequence[str], eval_files: Sequence[str], *,
              label_vocabulary: Optional[Sequence[str]] = None,
              n_classes: Optional[int] = None,
              skip_malformed: bool = False,
-             shuffle_buffer_size: int = pipeline.DEFAULT_SHUFFLE_BUFFER
-            ) -> CsvData:
+             shuffle_buffer_size: int = pipeline.DEFAULT_SHUFFLE_BUFFER,
+             allow_non_finite: bool = False) -> CsvData:
   """Tabular Data from CSV files.
 
   Features are {column: Tensor [batch]}: float32 for numeric columns, string
@@ -302,8 +302,11 @@ def csv_data(train_files: Sequence[str], eval_files: Sequence[str], *,
     skip_malformed: Whether to leave out malformed rows (wrong field count,
       bad quoting, a non-number in a numeric column, an empty field without
       default, an unknown label) instead of failing with an error naming the
-      file and line. `skipped_rows()` counts them.
+      file and line. `skipped_rows()` counts them. A numeric field that is
+      nan or +-inf, or overflows float32, is malformed too unless
+      `allow_non_finite`.
     shuffle_buffer_size: Rows held for shuffling the training data.
+    allow_non_finite: Keep nan and +-inf numeric values.
 
   Returns:
     The Data; example_ids are 'file:line', lines counted from 1 with the
@@ -341,7 +344,8 @@ def csv_data(train_files: Sequence[str], eval_files: Sequence[str], *,
       columns=all_columns, label_column=label_column, categorical=categorical,
       defaults=csv_rows.check_defaults(defaults, all_columns, label_column,
                                        categorical),
-      label_vocabulary=vocabulary, n_classes=n_classes)
+      label_vocabulary=vocabulary, n_classes=n_classes,
+      allow_non_finite=bool(allow_non_finite))
   if (isinstance(shuffle_buffer_size, bool) or
       not isinstance(shuffle_buffer_size, int) or shuffle_buffer_size < 1):
     raise ValueError(f'shuffle_buffer_size={shuffle_buffer_size!r}; pass an '

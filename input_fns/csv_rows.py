@@ -40,6 +40,8 @@ class Schema:
     label_vocabulary: The labels' string values (id = position), or None
       for int class ids.
     n_classes: Number of classes.
+    allow_non_finite: Whether numeric fields may be nan or +-inf (or
+      overflow float32 to inf); by default such a row is malformed.
   """
   columns: Tuple[str, ...]
   label_column: str
@@ -47,6 +49,7 @@ class Schema:
   defaults: Mapping[str, Any]
   label_vocabulary: Optional[Tuple[str, ...]]
   n_classes: int
+  allow_non_finite: bool = False
 
   @property
   def feature_names(self) -> List[str]:
@@ -83,12 +86,18 @@ def _field_count(line: tf.Tensor) -> tf.Tensor:
 
 
 def _numeric(name: str, field: tf.Tensor, default: Any,
-             problems: _Problems) -> tf.Tensor:
+             problems: _Problems, allow_non_finite: bool) -> tf.Tensor:
   empty = tf.equal(field, '')
   is_number = tf.strings.regex_full_match(field, _NUMBER)
   problems.add(tf.logical_not(empty | is_number),
                f'column `{name}`: ', _quote(field), ' is not a number')
   value = tf.strings.to_number(tf.where(is_number, field, '0'), tf.float32)
+  if not allow_non_finite:
+    # A NaN trains a NaN model that may still report a plausible accuracy.
+    problems.add(is_number & tf.logical_not(tf.math.is_finite(value)),
+                 f'column `{name}`: ', _quote(field),
+                 ' is not a finite float32 (pass --allow-non-finite / '
+                 'allow_non_finite=True to keep such values)')
   if default is None:
     problems.add(empty, f'column `{name}` is empty and has no default '
                  '(pass defaults={...})')
@@ -164,7 +173,8 @@ def parse_row(schema: Schema, line: tf.Tensor
     elif name in schema.categorical:
       features[name] = _categorical(name, field, default, problems)
     else:
-      features[name] = _numeric(name, field, default, problems)
+      features[name] = _numeric(name, field, default, problems,
+                                schema.allow_non_finite)
   return features, label, problems.first()
 
 

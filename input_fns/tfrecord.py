@@ -93,6 +93,24 @@ def _tabular_columns(feature_spec: Mapping[str, Any], label_key: str,
   return columns_lib.tabular_columns(names, categorical, shapes)
 
 
+def _finite_checks(parsed: Dict[str, Any], path: tf.Tensor,
+                   number: tf.Tensor) -> List[tf.Operation]:
+  """Asserts that every float feature of one record is finite."""
+  checks = []
+  for key, value in sorted(parsed.items()):
+    values = value.values if isinstance(value, tf.SparseTensor) else value
+    if not values.dtype.is_floating:
+      continue
+    message = tf.strings.join([
+        'Feature ', key, ' of TFRecord ', path, ':',
+        tf.strings.as_string(number),
+        ' is nan or inf; pass --allow-non-finite (allow_non_finite=True) to '
+        'keep such values.'])
+    checks.append(tf.debugging.Assert(
+        tf.reduce_all(tf.math.is_finite(values)), [message]))
+  return checks
+
+
 class TFRecordData(data_lib.Data):
   """Data read from TFRecord files of tf.Example; see `tfrecord_data`."""
 
@@ -101,7 +119,8 @@ class TFRecordData(data_lib.Data):
                label_key: str, n_classes: int, feature_columns: list,
                image_key: Optional[str],
                image_shape: Optional[Tuple[int, int, int]],
-               image_encoding: Optional[str], shuffle_buffer_size: int):
+               image_encoding: Optional[str], shuffle_buffer_size: int,
+               allow_non_finite: bool = False):
     """Use `tfrecord_data`, which checks the arguments.
 
     Args:
@@ -115,6 +134,7 @@ class TFRecordData(data_lib.Data):
       image_shape: (H, W, C) of images, else None.
       image_encoding: 'encoded' or 'raw' for images, else None.
       shuffle_buffer_size: Records held for shuffling training data.
+      allow_non_finite: Keep nan and +-inf float features.
     """
     super().__init__(kind='tabular' if image_key is None else 'image',
                      n_classes=n_classes, feature_columns=feature_columns,
@@ -125,6 +145,7 @@ class TFRecordData(data_lib.Data):
     self._image_key = image_key
     self._image_encoding = image_encoding
     self._shuffle_buffer_size = shuffle_buffer_size
+    self._allow_non_finite = allow_non_finite
     # Image data parse only the image: other features are not served.
     keys = list(feature_spec) if image_key is None else [image_key, label_key]
     self._feature_spec = {key: feature_spec[key] for key in keys}
@@ -177,9 +198,11 @@ class TFRecordData(data_lib.Data):
           'Bad label ', tf.strings.as_string(label), ' in TFRecord ', path,
           ':', tf.strings.as_string(number),
           f': class ids must be in [0, {n_classes}).'])
-      check = tf.debugging.Assert((label >= 0) & (label < n_classes),
-                                  [message])
-      with tf.control_dependencies([check]):
+      checks = [tf.debugging.Assert((label >= 0) & (label < n_classes),
+                                    [message])]
+      if not self._allow_non_finite:
+        checks.extend(_finite_checks(parsed, path, number))
+      with tf.control_dependencies(checks):
         label = tf.cast(label, tf.int32)
       return self._to_features(parsed, batched=False), label
 
@@ -215,9 +238,11 @@ def tfrecord_data(train_files: Sequence[str], eval_files: Sequence[str], *,
                   n_classes: int, image_key: Optional[str] = None,
                   image_shape: Optional[Tuple[int, int, int]] = None,
                   categorical_columns: Optional[Mapping[str, Any]] = None,
-                  shuffle_buffer_size: int = pipeline.DEFAULT_SHUFFLE_BUFFER
-                 ) -> TFRecordData:
+                  shuffle_buffer_size: int = pipeline.DEFAULT_SHUFFLE_BUFFER,
+                  allow_non_finite: bool = False) -> TFRecordData:
   """Data from TFRecord files of tf.Example.
+    allow_non_finite: Keep nan and +-inf float features; by default a
+      record with one stops the input with an error naming file:record.
 
   Tabular (image_key None): every non-label feature of feature_spec is a
   feature. FixedLen float32/int64 features are numeric (float32 Tensors
@@ -280,4 +305,5 @@ def tfrecord_data(train_files: Sequence[str], eval_files: Sequence[str], *,
                                   files_lib.is_nonempty),
       feature_spec=feature_spec, label_key=label_key, n_classes=n_classes,
       feature_columns=columns, image_key=image_key, image_shape=image_shape,
-      image_encoding=image_encoding, shuffle_buffer_size=shuffle_buffer_size)
+      image_encoding=image_encoding, shuffle_buffer_size=shuffle_buffer_size,
+      allow_non_finite=bool(allow_non_finite))

@@ -71,6 +71,9 @@ def define_task_flags() -> None:
     lower_bound=2)
   d(flags.DEFINE_boolean, 'skip-malformed', False,
     'Skip (and count) malformed CSV rows instead of failing.')
+  d(flags.DEFINE_boolean, 'allow-non-finite', False,
+    'Accept nan and inf feature values in CSV and TFRecord input (by default '
+    'they stop training with an error naming the file and row).')
   d(flags.DEFINE_list, 'image-size', ['32', '32'],
     'HEIGHT,WIDTH images are resized to (image_folder, tfrecord images).')
   d(flags.DEFINE_integer, 'image-channels', 3, 'Image channels.',

@@ -87,7 +87,8 @@ def options_from_flags() -> train.TaskOptions:
           v('categorical-column')),
       column_defaults=_pairs('column-default', v('column-default')),
       label_vocabulary=v('label-vocabulary'), n_classes=v('n-classes'),
-      skip_malformed=v('skip-malformed'), image_size=tuple(image_size),
+      skip_malformed=v('skip-malformed'),
+      allow_non_finite=v('allow-non-finite'), image_size=tuple(image_size),
       image_channels=v('image-channels'), train_steps=v('train-steps'),
       eval_steps=v('eval-steps'), train_batch_size=v('train-batch-size'),
       eval_batch_size=v('eval-batch-size'), learning_rate=v('learning-rate'),
@@ -127,6 +128,13 @@ def main(argv):
   except ValueError as e:
     logging.error('%s', e)
     sys.stderr.write(f'task: error: {e}\n')
+    sys.exit(1)
+  except tf.compat.v1.train.NanLossDuringTrainingError:
+    message = ('the loss became nan during training; nothing more was saved '
+               'or exported. Look for nan/inf in the data (allowed only with '
+               '--allow-non-finite) or lower --learning-rate.')
+    logging.error('%s', message)
+    sys.stderr.write(f'task: error: {message}\n')
     sys.exit(1)
   except preemption.Preempted as e:
     sys.stderr.write(f'task: stopped: {e} Re-run the same command to '

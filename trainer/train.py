@@ -21,6 +21,7 @@ from estimator_towers.replicate import replicate_model_fn
 from estimator_towers.run_config import make_run_config
 from estimator_towers.run_config import session_device_counts
 from trainer import cluster_config
+from trainer import finite_weights
 from trainer import hptuning
 from trainer import job_dir as job_dir_lib
 from trainer import preemption
@@ -45,6 +46,7 @@ class TaskOptions:
   label_vocabulary: Optional[List[str]] = None
   n_classes: Optional[int] = None
   skip_malformed: bool = False
+  allow_non_finite: bool = False
   image_size: Tuple[int, int] = (32, 32)
   image_channels: int = 3
   train_steps: int = 1000
@@ -105,7 +107,8 @@ def build_data(options: TaskOptions, kind: Optional[str]) -> input_fns.Data:
         categorical_columns=options.categorical_columns,
         defaults=options.column_defaults,
         label_vocabulary=options.label_vocabulary,
-        n_classes=options.n_classes, skip_malformed=options.skip_malformed)
+        n_classes=options.n_classes, skip_malformed=options.skip_malformed,
+        allow_non_finite=options.allow_non_finite)
   if fmt == 'tfrecord':
     return _tfrecord_data(options, kind)
   if fmt == 'image_folder':
@@ -140,7 +143,8 @@ def _tfrecord_data(options: TaskOptions, kind: Optional[str]):
         options.train_files, options.eval_files or options.train_files,
         feature_spec=spec, label_key=options.label_column,
         n_classes=options.n_classes, image_key='image',
-        image_shape=(*options.image_size, options.image_channels))
+        image_shape=(*options.image_size, options.image_channels),
+        allow_non_finite=options.allow_non_finite)
   if not options.columns:
     raise ValueError('Tabular --input-format=tfrecord needs --columns naming '
                      'the numeric feature keys of the tf.Examples.')
@@ -152,7 +156,8 @@ def _tfrecord_data(options: TaskOptions, kind: Optional[str]):
   return input_fns.tfrecord_data(
       options.train_files, options.eval_files or options.train_files,
       feature_spec=spec, label_key=options.label_column,
-      n_classes=options.n_classes)
+      n_classes=options.n_classes,
+      allow_non_finite=options.allow_non_finite)
 
 
 def model_params(options: TaskOptions, data: input_fns.Data) -> Dict[str, Any]:
@@ -326,7 +331,8 @@ def _run(options: TaskOptions, tf_config, model_dir: str) -> Dict[str, Any]:
   train_spec = tf.estimator.TrainSpec(
       data.train_input_fn(options.train_batch_size, seed=options.tf_random_seed
                           or 0), max_steps=options.train_steps,
-      hooks=[preemption.PreemptionHook(model_dir, config.is_chief)] + (
+      hooks=[preemption.PreemptionHook(model_dir, config.is_chief),
+             finite_weights.FiniteWeightsHook()] + (
           # One writer per job dir: the chief (or a local run).
           [_SaveConfigWhenTraining(model_dir, options)] if config.is_chief
           else []))
