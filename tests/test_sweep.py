@@ -538,6 +538,9 @@ def test_bad_command_lines_exit_2(args, message):
 @pytest.mark.parametrize('fixed,message', [
     (('--job-dir=/elsewhere',), 'set --job-dir; pass it to the sweep'),
     (('--learning_rate=0.1',), 'set --learning-rate, which the sweep sets'),
+    (('-job-dir=/elsewhere',), "single-dash '-job-dir=/elsewhere'"),
+    (('-learning-rate=0.1',), "single-dash '-learning-rate=0.1'"),
+    (('--flagfile=/tmp/flags',), 'include --flagfile'),
 ])
 def test_fixed_flags_cannot_set_what_the_sweep_sets(root, fixed, message):
   config = _write_config(root / 'conflict.yaml', GRID_CONFIG)
@@ -557,3 +560,45 @@ def test_invalid_config_stops_before_any_trial(root):
       'sweep: error: params[0] (learning-rate): discreteValues must be '
       'strictly increasing: [0] 0.5 then [1] 0.0001.')
   assert not job_dir.exists()
+
+
+@pytest.mark.parametrize('algorithm', ['RANDOM_SEARCH', 'ALGORITHM_UNSPECIFIED'])
+def test_resume_with_the_same_seed_draws_new_values(root, fake_trainer,
+                                                    algorithm):
+  job_dir = root / f'reseed_{algorithm}'
+  config = _write_config(root / f'reseed_{algorithm}.yaml', f"""\
+      hyperparameters:
+        goal: MAXIMIZE
+        hyperparameterMetricTag: score
+        maxTrials: 4
+        maxParallelTrials: 1
+        algorithm: {algorithm}
+        params:
+          - parameterName: x
+            type: DOUBLE
+            minValue: 1
+            maxValue: 10
+      """)
+  command = [sys.executable, '-m', 'trainer.sweep', f'--config={config}',
+             f'--job-dir={job_dir}', '--seed=3', '--module-name=fake_trainer',
+             *FAST, '--', '--steps=2', '--sleep=0.5']
+  sweep = subprocess.Popen(command, cwd=ROOT, env=_env(fake_trainer),
+                           stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL,
+                           stdin=subprocess.DEVNULL, start_new_session=True)
+  try:
+    wait_until(lambda: _first_trial_started(job_dir) and sum(
+        t.state.name == 'COMPLETE' for t in _trials(job_dir)) >= 2, 120,
+               'two finished trials')
+  finally:
+    os.killpg(sweep.pid, signal.SIGKILL)
+    sweep.wait()
+  resumed = _sweep(config, job_dir, '--seed=3', '--resume',
+                   '--module-name=fake_trainer',
+                   fixed=('--steps=2', '--sleep=0.5'),
+                   extra_path=fake_trainer, timeout=120)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  values = [t.params['x'] for t in _trials(job_dir)
+            if t.state.name == 'COMPLETE']
+  assert len(values) >= 4
+  assert len(set(values)) == len(values), values
