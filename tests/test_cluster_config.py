@@ -1,11 +1,13 @@
 """Malformed TF_CONFIG fails before any server starts, naming the problem."""
 
 import json
+import sys
 
 import pytest
 
 from cli_helpers import run_module
 from trainer import cluster_config
+from trainer.cluster import private_network
 
 CLUSTER = {'chief': ['127.0.0.1:2222'], 'worker': ['127.0.0.1:2223'],
            'ps': ['127.0.0.1:2224']}
@@ -55,6 +57,13 @@ def test_valid_configs_pass(cluster, task):
     (json.dumps({'cluster': CLUSTER, 'task': {'type': 'evaluator',
                                               'index': 2}}),
      'one evaluator'),
+    (json.dumps({'cluster': {**CLUSTER, 'worker': [2223]},
+                 'task': {'type': 'chief', 'index': 0}}),
+     r"cluster\['worker'\]\[0\] is 2223; each address must be a "
+     '"host:port" string'),
+    (json.dumps({'cluster': {**CLUSTER, 'ps': [None]},
+                 'task': {'type': 'chief', 'index': 0}}),
+     r"cluster\['ps'\]\[0\] is null"),
 ])
 def test_malformed_configs_are_named(tf_config, match):
   with pytest.raises(ValueError, match=match):
@@ -70,3 +79,28 @@ def test_task_refuses_malformed_tf_config_before_starting(tmp_path):
   assert 'index 4 is out of range' in result.stderr
   assert 'Started server' not in result.stderr
   assert not (tmp_path / 'job').exists()
+
+
+def test_a_cluster_task_outside_a_private_network_warns_once(caplog):
+  config = {'cluster': CLUSTER, 'task': {'type': 'worker', 'index': 0}}
+  with caplog.at_level('WARNING'):
+    cluster_config.warn_if_exposed(config, private_network=False)
+  assert caplog.text.count('without authentication') == 1
+  assert 'worker:0' in caplog.text and 'docs/cluster.md' in caplog.text
+  caplog.clear()
+  with caplog.at_level('WARNING'):
+    cluster_config.warn_if_exposed(config, private_network=True)
+    cluster_config.warn_if_exposed({'cluster': {}, 'task': {}},
+                                   private_network=False)
+  assert 'without authentication' not in caplog.text
+
+
+def test_unshare_refused_says_how_to_get_a_private_network():
+  # A stand-in for `unshare` refused by the kernel, as for an unprivileged
+  # user without user namespaces.
+  refused = [sys.executable, '-c', 'import sys; sys.stderr.write('
+             '"unshare: unshare failed: Operation not permitted\\n"); '
+             'sys.exit(1)']
+  with pytest.raises(private_network.PrivateNetworkError,
+                     match='Operation not permitted. Run the launcher as root'):
+    private_network.check_unshare_works(refused)

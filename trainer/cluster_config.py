@@ -10,6 +10,8 @@ import json
 import os
 from typing import Any, Dict, Optional
 
+from absl import logging
+
 TASK_TYPES = ('chief', 'master', 'worker', 'ps', 'evaluator')
 
 
@@ -60,6 +62,10 @@ def check_tf_config(environ=None) -> Optional[Dict[str, Any]]:
             'worker and ps (the evaluator is not part of the cluster).')
     if not isinstance(addresses, list) or not addresses:
       _fail(f'cluster[{job!r}] must be a non-empty list of host:port.')
+    for i, address in enumerate(addresses):
+      if not isinstance(address, str) or ':' not in address:
+        _fail(f'cluster[{job!r}][{i}] is {json.dumps(address)}; each address '
+              'must be a "host:port" string.')
   _check_leader(cluster)
   _check_task(cluster, task)
   return config
@@ -101,3 +107,30 @@ def _check_task(cluster: Dict[str, Any], task: Dict[str, Any]) -> None:
   if index >= len(cluster[task_type]):
     _fail(f'task index {index} is out of range: cluster[{task_type!r}] has '
           f'{len(cluster[task_type])} address(es).')
+
+
+def warn_if_exposed(config: Optional[Dict[str, Any]],
+                    private_network: bool) -> None:
+  """Warns once that a cluster task serves unauthenticated gRPC.
+
+  With a cluster in TF_CONFIG, TensorFlow starts a gRPC server on the task's
+  port, listening on every interface, with no authentication: whoever can
+  reach it can run graphs in the process. `python -m trainer.cluster` runs
+  its tasks in a private network namespace; a hand-run task is not.
+
+  Args:
+    config: The parsed TF_CONFIG, or None.
+    private_network: Whether this process runs in such a private network.
+  """
+  cluster = (config or {}).get('cluster') or {}
+  if not cluster or private_network:
+    return
+  task = (config.get('task') or {})
+  logging.warning(
+      'TF_CONFIG describes a cluster, so this task (%s:%s) starts '
+      'TensorFlow\'s gRPC server: it listens on all network interfaces, '
+      'without authentication, and anyone who can reach its port can run '
+      'code in this process. Run cluster tasks only on a private network (a '
+      'VPC without public ingress, a Kubernetes NetworkPolicy, or python -m '
+      'trainer.cluster locally); see docs/cluster.md.',
+      task.get('type'), task.get('index', 0))

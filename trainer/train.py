@@ -21,6 +21,7 @@ from estimator_towers.replicate import replicate_model_fn
 from estimator_towers.run_config import make_run_config
 from estimator_towers.run_config import session_device_counts
 from trainer import cluster_config
+from trainer.cluster import private_network
 from trainer import finite_weights
 from trainer import hptuning
 from trainer import job_dir as job_dir_lib
@@ -292,6 +293,7 @@ def run(options: TaskOptions) -> Dict[str, Any]:
     preemption.Preempted: a stop signal arrived; a checkpoint was saved.
   """
   tf_config = cluster_config.check_tf_config()
+  cluster_config.warn_if_exposed(tf_config, private_network.inside())
   job_dir = options.job_dir or default_job_dir()
   model_dir = hptuning.trial_dir(job_dir, hptuning.trial_id())
   task = (tf_config or {}).get('task') or {}

@@ -61,6 +61,31 @@ def unshare_command() -> List[str]:
   return [unshare, '--user', '--map-root-user', '--net']
 
 
+def check_unshare_works(command: Sequence[str] = ()) -> None:
+  """Tries the namespace once, so that a refusal says how to get one.
+
+  Args:
+    command: The unshare invocation to try; default `unshare_command()`.
+
+  Raises:
+    PrivateNetworkError: unshare failed (e.g. "Operation not permitted").
+  """
+  command = list(command) or unshare_command()
+  try:
+    probe = subprocess.run(command + ['--', 'true'], capture_output=True,
+                           text=True, timeout=30, stdin=subprocess.DEVNULL)
+  except (OSError, subprocess.TimeoutExpired) as e:
+    raise PrivateNetworkError(f'running {command[0]} failed: {e}') from e
+  if probe.returncode != 0:
+    said = probe.stderr.strip().splitlines()[-1:] or ['no message']
+    raise PrivateNetworkError(
+        f'`{" ".join(command)}` failed: {said[0]}. Run the launcher as root '
+        '(e.g. in a container), or allow unprivileged user namespaces '
+        '(sysctl kernel.unprivileged_userns_clone=1 and '
+        'user.max_user_namespaces > 0), or use a real cluster on a private '
+        'network (see docs/cluster.md)')
+
+
 def reexec_inside(argv: Sequence[str]) -> int:
   """Runs `python -m <this module's caller> argv` in a new namespace.
 
@@ -74,6 +99,7 @@ def reexec_inside(argv: Sequence[str]) -> int:
   Raises:
     PrivateNetworkError: the namespace could not be created.
   """
+  check_unshare_works()
   command = unshare_command() + ['--', sys.executable, *argv]
   env = {**os.environ, _MARKER: '1'}
   try:
