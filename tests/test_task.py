@@ -275,3 +275,48 @@ def test_job_dir_that_is_a_file_is_one_clear_error(tmp_path):
   assert result.returncode == 1
   assert 'is not a directory this task can write to' in result.stderr
   assert 'Traceback' not in result.stderr
+
+
+_BROKEN_MODELS = '''
+import tensorflow as tf
+
+def raises(features, labels, mode, params):
+  raise KeyError('no such feature: age')
+
+def returns_none(features, labels, mode, params):
+  tf.compat.v1.layers.dense(features['x'], 2)
+  return None
+'''
+
+
+@pytest.mark.parametrize('name,message', [
+    ('raises', "--model=broken_models:raises failed building the eval graph: "
+               "KeyError: 'no such feature: age'"),
+    ('returns_none', 'returned NoneType'),
+])
+def test_user_model_that_fails_is_one_clear_error(tmp_path, name, message):
+  (tmp_path / 'broken_models.py').write_text(_BROKEN_MODELS)
+  result = run_module('trainer.task', f'--job-dir={tmp_path / "job"}',
+                      f'--model=broken_models:{name}', '--train-steps=5',
+                      '--input-format=synthetic_tabular',
+                      env={'PYTHONPATH': f'{ROOT}{os.pathsep}{tmp_path}'},
+                      check=False)
+  assert result.returncode == 1, result.stderr[-2000:]
+  assert message in result.stderr
+  assert 'Traceback' not in result.stderr
+
+
+@pytest.mark.parametrize('args,env,message', [
+    (('--hypertune-metric=accurracy',), {},
+     '--hypertune-metric=accurracy is not an evaluation result of '
+     '--model=dnn; it reports accuracy'),
+    ((), {'CLOUD_ML_HP_METRIC_FILE': '/proc/no/such/dir/metrics'},
+     'CLOUD_ML_HP_METRIC_FILE=/proc/no/such/dir/metrics cannot be written'),
+])
+def test_tuning_problems_fail_before_training(tmp_path, args, env, message):
+  tmp_path = tmp_path / 'job'
+  result = run_module('trainer.task', f'--job-dir={tmp_path}',
+                      '--train-steps=5', *args, env=env, check=False)
+  assert result.returncode == 1, result.stderr[-2000:]
+  assert message in result.stderr
+  assert not tmp_path.exists() or not any(tmp_path.iterdir())  # Untouched.

@@ -63,6 +63,31 @@ def goal_for(metric: str) -> str:
   return 'MINIMIZE' if re.search(r'loss|error', metric) else 'MAXIMIZE'
 
 
+def check_metric_file() -> None:
+  """Fails early when CLOUD_ML_HP_METRIC_FILE cannot be written.
+
+  The file is written after the first evaluation; finding out then would
+  throw away the training before it.
+
+  Raises:
+    ValueError: its directory cannot be created or the file opened.
+  """
+  path = os.environ.get('CLOUD_ML_HP_METRIC_FILE')
+  if not path:
+    return
+  existed = os.path.exists(path)
+  try:
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    with open(path, 'a', encoding='utf-8'):
+      pass
+  except OSError as e:
+    raise ValueError(
+        f'CLOUD_ML_HP_METRIC_FILE={path} cannot be written ({e.strerror}); '
+        'point it at a writable file or unset it.') from e
+  if not existed:
+    os.remove(path)
+
+
 class HypertuneReporter(tf.estimator.Exporter):
   """Reports the tuning metric after every evaluation; exports nothing.
 

@@ -125,7 +125,10 @@ def main(argv):
     # SIGTERM, Ctrl-C and SIGHUP save a checkpoint instead of a traceback.
     with preemption.sigterm_handled():
       result = train.run(options)
-  except ValueError as e:
+  except (ValueError, TypeError) as e:
+    # Errors that explain a bad input or model; their messages say the fix.
+    # The traceback stays available with --verbosity=debug.
+    logging.debug('Traceback of the error below:', exc_info=True)
     logging.error('%s', e)
     sys.stderr.write(f'task: error: {e}\n')
     sys.exit(1)

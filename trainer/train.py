@@ -181,6 +181,35 @@ def model_params(options: TaskOptions, data: input_fns.Data) -> Dict[str, Any]:
   return params
 
 
+class ModelFnError(ValueError):
+  """The model_fn raised or returned something other than an EstimatorSpec."""
+
+
+def _checked(name: str, model_fn):
+  """`model_fn`, whose failures become one clear error naming the model.
+
+  Errors the library raises to explain a misuse (ValueError, TypeError
+  naming the fix) pass through unchanged; anything else the model code
+  raises is reported with its type and message.
+  """
+
+  def checked_model_fn(features, labels, mode, params, config):
+    try:
+      spec = model_fn(features, labels, mode, params, config)
+    except (ValueError, TypeError):
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      raise ModelFnError(f'--model={name} failed building the {mode} graph: '
+                         f'{type(e).__name__}: {e}') from e
+    if not isinstance(spec, tf.estimator.EstimatorSpec):
+      raise ModelFnError(
+          f'--model={name} returned {type(spec).__name__} in {mode} mode; a '
+          'model_fn must return a tf.estimator.EstimatorSpec.')
+    return spec
+
+  return checked_model_fn
+
+
 def _with_step_logging(model_fn, global_batch_size: int, num_towers: int):
   """Adds a StepLoggingHook on the merged loss to TRAIN specs."""
 
@@ -251,6 +280,28 @@ def _exporters(options, data, metric):
   return exporters
 
 
+def _check_eval_metric(estimator, data, options: TaskOptions,
+                       metric: str) -> None:
+  """Fails before training when the tuning metric is not an eval result.
+
+  Builds the EVAL graph once, as evaluation will, and reads its metric
+  names.
+
+  Raises:
+    ValueError: `metric` is not among them.
+  """
+  with tf.Graph().as_default():
+    dataset = data.eval_input_fn(options.eval_batch_size)()
+    features, labels = tf1.data.make_one_shot_iterator(dataset).get_next()
+    spec = estimator.model_fn(features, labels, tf.estimator.ModeKeys.EVAL,
+                              estimator.config)
+  available = sorted({'loss', *spec.eval_metric_ops})
+  if metric not in available:
+    raise ValueError(f'--hypertune-metric={metric} is not an evaluation '
+                     f'result of --model={options.model}; it reports '
+                     f'{", ".join(available)}.')
+
+
 def _evaluate_and_export(estimator, eval_spec, model_dir: str):
   """What train_and_evaluate does after the last step, for a finished run."""
   checkpoint = tf.train.latest_checkpoint(model_dir)
@@ -297,62 +348,80 @@ def run(options: TaskOptions) -> Dict[str, Any]:
   job_dir = options.job_dir or default_job_dir()
   model_dir = hptuning.trial_dir(job_dir, hptuning.trial_id())
   task = (tf_config or {}).get('task') or {}
+  # Everything that can be checked is checked before the job dir is touched.
+  run_ = _Run(options, model_dir, task)
   if task.get('type') not in (None, 'chief', 'master'):
-    return _run(options, tf_config, model_dir)
+    return run_.train_and_evaluate()
   # A local run or a cluster's chief: the one writer of the job dir.
   with job_dir_lib.locked(model_dir):
     job_dir_lib.check_same_architecture(model_dir, CONFIG_FILE, options)
-    return _run(options, tf_config, model_dir)
+    return run_.train_and_evaluate()
 
 
-def _run(options: TaskOptions, tf_config, model_dir: str) -> Dict[str, Any]:
-  """`run` once the job dir is settled."""
-  kind = model_fns.model_kind(options.model)
-  model_fn = model_fns.get_model_fn(options.model)
-  data = build_data(options, kind)
-  config = make_run_config(
-      model_dir, num_gpus=options.num_gpus, gpu_ids=options.gpu_ids,
-      cpu_devices=options.cpu_towers,
-      gpu_memory_fraction=options.gpu_memory_fraction,
-      allow_growth=options.allow_growth,
-      inter_op_threads=options.inter_op_threads,
-      intra_op_threads=options.intra_op_threads,
-      tf_random_seed=options.tf_random_seed,
-      save_checkpoints_steps=options.save_checkpoints_steps,
-      keep_checkpoint_max=options.keep_checkpoint_max,
-      log_step_count_steps=max(options.save_checkpoints_steps, 100))
-  num_gpus, num_cpus = session_device_counts(config.session_config)
-  towers = num_gpus or num_cpus
-  estimator = tf.estimator.Estimator(
-      _with_step_logging(replicate_model_fn(model_fn),
-                         options.train_batch_size, towers),
-      config=config, params=model_params(options, data))
-  metric = options.hypertune_metric or 'accuracy'
-  logging.info('Training %s on %d tower(s) into %s', options.model, towers,
-               model_dir)
-  train_spec = tf.estimator.TrainSpec(
-      data.train_input_fn(options.train_batch_size, seed=options.tf_random_seed
-                          or 0), max_steps=options.train_steps,
-      hooks=[preemption.PreemptionHook(model_dir, config.is_chief),
-             finite_weights.FiniteWeightsHook()] + (
-          # One writer per job dir: the chief (or a local run).
-          [_SaveConfigWhenTraining(model_dir, options)] if config.is_chief
-          else []))
-  eval_spec = tf.estimator.EvalSpec(
-      data.eval_input_fn(options.eval_batch_size), steps=options.eval_steps,
-      exporters=_exporters(options, data, metric), start_delay_secs=0,
-      throttle_secs=0)
-  with preemption.sigterm_handled():
-    result = tf.estimator.train_and_evaluate(estimator, train_spec, eval_spec)
-  # Local runs and the evaluator get (metrics, exports); other cluster tasks
-  # get None.
-  metrics = result[0] if result else None
-  task = (tf_config or {}).get('task') or {}
-  if metrics is None and not task.get('type'):
-    # Training was already done (e.g. the last run was killed after its final
-    # checkpoint, before the export): evaluate, export and report now.
-    metrics = _evaluate_and_export(estimator, eval_spec, model_dir)
-  return {'metrics': metrics, 'export_dir': latest_export(model_dir),
-          'model_dir': model_dir, 'towers': towers,
-          'task': f"{task['type']}:{task.get('index', 0)}"
-                  if task.get('type') else None}
+class _Run:
+  """One task's Estimator and specs, built and checked before training."""
+
+  def __init__(self, options: TaskOptions, model_dir: str,
+               task: Dict[str, Any]):
+    self._options, self._model_dir, self._task = options, model_dir, task
+    kind = model_fns.model_kind(options.model)
+    model_fn = model_fns.get_model_fn(options.model)
+    data = build_data(options, kind)
+    config = make_run_config(
+        model_dir, num_gpus=options.num_gpus, gpu_ids=options.gpu_ids,
+        cpu_devices=options.cpu_towers,
+        gpu_memory_fraction=options.gpu_memory_fraction,
+        allow_growth=options.allow_growth,
+        inter_op_threads=options.inter_op_threads,
+        intra_op_threads=options.intra_op_threads,
+        tf_random_seed=options.tf_random_seed,
+        save_checkpoints_steps=options.save_checkpoints_steps,
+        keep_checkpoint_max=options.keep_checkpoint_max,
+        log_step_count_steps=max(options.save_checkpoints_steps, 100))
+    num_gpus, num_cpus = session_device_counts(config.session_config)
+    self.towers = num_gpus or num_cpus
+    self.estimator = tf.estimator.Estimator(
+        _with_step_logging(
+            _checked(options.model, replicate_model_fn(model_fn)),
+            options.train_batch_size, self.towers),
+        config=config, params=model_params(options, data))
+    metric = options.hypertune_metric or 'accuracy'
+    if not task.get('type') or task['type'] in ('chief', 'master',
+                                                'evaluator'):
+      # Found out only after the first evaluation otherwise.
+      hptuning.check_metric_file()
+      _check_eval_metric(self.estimator, data, options, metric)
+    self.train_spec = tf.estimator.TrainSpec(
+        data.train_input_fn(options.train_batch_size,
+                            seed=options.tf_random_seed or 0),
+        max_steps=options.train_steps,
+        hooks=[preemption.PreemptionHook(model_dir, config.is_chief),
+               finite_weights.FiniteWeightsHook()] + (
+                   # One writer per job dir: the chief (or a local run).
+                   [_SaveConfigWhenTraining(model_dir, options)]
+                   if config.is_chief else []))
+    self.eval_spec = tf.estimator.EvalSpec(
+        data.eval_input_fn(options.eval_batch_size), steps=options.eval_steps,
+        exporters=_exporters(options, data, metric), start_delay_secs=0,
+        throttle_secs=0)
+
+  def train_and_evaluate(self) -> Dict[str, Any]:
+    """Trains, evaluates and exports; returns what `run` returns."""
+    task, model_dir = self._task, self._model_dir
+    logging.info('Training %s on %d tower(s) into %s', self._options.model,
+                 self.towers, model_dir)
+    with preemption.sigterm_handled():
+      result = tf.estimator.train_and_evaluate(
+          self.estimator, self.train_spec, self.eval_spec)
+    # Local runs and the evaluator get (metrics, exports); other cluster
+    # tasks get None.
+    metrics = result[0] if result else None
+    if metrics is None and not task.get('type'):
+      # Training was already done (e.g. the last run was killed after its
+      # final checkpoint, before the export): evaluate, export, report now.
+      metrics = _evaluate_and_export(self.estimator, self.eval_spec,
+                                     model_dir)
+    return {'metrics': metrics, 'export_dir': latest_export(model_dir),
+            'model_dir': model_dir, 'towers': self.towers,
+            'task': f"{task['type']}:{task.get('index', 0)}"
+                    if task.get('type') else None}
