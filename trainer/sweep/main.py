@@ -120,8 +120,20 @@ def check_fixed_flags(fixed: Sequence[str],
   """Refuses fixed flags the sweep sets itself.
 
   Raises:
-    ValueError: the fixed flags set --job-dir or a swept parameter.
+    ValueError: the fixed flags set --job-dir or a swept parameter, or use
+      a form the check cannot see through (-single-dash, --flagfile).
   """
+  for arg in fixed:
+    if arg.startswith('-') and not arg.startswith('--') and len(arg) > 1:
+      raise ValueError(
+          f'the trainer flags after -- include the single-dash {arg!r}, which '
+          'the trainer would read as a flag the sweep does not check; spell '
+          f'it --{arg[1:]}.')
+    if arg.partition('=')[0] in ('--flagfile', '--undefok'):
+      raise ValueError(
+          f'the trainer flags after -- include {arg.partition("=")[0]}, which '
+          'could set --job-dir or a swept parameter unseen; pass the flags '
+          'themselves.')
   present = sweep_devices.flags_set(fixed)
   if 'job-dir' in present:
     raise ValueError('the trainer flags after -- set --job-dir; pass it to '
@@ -193,8 +205,14 @@ def open_study(options: sweep_runner.Options) -> optuna.Study:
   sampler = sweep_space.sampler(config, value('seed'))
   pruner = sweep_space.pruner(config, value('prune-startup-trials'))
   if value('resume'):
-    return sweep_study.resume(options.job_dir, settings, len(config.params),
-                              options.grace_secs, sampler, pruner)
+    study = sweep_study.resume(options.job_dir, settings, len(config.params),
+                               options.grace_secs, sampler, pruner)
+    if value('seed') is not None:
+      # The same seed would replay the first session's draws: offset it by
+      # the trials already made, reproducibly.
+      study.sampler = sweep_space.sampler(config,
+                                          value('seed') + len(study.trials))
+    return study
   return sweep_study.create(options.job_dir, settings,
                             sweep_space.direction(config), sampler, pruner)
 
