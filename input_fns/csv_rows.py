@@ -2,8 +2,8 @@
 
 `parse_row` never fails: a malformed row (wrong field count, bad quoting, a
 non-number in a numeric column, an empty field without a default, an unknown
-label, and unless allowed a NaN or infinite number) is parsed from harmless stand-in values and comes with a non-empty
-`problem` string. The caller then either asserts that `problem` is empty,
+label, and unless allowed a NaN or infinite number) is parsed from harmless
+stand-in values and comes with a non-empty `problem` string. The caller then either asserts that `problem` is empty,
 naming the file and line, or filters the row out; tf.io.decode_csv and
 tf.strings.to_number alone would fail with a message naming neither.
 """

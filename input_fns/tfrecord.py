@@ -2,8 +2,9 @@
 
 Records are numbered per file and parsed in parallel map calls; a label
 outside [0, n_classes), or unless allowed a NaN or infinite float feature,
-stops the pipeline with an error naming the file and record. The serving 'example' format takes Examples like the training
-records (the label may be left out): encoded images stay encoded.
+stops the pipeline with an error naming the file and record. The serving
+'example' format takes Examples like the training records (the label may be
+left out): encoded images stay encoded.
 """
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple

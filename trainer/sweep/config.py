@@ -398,9 +398,9 @@ def _ranged(where: str, name: str, kind: str, item: Dict[str, Any],
   else:
     for field, value in (('minValue', low), ('maxValue', high)):
       if not INT32_MIN <= value <= INT32_MAX:
-        raise ValueError(f'{where}: {field} {item[field]!r} is outside the int32 '
-                         f'range [{INT32_MIN}, {INT32_MAX}] that integer '
-                         'trainer flags take; narrow the range.')
+        raise ValueError(f'{where}: {field} {item[field]!r} is outside the '
+                         f'int32 range [{INT32_MIN}, {INT32_MAX}] that '
+                         'integer trainer flags take; narrow the range.')
   if low > high:
     raise ValueError(f'{where}: minValue {low} > maxValue {high}; swap them.')
   if scale in ('UNIT_LOG_SCALE', 'UNIT_REVERSE_LOG_SCALE') and low <= 0:

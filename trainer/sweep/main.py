@@ -37,6 +37,11 @@ FLAGS = flags.FLAGS
 EXIT_FAILED = 1   # Too many failed trials, or none completed.
 EXIT_USAGE = 2    # Bad flags, config or job dir.
 
+# absl flags that change how a trial reads its flags, not what it trains:
+# a --flagfile can set --job-dir or a swept parameter unseen, --undefok
+# hides a misspelt flag, --only_check_args exits 0 untrained.
+_FORBIDDEN_FIXED = ('flagfile', 'undefok', 'only-check-args', 'help',
+                    'helpfull', 'helpshort', 'helpxml')
 _OWN_FLAGS = ('config', 'job-dir', 'resume', 'seed', 'module-name',
               'prune-startup-trials', 'poll-secs', 'termination-grace-secs')
 
@@ -53,7 +58,9 @@ def define_flags() -> None:
   flags.DEFINE_boolean('resume', False, 'Go on with the sweep in --job-dir '
                        '(after Ctrl-C, a kill or a crash).')
   flags.DEFINE_integer('seed', None, 'Seed of the sampler\'s random draws; '
-                       'default: a fresh one each run.')
+                       'default: a fresh one each run. A resumed sweep mixes '
+                       'it with its trial count, so that it draws anew.',
+                       lower_bound=0, upper_bound=2**32 - 1)
   flags.DEFINE_string('module-name', 'trainer.task', 'The trainer module '
                       'each trial runs with python -m (as gcloud\'s '
                       '--module-name).')
@@ -117,24 +124,24 @@ def _hyphenate(arg: str) -> str:
 
 def check_fixed_flags(fixed: Sequence[str],
                       config: sweep_config.SweepConfig) -> None:
-  """Refuses fixed flags the sweep sets itself.
+  """Refuses fixed flags the sweep sets itself, or that it cannot check.
 
   Raises:
-    ValueError: the fixed flags set --job-dir or a swept parameter, or use
-      a form the check cannot see through (-single-dash, --flagfile).
+    ValueError: the fixed flags set --job-dir or a swept parameter, use a
+      single dash (which absl also accepts, as in -job-dir=...), or use
+      --flagfile and the like.
   """
   for arg in fixed:
-    if arg.startswith('-') and not arg.startswith('--') and len(arg) > 1:
-      raise ValueError(
-          f'the trainer flags after -- include the single-dash {arg!r}, which '
-          'the trainer would read as a flag the sweep does not check; spell '
-          f'it --{arg[1:]}.')
-    if arg.partition('=')[0] in ('--flagfile', '--undefok'):
-      raise ValueError(
-          f'the trainer flags after -- include {arg.partition("=")[0]}, which '
-          'could set --job-dir or a swept parameter unseen; pass the flags '
-          'themselves.')
+    if _is_single_dash_flag(arg):
+      raise ValueError(f'the trainer flags after -- hold {arg!r}; spell '
+                       'trainer flags with two dashes (--name=value) so that '
+                       'the sweep can check them.')
   present = sweep_devices.flags_set(fixed)
+  for name in _FORBIDDEN_FIXED:
+    if name in present:
+      raise ValueError(f'the trainer flags after -- use --{name}, which the '
+                       'sweep cannot check; write the flags themselves after '
+                       '--.')
   if 'job-dir' in present:
     raise ValueError('the trainer flags after -- set --job-dir; pass it to '
                      'the sweep (before --): each trial writes under '
@@ -143,6 +150,12 @@ def check_fixed_flags(fixed: Sequence[str],
     if spec.name.replace('_', '-') in present:
       raise ValueError(f'the trainer flags after -- set --{spec.name}, which '
                        'the sweep sets for each trial (params); remove it.')
+
+
+def _is_single_dash_flag(arg: str) -> bool:
+  """-name or -name=value; not a negative number (a flag's separate value)."""
+  return (len(arg) > 1 and arg[0] == '-' and arg[1] != '-' and
+          not arg[1].isdigit() and arg[1] != '.')
 
 
 def prepare_job_dir(job_dir: str) -> str:
@@ -164,6 +177,9 @@ def main(argv: List[str]) -> None:
   try:
     config = sweep_config.load(value('config'))
     check_fixed_flags(fixed, config)
+    sweep_devices.check_parallel(config.max_parallel_trials,
+                                 sweep_devices.visible_gpus(os.environ),
+                                 sweep_devices.cpu_count())
     job_dir = prepare_job_dir(value('job-dir'))
     lock = sweep_study.lock(job_dir)
   except ValueError as e:
@@ -202,19 +218,15 @@ def open_study(options: sweep_runner.Options) -> optuna.Study:
   settings = {'hyperparameters': config.to_dict(),
               'fixed_flags': list(options.fixed_flags),
               'module': options.module}
-  sampler = sweep_space.sampler(config, value('seed'))
   pruner = sweep_space.pruner(config, value('prune-startup-trials'))
   if value('resume'):
-    study = sweep_study.resume(options.job_dir, settings, len(config.params),
-                               options.grace_secs, sampler, pruner)
-    if value('seed') is not None:
-      # The same seed would replay the first session's draws: offset it by
-      # the trials already made, reproducibly.
-      study.sampler = sweep_space.sampler(config,
-                                          value('seed') + len(study.trials))
-    return study
+    sampler = sweep_space.sampler(
+        config, value('seed'), sweep_study.stored_trials(options.job_dir))
+    return sweep_study.resume(options.job_dir, settings, len(config.params),
+                              options.grace_secs, sampler, pruner)
   return sweep_study.create(options.job_dir, settings,
-                            sweep_space.direction(config), sampler, pruner)
+                            sweep_space.direction(config),
+                            sweep_space.sampler(config, value('seed')), pruner)
 
 
 @contextlib.contextmanager
