@@ -4,7 +4,8 @@ Rows are read with tf.data.TextLineDataset, numbered by line, and parsed in
 parallel map calls (see csv_rows). A malformed row stops the input pipeline
 with an InvalidArgumentError that names its file and line, or, with
 `skip_malformed=True`, is left out; `CsvData.skipped_rows()` counts such
-rows per file.
+rows per file. A NaN or infinite number makes a row malformed unless
+`allow_non_finite=True`: it would train a NaN model without any error.
 """
 
 import csv as stdlib_csv
@@ -48,7 +49,8 @@ class CsvData(data_lib.Data):
 
   def __init__(self, schema: csv_rows.Schema, train_files: Sequence[str],
                eval_files: Sequence[str], *, header: bool,
-               skip_malformed: bool, shuffle_buffer_size: int):
+               skip_malformed: bool, shuffle_buffer_size: int,
+               allow_non_finite: bool = False):
     """Use `csv_data`, which checks the arguments.
 
     Args:
@@ -58,12 +60,14 @@ class CsvData(data_lib.Data):
       header: Whether each file's first line is a header.
       skip_malformed: Whether to leave out malformed rows.
       shuffle_buffer_size: Rows held for shuffling training data.
+      allow_non_finite: Whether numeric fields may be NaN or infinite.
     """
     super().__init__(kind='tabular', n_classes=schema.n_classes,
                      feature_columns=csv_rows.feature_columns(schema),
                      image_shape=None)
     self.schema = schema
     self.skip_malformed = skip_malformed
+    self.allow_non_finite = allow_non_finite
     self._files = {data_lib.TRAIN: list(train_files),
                    data_lib.EVAL: list(eval_files)}
     self._header = header
@@ -87,19 +91,21 @@ class CsvData(data_lib.Data):
         self._files[split], self._read_file, sequential=split != data_lib.TRAIN,
         shuffle=shuffle, seed=seed)
 
+  def _parse(self, line: tf.Tensor):
+    return csv_rows.parse_row(self.schema, line, self.allow_non_finite)
+
   def _problems(self, split: str) -> tf.data.Dataset:
     """(path, line number, problem) per row; problem is '' if well formed."""
 
     def parse(path, number, line):
-      return path, number, csv_rows.parse_row(self.schema, line)[2]
+      return path, number, self._parse(line)[2]
 
     return pipeline.parallel_map(self._rows(split), parse)
 
   def _examples(self, split, shuffle=False, seed=0):
-    schema = self.schema
 
     def parse_or_fail(path, number, line):
-      features, label, problem = csv_rows.parse_row(schema, line)
+      features, label, problem = self._parse(line)
       message = tf.strings.join([
           'Malformed CSV row ', _location(path, number), ': ', problem,
           '. Fix the row, or pass skip_malformed=True to skip such rows.'])
@@ -109,7 +115,7 @@ class CsvData(data_lib.Data):
 
     def parse(path, number, line):
       del path, number  # Only a failing row needs its location.
-      return csv_rows.parse_row(schema, line)
+      return self._parse(line)
 
     rows = self._rows(split, shuffle=shuffle, seed=seed)
     if self.skip_malformed:
@@ -301,12 +307,13 @@ def csv_data(train_files: Sequence[str], eval_files: Sequence[str], *,
     n_classes: Number of classes; required without label_vocabulary.
     skip_malformed: Whether to leave out malformed rows (wrong field count,
       bad quoting, a non-number in a numeric column, an empty field without
-      default, an unknown label) instead of failing with an error naming the
-      file and line. `skipped_rows()` counts them. A numeric field that is
-      nan or +-inf, or overflows float32, is malformed too unless
-      `allow_non_finite`.
+      default, an unknown label, a non-finite number without
+      allow_non_finite) instead of failing with an error naming the file and
+      line. `skipped_rows()` counts them.
     shuffle_buffer_size: Rows held for shuffling the training data.
-    allow_non_finite: Keep nan and +-inf numeric values.
+    allow_non_finite: Whether numeric fields (and defaults) may be NaN or
+      infinite, or overflow float32. By default such a row is malformed: it
+      would make the loss NaN without any error.
 
   Returns:
     The Data; example_ids are 'file:line', lines counted from 1 with the
@@ -343,13 +350,13 @@ def csv_data(train_files: Sequence[str], eval_files: Sequence[str], *,
   schema = csv_rows.Schema(
       columns=all_columns, label_column=label_column, categorical=categorical,
       defaults=csv_rows.check_defaults(defaults, all_columns, label_column,
-                                       categorical),
-      label_vocabulary=vocabulary, n_classes=n_classes,
-      allow_non_finite=bool(allow_non_finite))
+                                       categorical, bool(allow_non_finite)),
+      label_vocabulary=vocabulary, n_classes=n_classes)
   if (isinstance(shuffle_buffer_size, bool) or
       not isinstance(shuffle_buffer_size, int) or shuffle_buffer_size < 1):
     raise ValueError(f'shuffle_buffer_size={shuffle_buffer_size!r}; pass an '
                      'int >= 1.')
   return CsvData(schema, train, evaluation, header=bool(header),
                  skip_malformed=bool(skip_malformed),
-                 shuffle_buffer_size=shuffle_buffer_size)
+                 shuffle_buffer_size=shuffle_buffer_size,
+                 allow_non_finite=bool(allow_non_finite))

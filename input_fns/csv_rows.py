@@ -2,15 +2,17 @@
 
 `parse_row` never fails: a malformed row (wrong field count, bad quoting, a
 non-number in a numeric column, an empty field without a default, an unknown
-label) is parsed from harmless stand-in values and comes with a non-empty
-`problem` string. The caller then either asserts that `problem` is empty,
+label, and unless allowed a NaN or infinite number) is parsed from harmless
+stand-in values and comes with a non-empty `problem` string. The caller then either asserts that `problem` is empty,
 naming the file and line, or filters the row out; tf.io.decode_csv and
 tf.strings.to_number alone would fail with a message naming neither.
 """
 
 import dataclasses
+import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
 
 from input_fns import columns as columns_lib
@@ -23,6 +25,8 @@ _ROW = rf'{_FIELD}(?:,{_FIELD})*'
 # What tf.strings.to_number parses as a float.
 _NUMBER = (r'(?i)[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?'
            r'|[-+]?(?:inf|infinity|nan)')
+# tf.strings.to_number reads 'inf' but not 'infinity'.
+_INFINITY = r'(?i)inf(?:inity)?$'
 # Up to 9 digits always fits int32.
 _CLASS_ID = r'[-+]?\d{1,9}'
 
@@ -40,8 +44,6 @@ class Schema:
     label_vocabulary: The labels' string values (id = position), or None
       for int class ids.
     n_classes: Number of classes.
-    allow_non_finite: Whether numeric fields may be nan or +-inf (or
-      overflow float32 to inf); by default such a row is malformed.
   """
   columns: Tuple[str, ...]
   label_column: str
@@ -49,7 +51,6 @@ class Schema:
   defaults: Mapping[str, Any]
   label_vocabulary: Optional[Tuple[str, ...]]
   n_classes: int
-  allow_non_finite: bool = False
 
   @property
   def feature_names(self) -> List[str]:
@@ -86,18 +87,20 @@ def _field_count(line: tf.Tensor) -> tf.Tensor:
 
 
 def _numeric(name: str, field: tf.Tensor, default: Any,
-             problems: _Problems, allow_non_finite: bool) -> tf.Tensor:
+             allow_non_finite: bool, problems: _Problems) -> tf.Tensor:
   empty = tf.equal(field, '')
   is_number = tf.strings.regex_full_match(field, _NUMBER)
   problems.add(tf.logical_not(empty | is_number),
                f'column `{name}`: ', _quote(field), ' is not a number')
-  value = tf.strings.to_number(tf.where(is_number, field, '0'), tf.float32)
+  number = tf.strings.regex_replace(field, _INFINITY, 'inf')
+  value = tf.strings.to_number(tf.where(is_number, number, '0'), tf.float32)
   if not allow_non_finite:
-    # A NaN trains a NaN model that may still report a plausible accuracy.
+    # A NaN or inf feature trains a NaN model without any error; so does a
+    # number beyond float32's range, which parses as inf.
     problems.add(is_number & tf.logical_not(tf.math.is_finite(value)),
-                 f'column `{name}`: ', _quote(field),
-                 ' is not a finite float32 (pass --allow-non-finite / '
-                 'allow_non_finite=True to keep such values)')
+                 f'column `{name}`: ', _quote(field), ' is not a finite '
+                 'float32 (pass --allow-non-finite / allow_non_finite=True '
+                 'to keep NaN and inf)')
   if default is None:
     problems.add(empty, f'column `{name}` is empty and has no default '
                  '(pass defaults={...})')
@@ -133,7 +136,7 @@ def _label(schema: Schema, field: tf.Tensor,
   return tf.maximum(label, 0)
 
 
-def parse_row(schema: Schema, line: tf.Tensor
+def parse_row(schema: Schema, line: tf.Tensor, allow_non_finite: bool = False
              ) -> Tuple[Dict[str, tf.Tensor], tf.Tensor, tf.Tensor]:
   """Parses one CSV line.
 
@@ -143,6 +146,8 @@ def parse_row(schema: Schema, line: tf.Tensor
   Args:
     schema: The file's columns.
     line: A scalar string Tensor, one line without its newline.
+    allow_non_finite: Whether a numeric field may be NaN or infinite (or
+      overflow float32); otherwise such a row is malformed.
 
   Returns:
     (features: name -> scalar float32 or string Tensor, label: scalar int32,
@@ -173,18 +178,25 @@ def parse_row(schema: Schema, line: tf.Tensor
     elif name in schema.categorical:
       features[name] = _categorical(name, field, default, problems)
     else:
-      features[name] = _numeric(name, field, default, problems,
-                                schema.allow_non_finite)
+      features[name] = _numeric(name, field, default, allow_non_finite,
+                                problems)
   return features, label, problems.first()
 
 
+def _fits_float32(value: float) -> bool:
+  """Whether value is finite as the float32 the column holds."""
+  with np.errstate(over='ignore'):
+    return math.isfinite(np.float32(value))
+
+
 def check_defaults(defaults: Mapping[str, Any], schema_columns: Sequence[str],
-                   label_column: str,
-                   categorical: Mapping[str, Any]) -> Dict[str, Any]:
+                   label_column: str, categorical: Mapping[str, Any],
+                   allow_non_finite: bool = False) -> Dict[str, Any]:
   """Validates `defaults`: known columns, numbers for numeric, strings else.
 
   Raises:
-    ValueError: an unknown column, or a default for the label.
+    ValueError: an unknown column, a default for the label, or a NaN or
+      infinite numeric default without allow_non_finite.
     TypeError: a default of the wrong type.
   """
   checked = {}
@@ -202,6 +214,10 @@ def check_defaults(defaults: Mapping[str, Any], schema_columns: Sequence[str],
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
       raise TypeError(f'defaults[{name!r}]={value!r}; a numeric column '
                       'needs a number default.')
+    elif not allow_non_finite and not _fits_float32(value):
+      raise ValueError(f'defaults[{name!r}]={value!r} is not a finite '
+                       'float32; pass a finite default, or '
+                       'allow_non_finite=True.')
     checked[name] = value
   return checked
 

@@ -1,9 +1,10 @@
 """TFRecord files of tf.Example: `tfrecord_data(...)`.
 
 Records are numbered per file and parsed in parallel map calls; a label
-outside [0, n_classes) stops the pipeline with an error naming the file and
-record. The serving 'example' format takes Examples like the training
-records (the label may be left out): encoded images stay encoded.
+outside [0, n_classes), or unless allowed a NaN or infinite float feature,
+stops the pipeline with an error naming the file and record. The serving
+'example' format takes Examples like the training records (the label may be
+left out): encoded images stay encoded.
 """
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -93,24 +94,6 @@ def _tabular_columns(feature_spec: Mapping[str, Any], label_key: str,
   return columns_lib.tabular_columns(names, categorical, shapes)
 
 
-def _finite_checks(parsed: Dict[str, Any], path: tf.Tensor,
-                   number: tf.Tensor) -> List[tf.Operation]:
-  """Asserts that every float feature of one record is finite."""
-  checks = []
-  for key, value in sorted(parsed.items()):
-    values = value.values if isinstance(value, tf.SparseTensor) else value
-    if not values.dtype.is_floating:
-      continue
-    message = tf.strings.join([
-        'Feature ', key, ' of TFRecord ', path, ':',
-        tf.strings.as_string(number),
-        ' is nan or inf; pass --allow-non-finite (allow_non_finite=True) to '
-        'keep such values.'])
-    checks.append(tf.debugging.Assert(
-        tf.reduce_all(tf.math.is_finite(values)), [message]))
-  return checks
-
-
 class TFRecordData(data_lib.Data):
   """Data read from TFRecord files of tf.Example; see `tfrecord_data`."""
 
@@ -134,7 +117,7 @@ class TFRecordData(data_lib.Data):
       image_shape: (H, W, C) of images, else None.
       image_encoding: 'encoded' or 'raw' for images, else None.
       shuffle_buffer_size: Records held for shuffling training data.
-      allow_non_finite: Keep nan and +-inf float features.
+      allow_non_finite: Whether float features may be NaN or infinite.
     """
     super().__init__(kind='tabular' if image_key is None else 'image',
                      n_classes=n_classes, feature_columns=feature_columns,
@@ -145,7 +128,7 @@ class TFRecordData(data_lib.Data):
     self._image_key = image_key
     self._image_encoding = image_encoding
     self._shuffle_buffer_size = shuffle_buffer_size
-    self._allow_non_finite = allow_non_finite
+    self.allow_non_finite = allow_non_finite
     # Image data parse only the image: other features are not served.
     keys = list(feature_spec) if image_key is None else [image_key, label_key]
     self._feature_spec = {key: feature_spec[key] for key in keys}
@@ -188,20 +171,35 @@ class TFRecordData(data_lib.Data):
         self._files[split], self._read_file,
         sequential=split != data_lib.TRAIN, shuffle=shuffle, seed=seed)
 
+  def _finite_checks(self, parsed: Dict[str, Any], location: tf.Tensor
+                    ) -> List[tf.Operation]:
+    """Asserts that the record's float features hold no NaN or inf."""
+    checks = []
+    for key, value in parsed.items():
+      if (self.allow_non_finite or isinstance(value, tf.SparseTensor) or
+          value.dtype != tf.float32):
+        continue
+      message = tf.strings.join([
+          f'Non-finite value (NaN or inf) in feature `{key}` of TFRecord ',
+          location, '. Fix the record, or pass --allow-non-finite / '
+          'allow_non_finite=True to keep NaN and inf.'])
+      checks.append(tf.debugging.Assert(
+          tf.reduce_all(tf.math.is_finite(value)), [message]))
+    return checks
+
   def _examples(self, split, shuffle=False, seed=0):
     n_classes = self.n_classes
 
     def parse(path, number, record):
       parsed = tf.io.parse_single_example(record, self._feature_spec)
       label = tf.reshape(parsed[self._label_key], [])
+      location = tf.strings.join([path, ':', tf.strings.as_string(number)])
       message = tf.strings.join([
-          'Bad label ', tf.strings.as_string(label), ' in TFRecord ', path,
-          ':', tf.strings.as_string(number),
+          'Bad label ', tf.strings.as_string(label), ' in TFRecord ', location,
           f': class ids must be in [0, {n_classes}).'])
       checks = [tf.debugging.Assert((label >= 0) & (label < n_classes),
                                     [message])]
-      if not self._allow_non_finite:
-        checks.extend(_finite_checks(parsed, path, number))
+      checks += self._finite_checks(parsed, location)
       with tf.control_dependencies(checks):
         label = tf.cast(label, tf.int32)
       return self._to_features(parsed, batched=False), label
@@ -241,8 +239,6 @@ def tfrecord_data(train_files: Sequence[str], eval_files: Sequence[str], *,
                   shuffle_buffer_size: int = pipeline.DEFAULT_SHUFFLE_BUFFER,
                   allow_non_finite: bool = False) -> TFRecordData:
   """Data from TFRecord files of tf.Example.
-    allow_non_finite: Keep nan and +-inf float features; by default a
-      record with one stops the input with an error naming file:record.
 
   Tabular (image_key None): every non-label feature of feature_spec is a
   feature. FixedLen float32/int64 features are numeric (float32 Tensors
@@ -268,6 +264,10 @@ def tfrecord_data(train_files: Sequence[str], eval_files: Sequence[str], *,
     categorical_columns: For tabular data, string feature -> vocabulary list
       or int hash-bucket count (see csv_data).
     shuffle_buffer_size: Records held for shuffling the training data.
+    allow_non_finite: Whether float32 features (raw images included) may be
+      NaN or infinite. By default such a record stops the input pipeline with
+      an error naming its file and record: it would make the loss NaN without
+      any error.
 
   Returns:
     The Data; example_ids are 'file:record', records counted from 0.

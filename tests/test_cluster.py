@@ -19,7 +19,7 @@ TASK_ARGS = ('--hidden-units=16', '--train-batch-size=32',
 _START_SECS = 300
 
 
-def _launch(job_dir, *args, task_args=(), env=None):
+def _launch(job_dir, *args, task_args=(), env=None, new_session=False):
   full_env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT,
               **(env or {})}
   full_env.pop('TF_CONFIG', None)
@@ -27,7 +27,7 @@ def _launch(job_dir, *args, task_args=(), env=None):
       [sys.executable, '-m', 'trainer.cluster', f'--job-dir={job_dir}', *args,
        '--', *TASK_ARGS, *task_args],
       cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      text=True, stdin=subprocess.DEVNULL)
+      text=True, stdin=subprocess.DEVNULL, start_new_session=new_session)
 
 
 def _state(job_dir):
@@ -187,3 +187,28 @@ def test_interrupt_stops_every_task(tmp_path):
   assert code == 130, err[-3000:]
   assert 'every task was stopped' in err
   _assert_all_stopped(job)
+
+
+def test_ctrl_c_lets_the_chief_save_before_the_ps_stops(tmp_path):
+  job = tmp_path / 'job'
+  # No periodic checkpoint after the first: only a save on the stop can
+  # keep the steps trained.
+  process = _launch(job, '--workers=1', '--ps=1', '--no-evaluator',
+                    task_args=('--train-steps=1000000',
+                               '--save-checkpoints-steps=1000000'),
+                    new_session=True)
+  try:
+    _wait(lambda: _log_has(job, 'chief-0', 'examples/sec'), _START_SECS,
+          'the chief to train', process)
+  finally:
+    # A terminal's Ctrl-C goes to the whole foreground process group.
+    if process.poll() is None:
+      os.killpg(process.pid, signal.SIGINT)
+    code, _, err = _finish(process, timeout=120)
+  assert code == 130, err[-3000:]
+  assert _log_has(job, 'chief-0', 'Received SIGTERM: saved'), err[-3000:]
+  assert _step(job) >= 100  # Past the first 'examples/sec' log.
+  state = _state(job)
+  assert not any(task['running'] for task in state.values()), state
+  _assert_all_stopped(job)
+  assert 'interrupted by SIGINT; every task was stopped' in err

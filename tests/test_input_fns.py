@@ -423,6 +423,41 @@ def test_csv_skip_malformed_skips_and_counts(tmp_path, csv_files):
     data.skipped_rows('test')
 
 
+def test_csv_non_finite_numbers_are_malformed_unless_allowed(tmp_path,
+                                                             csv_files):
+  train_glob, _ = csv_files
+  path = write_csv(tmp_path / 'odd.csv', [
+      '1,2,red,0', 'nan,2,red,0', '3,-Infinity,red,1', '1e39,4,red,2',
+      '5,INF,red,1'])
+  data = make_csv(train_glob, path)
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match='odd.csv:3: column `size`: `nan` is not a finite'):
+    run_input_fn(data.eval_input_fn(5))
+  assert data.malformed_rows('eval') == [
+      f'{path}:3: column `size`: `nan` is not a finite float32 (pass '
+      '--allow-non-finite / allow_non_finite=True to keep NaN and inf)',
+      f'{path}:4: column `weight`: `-Infinity` is not a finite float32 (pass '
+      '--allow-non-finite / allow_non_finite=True to keep NaN and inf)',
+      f'{path}:5: column `size`: `1e39` is not a finite float32 (pass '
+      '--allow-non-finite / allow_non_finite=True to keep NaN and inf)',
+      f'{path}:6: column `weight`: `INF` is not a finite float32 (pass '
+      '--allow-non-finite / allow_non_finite=True to keep NaN and inf)']
+  skipping = make_csv(train_glob, path, skip_malformed=True)
+  features, _ = concat(run_input_fn(skipping.eval_input_fn(5)))
+  np.testing.assert_array_equal(features['size'], [1])
+  allowing = make_csv(train_glob, path, allow_non_finite=True)
+  features, labels = concat(run_input_fn(allowing.eval_input_fn(5)))
+  np.testing.assert_array_equal(features['size'], [1, np.nan, 3, np.inf, 5])
+  np.testing.assert_array_equal(features['weight'], [2, 2, -np.inf, 4,
+                                                     np.inf])
+  np.testing.assert_array_equal(labels, [0, 0, 1, 2, 1])
+  with pytest.raises(ValueError, match="defaults\\['size'\\]=nan is not a "
+                     'finite'):
+    make_csv(train_glob, path, defaults={'size': float('nan')})
+  make_csv(train_glob, path, defaults={'size': float('nan')},
+           allow_non_finite=True)
+
+
 def test_csv_bad_globs_fail_when_built(tmp_path, csv_files):
   train_glob, eval_file = csv_files
   with pytest.raises(ValueError, match='nothing-\\*.csv.*matches no file'):
@@ -592,6 +627,37 @@ def test_tfrecord_bad_label_and_bad_globs(tmp_path):
     input_fns.tfrecord_data(
         [path], [path], label_key='label', n_classes=2,
         feature_spec=dict(spec, s=tf.io.FixedLenFeature([], tf.string)))
+
+
+def test_tfrecord_non_finite_floats_fail_unless_allowed(tmp_path):
+  spec = {'x': tf.io.FixedLenFeature([2], tf.float32),
+          'label': tf.io.FixedLenFeature([], tf.int64)}
+  path = write_records(tmp_path / 'data.tfrecord', [
+      example(x=float_feature(x), label=int_feature([0]))
+      for x in ([1.0, 2.0], [3.0, np.nan], [np.inf, 4.0])])
+  data = input_fns.tfrecord_data([path], [path], feature_spec=spec,
+                                 label_key='label', n_classes=2)
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match='Non-finite value .* in feature `x` of TFRecord '
+                     f'{path}:1. .*allow_non_finite=True'):
+    run_input_fn(data.eval_input_fn(3))
+  allowing = input_fns.tfrecord_data([path], [path], feature_spec=spec,
+                                     label_key='label', n_classes=2,
+                                     allow_non_finite=True)
+  features, _ = concat(run_input_fn(allowing.eval_input_fn(3)))
+  np.testing.assert_array_equal(features['x'],
+                                [[1, 2], [3, np.nan], [np.inf, 4]])
+  raw = write_records(tmp_path / 'raw.tfrecord', [
+      example(image=float_feature([0.5, np.nan, 0.5, 0.5]),
+              label=int_feature([1]))])
+  images = input_fns.tfrecord_data(
+      [raw], [raw], label_key='label', n_classes=2, image_key='image',
+      image_shape=(2, 2, 1),
+      feature_spec={'image': tf.io.FixedLenFeature([4], tf.float32),
+                    'label': tf.io.FixedLenFeature([], tf.int64)})
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match=f'feature `image` of TFRecord {raw}:0'):
+    run_input_fn(images.eval_input_fn(1))
 
 
 # Image folders.

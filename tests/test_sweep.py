@@ -538,16 +538,54 @@ def test_bad_command_lines_exit_2(args, message):
 @pytest.mark.parametrize('fixed,message', [
     (('--job-dir=/elsewhere',), 'set --job-dir; pass it to the sweep'),
     (('--learning_rate=0.1',), 'set --learning-rate, which the sweep sets'),
-    (('-job-dir=/elsewhere',), "single-dash '-job-dir=/elsewhere'"),
-    (('-learning-rate=0.1',), "single-dash '-learning-rate=0.1'"),
-    (('--flagfile=/tmp/flags',), 'include --flagfile'),
+    # absl also reads single-dash flags and flags from a --flagfile.
+    (('-job-dir=/elsewhere',), "hold '-job-dir=/elsewhere'; spell trainer "
+     'flags with two dashes'),
+    (('--optimizer', 'sgd', '-learning-rate', '0.1'),
+     "hold '-learning-rate'"),
+    (('--flagfile=/tmp/flags.txt',), 'use --flagfile, which the sweep cannot '
+     'check'),
+    (('--undefok=learning-rate',), 'use --undefok'),
+    (('--only_check_args',), 'use --only-check-args'),
 ])
 def test_fixed_flags_cannot_set_what_the_sweep_sets(root, fixed, message):
   config = _write_config(root / 'conflict.yaml', GRID_CONFIG)
   job_dir = root / 'conflict'
   result = _sweep(config, job_dir, fixed=fixed)
-  assert result.returncode == 2 and message in result.stderr
+  assert result.returncode == 2 and message in result.stderr, result.stderr
   assert not (job_dir / 'sweep.db').exists()
+
+
+@pytest.mark.parametrize('setting,message', [
+    ('maxParallelTrials: 100000000', 'maxParallelTrials: 100000000 is more '
+     'trials than this machine runs at once'),
+    ('maxParallelTrials: 2\n        maxTrials: 3',
+     "line 7, column 5: 'maxTrials' is set twice (also on line 5)"),
+])
+def test_impossible_configs_exit_2_in_one_line(root, setting, message):
+  config = _write_config(root / 'impossible.yaml', GRID_CONFIG.replace(
+      'maxParallelTrials: 2', setting).replace('maxTrials: 6',
+                                               'maxTrials: 100000000'))
+  job_dir = root / f'impossible-{setting.split(":")[1].split()[0]}'
+  result = _sweep(config, job_dir, timeout=120)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert result.stderr.startswith('sweep: error: ')
+  assert message in result.stderr
+  assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+  assert not job_dir.exists()
+
+
+def test_damaged_sweep_db_is_one_line_error(root):
+  config = _write_config(root / 'damaged.yaml', GRID_CONFIG)
+  job_dir = root / 'damaged'
+  job_dir.mkdir()
+  (job_dir / 'sweep.db').write_bytes(b'not a database\n' * 200)
+  result = _sweep(config, job_dir, '--resume', timeout=120)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert result.stderr.strip() == (
+      f'sweep: error: {job_dir}/sweep.db cannot be read as a sweep database '
+      "(file is not a database); it is damaged or not a sweep's. Move it "
+      'away and start the sweep again, or choose a new --job-dir.')
 
 
 def test_invalid_config_stops_before_any_trial(root):
@@ -562,43 +600,49 @@ def test_invalid_config_stops_before_any_trial(root):
   assert not job_dir.exists()
 
 
-@pytest.mark.parametrize('algorithm', ['RANDOM_SEARCH', 'ALGORITHM_UNSPECIFIED'])
+@pytest.mark.parametrize('algorithm', ['RANDOM_SEARCH',
+                                       'ALGORITHM_UNSPECIFIED'])
 def test_resume_with_the_same_seed_draws_new_values(root, fake_trainer,
                                                     algorithm):
-  job_dir = root / f'reseed_{algorithm}'
-  config = _write_config(root / f'reseed_{algorithm}.yaml', f"""\
+  job_dir = root / f'seeded-{algorithm}'
+  job_dir.mkdir()
+  (job_dir / 'hold').write_text('')
+  config = _write_config(root / f'seeded-{algorithm}.yaml', f"""\
       hyperparameters:
-        goal: MAXIMIZE
+        goal: MINIMIZE
         hyperparameterMetricTag: score
-        maxTrials: 4
-        maxParallelTrials: 1
+        maxTrials: 3
         algorithm: {algorithm}
         params:
           - parameterName: x
             type: DOUBLE
             minValue: 1
-            maxValue: 10
+            maxValue: 2
       """)
+  args = ('--module-name=fake_trainer', '--seed=7')
   command = [sys.executable, '-m', 'trainer.sweep', f'--config={config}',
-             f'--job-dir={job_dir}', '--seed=3', '--module-name=fake_trainer',
-             *FAST, '--', '--steps=2', '--sleep=0.5']
+             f'--job-dir={job_dir}', *args, *FAST, '--', '--steps=1']
   sweep = subprocess.Popen(command, cwd=ROOT, env=_env(fake_trainer),
-                           stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL,
-                           stdin=subprocess.DEVNULL, start_new_session=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, stdin=subprocess.DEVNULL,
+                           start_new_session=True)
   try:
-    wait_until(lambda: _first_trial_started(job_dir) and sum(
-        t.state.name == 'COMPLETE' for t in _trials(job_dir)) >= 2, 120,
-               'two finished trials')
+    wait_until(lambda: _first_trial_started(job_dir) and any(
+        'pid_start' in t.user_attrs for t in _trials(job_dir)), 60,
+               'a running trial')
+    sweep.send_signal(signal.SIGINT)
+    _, stderr = sweep.communicate(timeout=60)
   finally:
-    os.killpg(sweep.pid, signal.SIGKILL)
-    sweep.wait()
-  resumed = _sweep(config, job_dir, '--seed=3', '--resume',
-                   '--module-name=fake_trainer',
-                   fixed=('--steps=2', '--sleep=0.5'),
+    if sweep.poll() is None:
+      os.killpg(sweep.pid, signal.SIGKILL)
+      sweep.wait()
+  assert sweep.returncode == 130, stderr[-3000:]
+  (job_dir / 'hold').unlink()
+  resumed = _sweep(config, job_dir, '--resume', *args, fixed=('--steps=1',),
                    extra_path=fake_trainer, timeout=120)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
-  values = [t.params['x'] for t in _trials(job_dir)
-            if t.state.name == 'COMPLETE']
-  assert len(values) >= 4
-  assert len(set(values)) == len(values), values
+  trials = _trials(job_dir)
+  drawn = [t.params['x'] for t in trials if 'retry_of' not in t.user_attrs]
+  assert len(drawn) == 3  # The first run's trial and two after resuming.
+  # Only the rerun of the interrupted trial may repeat its values.
+  assert len(set(drawn)) == len(drawn), drawn

@@ -130,6 +130,11 @@ def test_config_round_trips_through_to_dict():
      r"params\[0\] \(learning-rate\): minValue: must be a number, got 'small'"),
     (_with_param(1, minValue=1.5),
      r'params\[1\] \(num-layers\): minValue: must be a whole number, got 1.5'),
+    (_with_param(1, maxValue=1e29),
+     r'params\[1\] \(num-layers\): maxValue 1e\+29 is outside the int32 '
+     r'range \[-2147483648, 2147483647\]'),
+    (_with_param(1, maxValue='1e29'), r"maxValue '1e29' is outside the int32"),
+    (_with_param(1, minValue=-2**31 - 1), r'minValue -2147483649 is outside'),
     (_with_param(0, minValue=0.0),
      r'params\[0\] \(learning-rate\): UNIT_LOG_SCALE needs minValue > 0'),
     (_with_param(0, minValue=-1.0, scaleType='UNIT_REVERSE_LOG_SCALE'),
@@ -186,6 +191,13 @@ def test_invalid_config_names_the_field(block, message):
     ('goal: MAXIMIZE\n', r'neither trainingInput.hyperparameters nor'),
     ('hyperparameters: [1, 2]\n', r'hyperparameters must be a mapping'),
     ('hyperparameters: {goal: [unclosed\n', r'is not valid YAML'),
+    # PyYAML would keep the last of repeated keys without a word.
+    ('hyperparameters:\n  maxTrials: 4\n  goal: MAXIMIZE\n  maxTrials: 40\n',
+     r"not valid YAML: line 4, column 3: 'maxTrials' is set twice \(also on "
+     r'line 2\); write each field once$'),
+    ('hyperparameters:\n  params:\n    - parameterName: x\n'
+     '      minValue: 1\n      minValue: 2\n',
+     r"line 5, column 7: 'minValue' is set twice"),
 ])
 def test_invalid_file_structure(tmp_path, text, message):
   path = tmp_path / 'hptuning_config.yaml'

@@ -28,16 +28,13 @@ class FiniteWeightsHook(tf1.train.SessionRunHook):
       self._all = tf.reduce_all(tf.stack(self._each)) if self._each else None
     self._step = tf1.train.get_global_step()
 
-  def before_run(self, run_context):
-    del run_context
-    if self._all is None:
-      return None
-    return tf1.train.SessionRunArgs(self._all)
-
   def after_run(self, run_context, run_values):
-    if self._all is None or run_values.results:
-      return
+    del run_values
+    # Read after the step, not fetched with it: a fetch may see the weights
+    # from before the update. This hook runs before the checkpoint saver's.
     session = run_context.session
+    if self._all is None or session.run(self._all):
+      return
     finite = session.run(self._each)
     bad = [v.op.name for v, ok in zip(self._variables, finite) if not ok]
     step = session.run(self._step) if self._step is not None else '?'

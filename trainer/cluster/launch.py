@@ -4,7 +4,9 @@ One process per task, each `python -m trainer.task` with its own TF_CONFIG
 and log file. The supervisor restarts a task that dies (up to a limit, like
 a Kubeflow TFJob's OnFailure policy), stops everything when one task fails
 for good, and stops the parameter servers (which never exit by themselves)
-once the chief and the evaluator are done.
+once the chief and the evaluator are done. Stopping is ordered: the chief,
+workers and evaluator first (the chief saves a checkpoint on SIGTERM, which
+needs the parameter servers that hold the variables), the ps last.
 """
 
 import dataclasses
@@ -19,6 +21,10 @@ from typing import Dict, List, Optional, Sequence
 from absl import logging
 
 from trainer.cluster import private_network
+
+# Signals that must not cut a stop short: a second Ctrl-C would otherwise
+# leave tasks running and logs/cluster.json saying so.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclasses.dataclass
@@ -113,7 +119,11 @@ class Supervisor:
       task.process = subprocess.Popen(
           [sys.executable, '-m', 'trainer.task', *self._args], env=env,
           stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-          preexec_fn=private_network.die_with_parent)
+          preexec_fn=private_network.die_with_parent,
+          # Its own session: a Ctrl-C in the terminal reaches the launcher
+          # alone, which stops the tasks in order. Sent to the whole group,
+          # it would stop the ps while the chief saves.
+          start_new_session=True)
     task.exit_code = None
     logging.info('Started %s (pid %d), log %s', task.name, task.process.pid,
                  task.log_path)
@@ -146,26 +156,40 @@ class Supervisor:
                if t.type in ('chief', 'evaluator'))
 
   def stop_all(self) -> None:
-    """Stops every live task.
+    """Stops every live task, the parameter servers last.
 
-    Workers get SIGTERM (the chief then saves a checkpoint) and SIGKILL after
-    the grace period. Parameter servers get SIGKILL at once: they block in
-    C++ where no signal handler runs, and hold nothing a checkpoint lacks.
+    The chief, workers and evaluator get SIGTERM (the chief then saves a
+    checkpoint, reading the variables from the ps) and SIGKILL after the
+    grace period. Only then do the parameter servers get SIGKILL: they block
+    in C++ where no signal handler runs, and hold nothing a checkpoint lacks
+    once the chief has saved. Ctrl-C, SIGTERM and SIGHUP wait until the stop
+    is complete and logs/cluster.json says so.
     """
-    live = [t for t in self._tasks if t.process and t.process.poll() is None]
-    for task in live:
-      task.process.send_signal(signal.SIGKILL if task.type == 'ps'
-                               else signal.SIGTERM)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+      live = [t for t in self._tasks
+              if t.process and t.process.poll() is None]
+      self._stop([t for t in live if t.type != 'ps'], signal.SIGTERM)
+      self._stop([t for t in live if t.type == 'ps'], signal.SIGKILL)
+      if live:
+        logging.info('Stopped %s.', ', '.join(t.name for t in live))
+      self._write_state()
+    finally:
+      signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+  def _stop(self, tasks: Sequence[Task], signum: int) -> None:
+    """Sends `signum`, waits the grace period, then SIGKILLs the rest."""
+    for task in tasks:
+      task.process.send_signal(signum)
     deadline = time.time() + self._grace
-    for task in live:
+    for task in tasks:
       try:
         task.process.wait(max(0.0, deadline - time.time()))
       except subprocess.TimeoutExpired:
+        logging.warning('%s did not stop within %.0f s of %s; killing it.',
+                        task.name, self._grace, signal.Signals(signum).name)
         task.process.kill()
         task.process.wait()
-    if live:
-      logging.info('Stopped %s.', ', '.join(t.name for t in live))
-    self._write_state()
 
   def _write_state(self) -> None:
     state = {'tasks': [

@@ -74,8 +74,15 @@ def run(argv) -> None:
   supervisor.run()
 
 
+_received = []
+
+
 def _raise_interrupt(signum, frame):
-  del signum, frame
+  """Stops the supervisor once; later signals must not cut the stop short."""
+  del frame
+  if _received:
+    return
+  _received.append(signum)
   raise KeyboardInterrupt
 
 
@@ -90,9 +97,11 @@ def main(argv):
                        'interfaces, so the launcher will not start them '
                        'outside one.\n')
       sys.exit(1)
-  # SIGTERM (from the outer launcher, or a job scheduler) stops the tasks the
-  # way Ctrl-C does.
-  signal.signal(signal.SIGTERM, _raise_interrupt)
+  # SIGTERM (from the outer launcher, or a job scheduler) and SIGHUP stop the
+  # tasks the way Ctrl-C does. A terminal's Ctrl-C arrives twice (from the
+  # terminal and forwarded by the outer launcher): only the first counts.
+  for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(signum, _raise_interrupt)
   try:
     run(argv)
   except ValueError as e:
@@ -102,8 +111,10 @@ def main(argv):
     sys.stderr.write(f'cluster: error: {e}\n')
     sys.exit(1)
   except KeyboardInterrupt:
-    sys.stderr.write('cluster: interrupted; every task was stopped.\n')
-    sys.exit(130)
+    signum = _received[0] if _received else signal.SIGINT
+    sys.stderr.write(f'cluster: interrupted by {signal.Signals(signum).name}; '
+                     'every task was stopped.\n')
+    sys.exit(128 + signum)
   print(f'cluster: done; logs in {os.path.join(cli.value("job-dir"), "logs")}',
         flush=True)
 

@@ -113,7 +113,7 @@ def reexec_inside(argv: Sequence[str]) -> int:
     child.send_signal(signum)
 
   # The launcher inside does the cleaning up; pass it our signals.
-  for signum in (signal.SIGINT, signal.SIGTERM):
+  for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     signal.signal(signum, forward)
   return child.wait()
 

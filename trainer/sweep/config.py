@@ -17,6 +17,9 @@ GOALS = ('MAXIMIZE', 'MINIMIZE')
 ALGORITHMS = ('ALGORITHM_UNSPECIFIED', 'GRID_SEARCH', 'RANDOM_SEARCH')
 TYPES = ('DOUBLE', 'INTEGER', 'CATEGORICAL', 'DISCRETE')
 SCALES = ('UNIT_LINEAR_SCALE', 'UNIT_LOG_SCALE', 'UNIT_REVERSE_LOG_SCALE')
+# INTEGER parameters become integer trainer flags (sizes, counts, steps):
+# their range must fit int32, which TensorFlow's shapes and most ops take.
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 # A grid larger than this is almost surely a mistake (an INTEGER range).
 MAX_GRID_POINTS = 100_000
 
@@ -156,12 +159,45 @@ def load(path: str) -> SweepConfig:
   """
   try:
     with open(path, encoding='utf-8') as f:
-      document = yaml.safe_load(f)
+      document = yaml.load(f, Loader=_UniqueKeyLoader)
   except OSError as e:
     raise ValueError(f'cannot read --config {path}: {e.strerror}') from e
   except yaml.YAMLError as e:
-    raise ValueError(f'--config {path} is not valid YAML: {e}') from e
+    raise ValueError(f'--config {path} is not valid YAML: '
+                     f'{_yaml_problem(e)}') from e
   return parse(hyperparameters_block(document))
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+  """A YAML error on one line: line:column: problem."""
+  mark = getattr(error, 'problem_mark', None)
+  problem = getattr(error, 'problem', None)
+  if mark is None or problem is None:
+    return ' '.join(str(error).split())
+  return f'line {mark.line + 1}, column {mark.column + 1}: {problem}'
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+  """SafeLoader that refuses a key repeated in one mapping.
+
+  PyYAML keeps the last of repeated keys without a word, so a second
+  `maxTrials:` or `minValue:` would silently replace the first.
+  """
+
+  def construct_mapping(self, node, deep=False):
+    seen = {}
+    for key_node, _ in node.value:
+      key = self.construct_object(key_node, deep=True)
+      try:
+        first = seen.setdefault(key, key_node)
+      except TypeError:
+        continue  # An unhashable key: construct_mapping reports it.
+      if first is not key_node:
+        raise yaml.MarkedYAMLError(
+            problem=f'{key!r} is set twice (also on line '
+            f'{first.start_mark.line + 1}); write each field once',
+            problem_mark=key_node.start_mark)
+    return super().construct_mapping(node, deep=deep)
 
 
 def hyperparameters_block(document: Any) -> Dict[str, Any]:
@@ -359,6 +395,12 @@ def _ranged(where: str, name: str, kind: str, item: Dict[str, Any],
   high = convert(item['maxValue'], f'{where}: maxValue')
   if kind == 'DOUBLE':
     low, high = float(low), float(high)
+  else:
+    for field, value in (('minValue', low), ('maxValue', high)):
+      if not INT32_MIN <= value <= INT32_MAX:
+        raise ValueError(f'{where}: {field} {item[field]!r} is outside the '
+                         f'int32 range [{INT32_MIN}, {INT32_MAX}] that '
+                         'integer trainer flags take; narrow the range.')
   if low > high:
     raise ValueError(f'{where}: minValue {low} > maxValue {high}; swap them.')
   if scale in ('UNIT_LOG_SCALE', 'UNIT_REVERSE_LOG_SCALE') and low <= 0:

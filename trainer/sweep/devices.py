@@ -76,6 +76,22 @@ def cpu_count() -> int:
   return os.cpu_count() or 1
 
 
+def check_parallel(parallel: int, gpus: Sequence[str], cpus: int) -> None:
+  """Refuses more parallel trials than the machine has CPUs or GPUs.
+
+  More would only make the trials take turns on the same cores (and a huge
+  maxParallelTrials would exhaust memory building the slots).
+
+  Raises:
+    ValueError: parallel > max(cpus, len(gpus)).
+  """
+  limit = max(cpus, len(gpus), 1)
+  if parallel > limit:
+    raise ValueError(f'maxParallelTrials: {parallel} is more trials than this '
+                     f'machine runs at once ({cpus} CPUs, {len(gpus)} GPUs); '
+                     f'set it to at most {limit}.')
+
+
 def make_slots(parallel: int, gpus: Sequence[str], cpus: int) -> List[Slot]:
   """Splits GPUs and CPU threads into `parallel` slots.
 

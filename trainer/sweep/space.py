@@ -19,6 +19,7 @@ algorithm picks the sampler and `enableTrialEarlyStopping` the pruner:
 
 from typing import Any, Dict, Optional, Union
 
+import numpy as np
 import optuna
 
 from trainer.sweep.config import ParamSpec
@@ -34,17 +35,21 @@ REVERSE_LOG_SUFFIX = ':reverse_log'
 Value = Union[int, float, str]
 
 
-def sampler(config: SweepConfig,
-            seed: Optional[int] = None) -> optuna.samplers.BaseSampler:
+def sampler(config: SweepConfig, seed: Optional[int] = None,
+            stored_trials: int = 0) -> optuna.samplers.BaseSampler:
   """The Optuna sampler for the config's algorithm.
 
   Args:
     config: The sweep configuration.
     seed: Seed of the sampler's random draws; None draws a fresh one.
+    stored_trials: Trials the study already holds (when resuming). A
+      sampler seeded as for the first run would draw those trials'
+      parameters again, so the seed is mixed with this count.
 
   Returns:
     GridSampler, RandomSampler or TPESampler.
   """
+  seed = _run_seed(seed, stored_trials)
   if config.algorithm == 'GRID_SEARCH':
     space = {spec.name: spec.grid_values() for spec in config.params}
     return _RerunSafeGridSampler(space, seed=seed)
@@ -54,6 +59,17 @@ def sampler(config: SweepConfig,
   # the same promising point while the others run.
   return optuna.samplers.TPESampler(
       seed=seed, constant_liar=config.max_parallel_trials > 1)
+
+
+def _run_seed(seed: Optional[int], stored_trials: int) -> Optional[int]:
+  """The seed of this run: `seed` for a new sweep, one derived from it after.
+
+  Deterministic, so that resuming the same sweep the same way draws the
+  same values, but different for every count of stored trials.
+  """
+  if seed is None or stored_trials == 0:
+    return seed
+  return int(np.random.SeedSequence([seed, stored_trials]).generate_state(1)[0])
 
 
 class _RerunSafeGridSampler(optuna.samplers.GridSampler):

@@ -17,15 +17,17 @@ the kernel releases it when the sweep dies, however it dies, so a trial
 still RUNNING in the storage when the lock is free belongs to a dead sweep.
 """
 
+import contextlib
 import fcntl
 import os
 import threading
-from typing import Any, Dict, IO, List, Sequence
+from typing import Any, Dict, IO, Iterator, List, Sequence
 
 from absl import logging
 import optuna
 from optuna.trial import FrozenTrial
 from optuna.trial import TrialState
+import sqlalchemy.exc
 
 from trainer.sweep import process as sweep_process
 from trainer.sweep import trials as sweep_trials
@@ -142,12 +144,13 @@ def resume(job_dir: str, settings: Dict[str, Any], num_params: int,
   if not os.path.exists(os.path.join(job_dir, DB_FILE)):
     raise ValueError(f'--resume: {job_dir} has no {DB_FILE} to resume; run '
                      'without --resume to start a sweep there.')
+  with _readable(job_dir):
+    return _resume(job_dir, settings, num_params, grace_secs, sampler, pruner)
+
+
+def _resume(job_dir, settings, num_params, grace_secs, sampler, pruner):
   storage = _storage(job_dir)
-  try:
-    study_id = storage.get_study_id_from_name(STUDY_NAME)
-  except KeyError as e:
-    raise ValueError(f'--resume: {job_dir}/{DB_FILE} holds no study '
-                     f'{STUDY_NAME!r}; choose a new --job-dir.') from e
+  study_id = _study_id(job_dir, storage)
   stored = storage.get_study_user_attrs(study_id).get(SETTINGS_ATTR)
   if stored is None and not storage.get_all_trials(study_id):
     # The sweep died between creating the study and storing its settings.
@@ -164,6 +167,44 @@ def resume(job_dir: str, settings: Dict[str, Any], num_params: int,
                             sampler=sampler, pruner=pruner)
   ensure_reruns(study, num_params)
   return study
+
+
+def _study_id(job_dir: str, storage: optuna.storages.RDBStorage) -> int:
+  try:
+    return storage.get_study_id_from_name(STUDY_NAME)
+  except KeyError as e:
+    raise ValueError(f'--resume: {job_dir}/{DB_FILE} holds no study '
+                     f'{STUDY_NAME!r}; choose a new --job-dir.') from e
+
+
+def stored_trials(job_dir: str) -> int:
+  """How many trials the job dir's sweep holds (0 without a sweep).
+
+  Raises:
+    ValueError: sweep.db is not a readable sweep database.
+  """
+  if not os.path.exists(os.path.join(job_dir, DB_FILE)):
+    return 0
+  with _readable(job_dir):
+    storage = _storage(job_dir)
+    try:
+      study_id = storage.get_study_id_from_name(STUDY_NAME)
+    except KeyError:
+      return 0  # resume() says what is wrong.
+    return len(storage.get_all_trials(study_id, deepcopy=False))
+
+
+@contextlib.contextmanager
+def _readable(job_dir: str) -> Iterator[None]:
+  """Turns a damaged sweep.db's database errors into a ValueError."""
+  try:
+    yield
+  except sqlalchemy.exc.SQLAlchemyError as e:
+    cause = str(getattr(e, 'orig', None) or e).splitlines()[0]
+    raise ValueError(
+        f'{os.path.join(job_dir, DB_FILE)} cannot be read as a sweep '
+        f'database ({cause}); it is damaged or not a sweep\'s. Move it away '
+        'and start the sweep again, or choose a new --job-dir.') from e
 
 
 def _interrupt_running(storage: optuna.storages.RDBStorage, study_id: int,
