@@ -17,6 +17,7 @@ import tensorflow as tf
 
 import input_fns
 import model_fns
+from model_fns import hparams
 from estimator_towers.replicate import replicate_model_fn
 from estimator_towers.run_config import make_run_config
 from estimator_towers.run_config import session_device_counts
@@ -25,6 +26,7 @@ from trainer.cluster import private_network
 from trainer import finite_weights
 from trainer import hptuning
 from trainer import job_dir as job_dir_lib
+from trainer import limits
 from trainer import preemption
 from trainer import step_logging
 
@@ -385,6 +387,7 @@ class _Run:
             _checked(options.model, replicate_model_fn(model_fn)),
             options.train_batch_size, self.towers),
         config=config, params=model_params(options, data))
+    self._check_batch_sizes(data, model_params(options, data))
     metric = options.hypertune_metric or 'accuracy'
     if not task.get('type') or task['type'] in ('chief', 'master',
                                                 'evaluator'):
@@ -404,6 +407,18 @@ class _Run:
         data.eval_input_fn(options.eval_batch_size), steps=options.eval_steps,
         exporters=_exporters(options, data, metric), start_delay_secs=0,
         throttle_secs=0)
+
+  def _check_batch_sizes(self, data, params) -> None:
+    try:
+      hidden = hparams.hidden_units(params)
+    except ValueError:
+      hidden = ()
+    floats = limits.floats_per_example(data.feature_signature(), hidden)
+    memory = limits.machine_memory_bytes()
+    limits.check_batch_size('train-batch-size',
+                            self._options.train_batch_size, floats, memory)
+    limits.check_batch_size('eval-batch-size', self._options.eval_batch_size,
+                            floats, memory)
 
   def train_and_evaluate(self) -> Dict[str, Any]:
     """Trains, evaluates and exports; returns what `run` returns."""
