@@ -134,3 +134,52 @@ def warn_if_exposed(config: Optional[Dict[str, Any]],
       'VPC without public ingress, a Kubernetes NetworkPolicy, or python -m '
       'trainer.cluster locally); see docs/cluster.md.',
       task.get('type'), task.get('index', 0))
+
+
+def single_machine(config: Optional[Dict[str, Any]],
+                   environ=None) -> Optional[Dict[str, Any]]:
+  """TF_CONFIG without its cluster when the cluster is this task alone.
+
+  Vertex AI gives a single-replica job a TF_CONFIG with one `chief` and
+  nothing else. As a cluster, that task would train and never evaluate,
+  export or report the tuning metric (the evaluator's jobs); as what it is,
+  one machine, it does all of them. Writes the result back to TF_CONFIG,
+  which RunConfig reads, keeping the trial and job fields.
+
+  Args:
+    config: The checked TF_CONFIG, or None.
+    environ: The environment to update; os.environ by default.
+
+  Returns:
+    The TF_CONFIG to run with.
+  """
+  environ = os.environ if environ is None else environ
+  cluster = (config or {}).get('cluster') or {}
+  task = (config or {}).get('task') or {}
+  alone = (len(cluster) == 1 and task.get('type') in cluster and
+           len(cluster[task['type']]) == 1 and
+           task['type'] in ('chief', 'master'))
+  if not alone:
+    return config
+  logging.info('TF_CONFIG names a cluster of this %s alone: running as one '
+               'machine (training, evaluation, export).', task['type'])
+  local = {k: v for k, v in config.items() if k not in ('cluster', 'task')}
+  if 'trial' in task:
+    local['task'] = {'trial': task['trial']}
+  environ['TF_CONFIG'] = json.dumps(local)
+  return local
+
+
+def has_evaluator(environ=None) -> bool:
+  """Whether the job has an evaluator task, as far as this task can tell.
+
+  TF_CONFIG never lists the evaluator; Vertex AI's CLUSTER_SPEC lists it
+  as worker pool 3.
+  """
+  environ = os.environ if environ is None else environ
+  try:
+    spec = json.loads(environ.get('CLUSTER_SPEC', '') or '{}')
+  except json.JSONDecodeError:
+    return False
+  cluster = spec.get('cluster') if isinstance(spec, dict) else None
+  return bool(isinstance(cluster, dict) and cluster.get('workerpool3'))

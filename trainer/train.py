@@ -345,7 +345,7 @@ def run(options: TaskOptions) -> Dict[str, Any]:
       starts.
     preemption.Preempted: a stop signal arrived; a checkpoint was saved.
   """
-  tf_config = cluster_config.check_tf_config()
+  tf_config = cluster_config.single_machine(cluster_config.check_tf_config())
   cluster_config.warn_if_exposed(tf_config, private_network.inside())
   job_dir = options.job_dir or default_job_dir()
   model_dir = hptuning.trial_dir(job_dir, hptuning.trial_id())
@@ -431,9 +431,12 @@ class _Run:
     # Local runs and the evaluator get (metrics, exports); other cluster
     # tasks get None.
     metrics = result[0] if result else None
-    if metrics is None and not task.get('type'):
-      # Training was already done (e.g. the last run was killed after its
-      # final checkpoint, before the export): evaluate, export, report now.
+    chief_evaluates = task.get('type') in ('chief', 'master') and (
+        not cluster_config.has_evaluator())
+    if metrics is None and (not task.get('type') or chief_evaluates):
+      # Locally: training was already done (e.g. the last run was killed
+      # after its final checkpoint, before the export). On a chief of a job
+      # without evaluator: nobody else evaluates, exports and reports.
       metrics = _evaluate_and_export(self.estimator, self.eval_spec,
                                      model_dir)
     return {'metrics': metrics, 'export_dir': latest_export(model_dir),
