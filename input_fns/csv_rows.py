@@ -99,7 +99,8 @@ def _numeric(name: str, field: tf.Tensor, default: Any,
     # number beyond float32's range, which parses as inf.
     problems.add(is_number & tf.logical_not(tf.math.is_finite(value)),
                  f'column `{name}`: ', _quote(field), ' is not a finite '
-                 'float32 (pass allow_non_finite=True to keep NaN and inf)')
+                 'float32 (pass --allow-non-finite / allow_non_finite=True '
+                 'to keep such values)')
   if default is None:
     problems.add(empty, f'column `{name}` is empty and has no default '
                  '(pass defaults={...})')

@@ -21,14 +21,18 @@ from typing import Optional
 
 import tensorflow as tf
 
-# How input_fns' checks start their messages (csv.py, tfrecord.py).
-_PREFIXES = ('Malformed CSV row ', 'Bad label ', 'Non-finite value ')
+# The messages of input_fns' checks (csv.py, tfrecord.py).
+_DATA_MESSAGE = re.compile(r'Malformed CSV row |Bad label .* in TFRecord '
+                           r'|Feature .* of TFRecord .* is nan or inf')
 # tf.debugging.Assert reports `assertion failed: [<message>]`, then the
 # graph context on the following lines.
 _ASSERTION = re.compile(r'assertion failed: \[(.*)\]\s*$', re.MULTILINE)
-# input_fns argument -> the trainer.task flag that sets it.
+# input_fns argument -> the trainer.task flag that sets it, where a message
+# names only the argument.
 _FLAGS = (('skip_malformed=True', '--skip-malformed'),
           ('allow_non_finite=True', '--allow-non-finite'))
+# How a message names both: keep the flag alone.
+_BOTH = re.compile(r'(--[a-z-]+) / [a-z_]+=True|(--[a-z-]+) \([a-z_]+=True\)')
 
 
 def cli_message(error: BaseException) -> Optional[str]:
@@ -46,7 +50,8 @@ def cli_message(error: BaseException) -> Optional[str]:
     return None
   for match in _ASSERTION.finditer(error.message):
     message = match.group(1)
-    if message.startswith(_PREFIXES):
+    if _DATA_MESSAGE.match(message):
+      message = _BOTH.sub(lambda m: m.group(1) or m.group(2), message)
       for argument, flag in _FLAGS:
         message = message.replace(argument, flag)
       return message
