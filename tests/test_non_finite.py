@@ -27,8 +27,7 @@ def test_csv_non_finite_value_names_file_and_line(tmp_path, value):
                                                             'blue']},
                             n_classes=2)
   with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=r'data.csv:12: column `x2`: .* is not a finite float32 \(pass '
-                     r'--allow-non-finite'):
+                     match=r'data.csv:12.*not a finite.*--allow-non-finite'):
     run_input_fn(data.eval_input_fn(20))
   allowed = input_fns.csv_data(
       [path], [path], label_column='label', n_classes=2,
@@ -47,8 +46,7 @@ def test_tfrecord_non_finite_value_names_file_and_record(tmp_path):
   data = input_fns.tfrecord_data([path], [path], feature_spec=spec,
                                  label_key='label', n_classes=2)
   with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=f'Non-finite value .* in feature `x` of TFRecord {path}:2. '
-                     '.*--allow-non-finite'):
+                     match=f'Feature x of TFRecord {path}:2 is nan or inf'):
     run_input_fn(data.eval_input_fn(3))
 
 

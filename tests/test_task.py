@@ -202,8 +202,13 @@ def test_malformed_csv_row_names_file_and_line(tmp_path):
   result = run_module('trainer.task', f'--job-dir={tmp_path / "job"}',
                       f'--train-files={bad}', '--train-steps=20', *CSV_FLAGS,
                       check=False)
-  assert result.returncode != 0
+  assert result.returncode == 1
   assert 'bad.csv:32' in result.stderr  # Header is line 1, 30 rows follow.
+  # One line that says how to go on, not a traceback.
+  assert 'Traceback' not in result.stderr
+  assert result.stderr.strip().splitlines()[-1].startswith(
+      'task: error: Malformed CSV row ')
+  assert '--skip-malformed' in result.stderr
   skipped = run_module('trainer.task', f'--job-dir={tmp_path / "job2"}',
                        f'--train-files={bad}', '--train-steps=20',
                        '--skip-malformed', *CSV_FLAGS)

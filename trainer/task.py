@@ -15,6 +15,7 @@ from absl import logging
 import tensorflow as tf
 
 from trainer import cli
+from trainer import data_errors
 from trainer import preemption
 from trainer import train
 
@@ -131,6 +132,13 @@ def main(argv):
     logging.debug('Traceback of the error below:', exc_info=True)
     logging.error('%s', e)
     sys.stderr.write(f'task: error: {e}\n')
+    sys.exit(1)
+  except tf.errors.InvalidArgumentError as e:
+    message = data_errors.cli_message(e)
+    if message is None:
+      raise  # Not a data check: TensorFlow's own error, traceback and all.
+    logging.error('%s', message)
+    sys.stderr.write(f'task: error: {message}\n')
     sys.exit(1)
   except tf.compat.v1.train.NanLossDuringTrainingError:
     message = ('the loss became nan during training; nothing more was saved '
