@@ -100,7 +100,7 @@ def _numeric(name: str, field: tf.Tensor, default: Any,
     problems.add(is_number & tf.logical_not(tf.math.is_finite(value)),
                  f'column `{name}`: ', _quote(field), ' is not a finite '
                  'float32 (pass --allow-non-finite / allow_non_finite=True '
-                 'to keep such values)')
+                 'to keep NaN and inf)')
   if default is None:
     problems.add(empty, f'column `{name}` is empty and has no default '
                  '(pass defaults={...})')

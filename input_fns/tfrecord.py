@@ -175,17 +175,16 @@ class TFRecordData(data_lib.Data):
                     ) -> List[tf.Operation]:
     """Asserts that the record's float features hold no NaN or inf."""
     checks = []
-    if self.allow_non_finite:
-      return checks
-    for key, value in sorted(parsed.items()):
-      values = value.values if isinstance(value, tf.SparseTensor) else value
-      if not values.dtype.is_floating:
+    for key, value in parsed.items():
+      if (self.allow_non_finite or isinstance(value, tf.SparseTensor) or
+          value.dtype != tf.float32):
         continue
       message = tf.strings.join([
-          f'Feature {key} of TFRecord ', location, ' is nan or inf; pass '
-          '--allow-non-finite (allow_non_finite=True) to keep such values.'])
+          f'Non-finite value (NaN or inf) in feature `{key}` of TFRecord ',
+          location, '. Fix the record, or pass --allow-non-finite / '
+          'allow_non_finite=True to keep NaN and inf.'])
       checks.append(tf.debugging.Assert(
-          tf.reduce_all(tf.math.is_finite(values)), [message]))
+          tf.reduce_all(tf.math.is_finite(value)), [message]))
     return checks
 
   def _examples(self, split, shuffle=False, seed=0):

@@ -50,7 +50,7 @@ def test_non_finite_csv_and_tfrecord_values_name_the_flag(tmp_path):
   message = data_errors.cli_message(_error_of(data.eval_input_fn(1)))
   assert message == (
       f'Malformed CSV row {path}:2: column `b`: `nan` is not a finite float32 '
-      '(pass --allow-non-finite to keep such values). Fix the row, or pass '
+      '(pass --allow-non-finite to keep NaN and inf). Fix the row, or pass '
       '--skip-malformed to skip such rows.')
 
   record = tf.train.Example(features=tf.train.Features(feature={
@@ -69,8 +69,9 @@ def test_non_finite_csv_and_tfrecord_values_name_the_flag(tmp_path):
   assert f'TFRecord {records}:0' in message
   assert message in (
       f'Bad label 7 in TFRecord {records}:0: class ids must be in [0, 2).',
-      f'Feature x of TFRecord {records}:0 is nan or inf; pass '
-      '--allow-non-finite to keep such values.')
+      'Non-finite value (NaN or inf) in feature `x` of TFRecord '
+      f'{records}:0. Fix the record, or pass --allow-non-finite to keep NaN '
+      'and inf.')
 
 
 def test_other_errors_are_not_data_errors():

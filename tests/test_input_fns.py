@@ -435,13 +435,13 @@ def test_csv_non_finite_numbers_are_malformed_unless_allowed(tmp_path,
     run_input_fn(data.eval_input_fn(5))
   assert data.malformed_rows('eval') == [
       f'{path}:3: column `size`: `nan` is not a finite float32 (pass '
-      '--allow-non-finite / allow_non_finite=True to keep such values)',
+      '--allow-non-finite / allow_non_finite=True to keep NaN and inf)',
       f'{path}:4: column `weight`: `-Infinity` is not a finite float32 (pass '
-      '--allow-non-finite / allow_non_finite=True to keep such values)',
+      '--allow-non-finite / allow_non_finite=True to keep NaN and inf)',
       f'{path}:5: column `size`: `1e39` is not a finite float32 (pass '
-      '--allow-non-finite / allow_non_finite=True to keep such values)',
+      '--allow-non-finite / allow_non_finite=True to keep NaN and inf)',
       f'{path}:6: column `weight`: `INF` is not a finite float32 (pass '
-      '--allow-non-finite / allow_non_finite=True to keep such values)']
+      '--allow-non-finite / allow_non_finite=True to keep NaN and inf)']
   skipping = make_csv(train_glob, path, skip_malformed=True)
   features, _ = concat(run_input_fn(skipping.eval_input_fn(5)))
   np.testing.assert_array_equal(features['size'], [1])
@@ -638,8 +638,8 @@ def test_tfrecord_non_finite_floats_fail_unless_allowed(tmp_path):
   data = input_fns.tfrecord_data([path], [path], feature_spec=spec,
                                  label_key='label', n_classes=2)
   with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=f'Feature x of TFRecord {path}:1 is nan or inf; '
-                     'pass --allow-non-finite'):
+                     match='Non-finite value .* in feature `x` of TFRecord '
+                     f'{path}:1. .*allow_non_finite=True'):
     run_input_fn(data.eval_input_fn(3))
   allowing = input_fns.tfrecord_data([path], [path], feature_spec=spec,
                                      label_key='label', n_classes=2,
@@ -656,7 +656,7 @@ def test_tfrecord_non_finite_floats_fail_unless_allowed(tmp_path):
       feature_spec={'image': tf.io.FixedLenFeature([4], tf.float32),
                     'label': tf.io.FixedLenFeature([], tf.int64)})
   with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=f'Feature image of TFRecord {raw}:0 is nan'):
+                     match=f'feature `image` of TFRecord {raw}:0'):
     run_input_fn(images.eval_input_fn(1))
 
 

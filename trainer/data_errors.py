@@ -23,7 +23,7 @@ import tensorflow as tf
 
 # The messages of input_fns' checks (csv.py, tfrecord.py).
 _DATA_MESSAGE = re.compile(r'Malformed CSV row |Bad label .* in TFRecord '
-                           r'|Feature .* of TFRecord .* is nan or inf')
+                           r'|Non-finite value .* of TFRecord ')
 # tf.debugging.Assert reports `assertion failed: [<message>]`, then the
 # graph context on the following lines.
 _ASSERTION = re.compile(r'assertion failed: \[(.*)\]\s*$', re.MULTILINE)
