@@ -24,6 +24,7 @@ is reported as unknown: `TowerWeights` then needs to be told.
 import dataclasses
 from typing import Callable, Dict, List, Optional
 
+import numpy as np
 import tensorflow as tf
 
 SUM = 'sum'
@@ -110,8 +111,12 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
       terms.append((UNKNOWN, None, op.name))
   elif op.type in _DIVIDE:
     numerator, denominator = op.inputs[0], op.inputs[1]
-    if not depends(denominator):  # A scaling, e.g. by a fixed batch size.
-      _collect_terms(numerator, depends, terms, budget)
+    if not depends(denominator):
+      if _counts_the_summed(numerator, denominator, depends):
+        # A mean whose count the static batch size fixed while building.
+        terms.append((RATIO, tf.cast(denominator, tensor.dtype), op.name))
+      else:  # A scaling, e.g. by a fixed batch size.
+        _collect_terms(numerator, depends, terms, budget)
     elif _reduces_all(numerator, SUM, depends):
       terms.append((RATIO, denominator, op.name))
     else:
@@ -123,6 +128,53 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
     terms.append((RATIO, count, op.name))
   else:
     terms.append((UNKNOWN, None, op.name))
+
+
+def _counts_the_summed(numerator: tf.Tensor, denominator: tf.Tensor,
+                       depends) -> bool:
+  """Whether a constant divisor is the number of elements summed.
+
+  With a static batch size, tf.compat.v1.losses and Keras compute the count
+  of a mean from static shapes: the divisor no longer depends on the
+  examples, but it still is the tower's count, not a fixed scaling.
+  """
+  if not _reduces_all(numerator, SUM, depends):
+    return False
+  summed = _skip_pass_through(numerator).op.inputs[0].shape
+  if not summed.is_fully_defined():
+    return False
+  value = _static_value(denominator)
+  return value is not None and np.size(value) == 1 and (
+      float(np.reshape(value, [])) == float(summed.num_elements()))
+
+
+_STATEFUL_OR_FED = frozenset(['Placeholder', 'PlaceholderWithDefault',
+                              'IteratorGetNext', 'IteratorGetNextSync'])
+
+
+def _static_value(tensor: tf.Tensor):
+  """The value of a tensor computed from constants only, else None.
+
+  tf.get_static_value folds few ops (not Sum); a count built from static
+  shapes is evaluated in a scratch session when its ops are all pure.
+  """
+  value = tf.get_static_value(tensor)
+  if value is not None:
+    return value
+  pending, seen = [tensor.op], set()
+  while pending:
+    op = pending.pop()
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    if (len(seen) > _MAX_OPS or op.type in _STATEFUL_OR_FED or
+        op.op_def.is_stateful):
+      return None
+    pending.extend(t.op for t in op.inputs)
+    pending.extend(op.control_inputs)
+  config = tf.compat.v1.ConfigProto(allow_soft_placement=True)
+  with tf.compat.v1.Session(graph=tensor.graph, config=config) as session:
+    return session.run(tensor)
 
 
 def _reduces_all(tensor: tf.Tensor, how: str, depends) -> bool:

@@ -35,6 +35,8 @@ def model_fn(features, labels, mode, params):
         [tf.nn.l2_loss(v) for v in tf1.trainable_variables()])
   elif kind == 'mean_plus_sum':
     loss = tf.reduce_mean(tf.square(logits - labels)) + tf.reduce_sum(logits)
+  elif kind == 'v1_default':
+    loss = tf1.losses.sigmoid_cross_entropy(labels, logits)
   elif kind == 'mean':
     loss = tf.reduce_mean(tf.square(logits - labels))
   step = tf1.train.get_or_create_global_step()
@@ -42,12 +44,27 @@ def model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def _train(tmp_path, data, name, towers, loss, **wrapper_kwargs):
+def _train(tmp_path, data, name, towers, loss, static_batch=False,
+           **wrapper_kwargs):
   x, y = data
   estimator = make_estimator(model_fn, tmp_path / name, towers,
                              {'loss': loss}, **wrapper_kwargs)
-  estimator.train(dataset_input_fn({'x': x}, y, BATCH), steps=3)
+
+  def static_input_fn():
+    return tf.data.Dataset.from_tensor_slices(({'x': x}, y)).repeat().batch(
+        BATCH, drop_remainder=True)
+
+  estimator.train(static_input_fn if static_batch else
+                  dataset_input_fn({'x': x}, y, BATCH), steps=3)
   return estimator
+
+
+def test_v1_losses_default_with_a_static_batch_equals_one_device(tmp_path,
+                                                                 data):
+  # drop_remainder=True: the mean's count is built from static shapes.
+  one = _train(tmp_path, data, 'one', 1, 'v1_default', static_batch=True)
+  many = _train(tmp_path, data, 'many', 3, 'v1_default', static_batch=True)
+  assert_same_variables(variables_of(one), variables_of(many))
 
 
 def test_ratio_by_nonzero_weights_equals_one_device(tmp_path, data):
@@ -107,6 +124,12 @@ def test_analyze_reads_the_reduction(build, expected):
     (lambda x: tf.reduce_sum(x), loss_reduction.SUM),
     (lambda x: tf.reduce_mean(x), loss_reduction.RATIO),
     (lambda x: tf.reduce_sum(tf.reduce_mean(x, 0)), loss_reduction.UNKNOWN),
+    # tf.compat.v1.losses' default divides by a count built from shapes.
+    (lambda x: tf1.losses.mean_squared_error(tf.zeros_like(x), x),
+     loss_reduction.RATIO),
+    (lambda x: tf.keras.losses.MeanSquaredError()(tf.zeros_like(x), x),
+     loss_reduction.RATIO),
+    (lambda x: tf.reduce_sum(x) / 64.0, loss_reduction.SUM),  # Not a count.
 ])
 def test_analyze_with_a_static_batch_size(build, expected):
   with tf.Graph().as_default():
