@@ -39,10 +39,12 @@ def test_chief_of_a_bigger_cluster_stays_a_cluster_task():
   assert json.loads(environ['TF_CONFIG']) == config
 
 
-def test_evaluator_is_known_from_vertex_cluster_spec():
+def test_missing_evaluator_is_known_from_vertex_cluster_spec_only():
   spec = {'cluster': {'workerpool0': ['c:1'], 'workerpool3': ['e:1']},
           'task': {'type': 'workerpool0', 'index': 0}}
-  assert cluster_config.has_evaluator({'CLUSTER_SPEC': json.dumps(spec)})
+  assert not cluster_config.without_evaluator(
+      {'CLUSTER_SPEC': json.dumps(spec)})
   del spec['cluster']['workerpool3']
-  assert not cluster_config.has_evaluator({'CLUSTER_SPEC': json.dumps(spec)})
-  assert not cluster_config.has_evaluator({})
+  assert cluster_config.without_evaluator({'CLUSTER_SPEC': json.dumps(spec)})
+  # TF_CONFIG alone never lists the evaluator: nothing is known.
+  assert not cluster_config.without_evaluator({})

@@ -93,3 +93,18 @@ def test_saved_model_mode_equals_checkpoint_mode(trained, csv_files, tmp_path):
       np.array([[float(v) for v in r[1:]] for r in outputs['saved'][1:]]),
       np.array([[float(v) for v in r[1:]] for r in outputs['ckpt'][1:]]),
       rtol=1e-5, atol=1e-6)
+
+
+def test_bad_rows_in_predict_files_are_one_clear_error(trained, csv_files,
+                                                       tmp_path):
+  job_dir, _ = trained
+  bad = tmp_path / 'bad.csv'
+  bad.write_text(open(csv_files[1]).read() + '0.5,nan,red,1\n')
+  out = tmp_path / 'predictions.csv'
+  result = run_module('trainer.predict', f'--job-dir={job_dir}',
+                      f'--predict-files={bad}', f'--output={out}',
+                      check=False)
+  assert result.returncode == 1, result.stderr[-2000:]
+  assert 'bad.csv:103' in result.stderr and 'not a finite' in result.stderr
+  assert 'Traceback' not in result.stderr
+  assert not out.exists()  # Nothing half-written.

@@ -170,16 +170,18 @@ def single_machine(config: Optional[Dict[str, Any]],
   return local
 
 
-def has_evaluator(environ=None) -> bool:
-  """Whether the job has an evaluator task, as far as this task can tell.
+def without_evaluator(environ=None) -> bool:
+  """Whether the job is known to have no evaluator task.
 
-  TF_CONFIG never lists the evaluator; Vertex AI's CLUSTER_SPEC lists it
-  as worker pool 3.
+  TF_CONFIG never lists the evaluator, so only Vertex AI's CLUSTER_SPEC
+  tells: an evaluator is its worker pool 3. Without CLUSTER_SPEC nothing is
+  known, and the chief leaves evaluation to an evaluator as before (two
+  tasks reporting the tuning metric would overwrite each other's file).
   """
   environ = os.environ if environ is None else environ
   try:
-    spec = json.loads(environ.get('CLUSTER_SPEC', '') or '{}')
+    spec = json.loads(environ.get('CLUSTER_SPEC', '') or 'null')
   except json.JSONDecodeError:
     return False
   cluster = spec.get('cluster') if isinstance(spec, dict) else None
-  return bool(isinstance(cluster, dict) and cluster.get('workerpool3'))
+  return isinstance(cluster, dict) and not cluster.get('workerpool3')

@@ -32,6 +32,7 @@ from estimator_towers.run_config import make_run_config
 from estimator_towers.run_config import session_device_counts
 from estimator_towers.saved_model_towers import SavedModelTowers
 from trainer import cli
+from trainer import data_errors
 from trainer import train
 
 cli.define(flags.DEFINE_string, 'job-dir', None,
@@ -202,6 +203,13 @@ def main(argv):
   except ValueError as e:
     logging.error('%s', e)
     sys.stderr.write(f'predict: error: {e}\n')
+    sys.exit(1)
+  except tf.errors.InvalidArgumentError as e:
+    message = data_errors.cli_message(e)
+    if message is None:
+      raise  # Not a data check: TensorFlow's own error, traceback and all.
+    logging.error('%s', message)
+    sys.stderr.write(f'predict: error: {message}\n')
     sys.exit(1)
   print(f'wrote {count} predictions to {cli.value("output")}', flush=True)
 

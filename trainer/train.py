@@ -432,11 +432,12 @@ class _Run:
     # tasks get None.
     metrics = result[0] if result else None
     chief_evaluates = task.get('type') in ('chief', 'master') and (
-        not cluster_config.has_evaluator())
+        cluster_config.without_evaluator())
     if metrics is None and (not task.get('type') or chief_evaluates):
       # Locally: training was already done (e.g. the last run was killed
-      # after its final checkpoint, before the export). On a chief of a job
-      # without evaluator: nobody else evaluates, exports and reports.
+      # after its final checkpoint, before the export). On the chief of a
+      # Vertex job without evaluator: nobody else evaluates, exports and
+      # reports.
       metrics = _evaluate_and_export(self.estimator, self.eval_spec,
                                      model_dir)
     return {'metrics': metrics, 'export_dir': latest_export(model_dir),
