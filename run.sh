@@ -46,7 +46,7 @@ setup() {
   local stamp=.venv/.installed-setup-cfg
   if [[ ! -f $stamp ]] || ! cmp -s setup.cfg "$stamp"; then
     .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -e '.[test]'
+    .venv/bin/python -m pip install --quiet -e '.[test,sweep]'
     cp setup.cfg "$stamp"
   fi
 }

@@ -352,3 +352,19 @@ def test_results_csv_is_written_whole(tmp_path):
   text = sweep_report.format_table(table, config)
   assert text.splitlines()[0].split() == ['trial', 'lr', 'objective',
                                           'status', 'duration_sec']
+
+
+def test_sweep_without_its_extra_says_how_to_install_it(tmp_path):
+  # A Python where Optuna is not installed: an import path whose `optuna`
+  # cannot be found (find_spec returns None for a None entry in sys.modules).
+  blocker = tmp_path / 'sitecustomize.py'
+  blocker.write_text('import sys\nsys.modules["optuna"] = None\n')
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run(
+      [sys.executable, '-m', 'trainer.sweep', '--config=x.yaml',
+       '--job-dir=j'], cwd=root, capture_output=True, text=True, timeout=60,
+      env={**os.environ, 'PYTHONPATH': f'{tmp_path}{os.pathsep}{root}'})
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1].startswith(
+      'sweep: error: python -m trainer.sweep needs optuna')
+  assert "pip install 'estimator-towers[sweep]'" in result.stderr

@@ -1,6 +1,19 @@
 """Runs `python -m trainer.sweep`; see trainer/sweep/main.py."""
 
-from trainer.sweep import main
+import importlib.util
+import sys
+
+# Optuna and PyYAML are the `sweep` extra: trainer images do not need them.
+_MISSING = [name for name in ('optuna', 'yaml')
+            if importlib.util.find_spec(name) is None]
+if _MISSING:
+  sys.stderr.write(
+      f'sweep: error: python -m trainer.sweep needs {" and ".join(_MISSING)}'
+      ", the package's `sweep` extra: pip install 'estimator-towers[sweep]' "
+      "(or pip install -e '.[sweep]' in a checkout).\n")
+  sys.exit(2)
+
+from trainer.sweep import main  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # absl prints the __main__ module's docstring as the usage text.
 __doc__ = main.__doc__  # pylint: disable=redefined-builtin
