@@ -101,27 +101,37 @@ class Data(abc.ABC):
   # The trainer's interface.
 
   def train_input_fn(self, batch_size: int, shuffle: bool = True,
-                     seed: int = 0) -> InputFn:
-    """An input_fn yielding (features, labels) batches, repeating forever.
+                     seed: int = 0,
+                     num_epochs: Optional[int] = None) -> InputFn:
+    """An input_fn yielding (features, labels) batches.
 
     Args:
       batch_size: The global batch (the towers split it); an int >= 1.
       shuffle: Whether to shuffle the examples, anew each epoch.
       seed: The shuffle's op-level seed; with the RunConfig's tf_random_seed
         it fixes the order.
+      num_epochs: Passes over the training data, after which the input ends
+        (and training stops, if it has not reached its steps); None repeats
+        forever.
 
     Returns:
       A no-argument input_fn for Estimator.train.
 
     Raises:
-      ValueError: batch_size or seed is not a valid int.
+      ValueError: batch_size, seed or num_epochs is not a valid int.
     """
     pipeline.check_batch_size(batch_size)
     pipeline.check_seed(seed)
+    if num_epochs is not None and (isinstance(num_epochs, bool) or
+                                   not isinstance(num_epochs, int) or
+                                   num_epochs < 1):
+      raise ValueError(f'num_epochs={num_epochs!r}; pass an int >= 1, or '
+                       'None to repeat forever.')
 
     def input_fn():
       examples = self._examples(TRAIN, shuffle=bool(shuffle), seed=seed)
-      return pipeline.batch_and_prefetch(examples.repeat(), batch_size)
+      return pipeline.batch_and_prefetch(examples.repeat(num_epochs),
+                                         batch_size)
 
     return input_fn
 

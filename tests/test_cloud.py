@@ -1,10 +1,11 @@
 """The trainer where Cloud runs it: Vertex AI's TF_CONFIG and environment."""
 
 import json
+import os
 
 import tensorflow as tf
 
-from cli_helpers import CSV_FLAGS, eval_line, run_module
+from cli_helpers import CSV_FLAGS, eval_line, run_module, write_tabular_csv
 from trainer import cluster_config
 
 
@@ -48,3 +49,70 @@ def test_missing_evaluator_is_known_from_vertex_cluster_spec_only():
   assert cluster_config.without_evaluator({'CLUSTER_SPEC': json.dumps(spec)})
   # TF_CONFIG alone never lists the evaluator: nothing is known.
   assert not cluster_config.without_evaluator({})
+
+
+def test_vertex_output_locations_without_job_dir(tmp_path):
+  aip = {'AIP_CHECKPOINT_DIR': str(tmp_path / 'checkpoints'),
+         'AIP_MODEL_DIR': str(tmp_path / 'model'),
+         'AIP_TENSORBOARD_LOG_DIR': str(tmp_path / 'logs')}
+  result = run_module('trainer.task', '--train-steps=20', env=aip)
+  assert int(eval_line(result)['global_step']) == 20
+  assert tf.train.latest_checkpoint(aip['AIP_CHECKPOINT_DIR']).endswith('-20')
+  # The SavedModel at the root of AIP_MODEL_DIR, where Vertex imports it.
+  assert (tmp_path / 'model' / 'saved_model.pb').exists()
+  assert tf.saved_model.load(aip['AIP_MODEL_DIR']).signatures
+  assert tf.io.gfile.glob(str(tmp_path / 'logs' / 'events.*'))
+  assert tf.io.gfile.glob(str(tmp_path / 'logs' / 'eval' / 'events.*'))
+
+
+def test_job_dir_wins_over_aip_checkpoint_dir(tmp_path):
+  result = run_module('trainer.task', f'--job-dir={tmp_path / "job"}',
+                      '--train-steps=5',
+                      env={'AIP_CHECKPOINT_DIR': str(tmp_path / 'aip')})
+  assert int(eval_line(result)['global_step']) == 5
+  assert tf.train.latest_checkpoint(str(tmp_path / 'job'))
+  assert not (tmp_path / 'aip').exists()
+
+
+def test_cluster_spec_becomes_tf_config_when_it_is_absent():
+  spec = {'cluster': {'workerpool0': ['c:1'], 'workerpool1': ['w:1', 'w:2'],
+                      'workerpool2': ['p:1'], 'workerpool3': ['e:1']},
+          'task': {'type': 'workerpool1', 'index': 1, 'trial': '4'},
+          'environment': 'cloud'}
+  environ = {'CLUSTER_SPEC': json.dumps(spec)}
+  cluster_config.adopt_cluster_spec(environ)
+  assert json.loads(environ['TF_CONFIG']) == {
+      'cluster': {'chief': ['c:1'], 'worker': ['w:1', 'w:2'],
+                  'ps': ['p:1']},
+      'task': {'type': 'worker', 'index': 1, 'trial': '4'},
+      'environment': 'cloud'}
+  assert cluster_config.check_tf_config(environ)
+  # An existing TF_CONFIG wins.
+  environ = {'CLUSTER_SPEC': json.dumps(spec), 'TF_CONFIG': '{"a": 1}'}
+  cluster_config.adopt_cluster_spec(environ)
+  assert environ['TF_CONFIG'] == '{"a": 1}'
+
+
+def _summary_tags(directory):
+  tags = set()
+  for path in tf.io.gfile.glob(os.path.join(str(directory), 'events.*')):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      tags.update(value.tag for value in event.summary.value)
+  return tags
+
+
+def test_census_sample_conventions(tmp_path):
+  # Several files in one flag value, space-separated; the format in capitals;
+  # --num-epochs ends training before --train-steps.
+  first = write_tabular_csv(tmp_path / 'a.csv', 64, seed=1)
+  second = write_tabular_csv(tmp_path / 'b.csv', 64, seed=2)
+  flags = [f for f in CSV_FLAGS if not f.startswith('--train-batch-size')]
+  result = run_module(
+      'trainer.task', f'--job-dir={tmp_path / "job"}',
+      f'--train-files={first} {second}', f'--eval-files={first},{second}',
+      '--train-batch-size=32', '--num-epochs=1', '--train-steps=1000',
+      '--export-format=CSV', '--log-step-count-steps=2', *flags)
+  assert int(eval_line(result)['global_step']) == 4  # 128 rows / 32.
+  assert tf.io.gfile.glob(str(tmp_path / 'job' / 'export' / 'final' / '*'))
+  assert {'global_step/sec', 'examples/sec'} <= _summary_tags(
+      tmp_path / 'job')

@@ -5,6 +5,7 @@ the underscore spellings (`--job_dir`) are accepted too. A bad command line
 ends with a one-line message and exit code 2, as argparse-based trainers do.
 """
 
+import re
 import sys
 from typing import Callable, List, Sequence
 
@@ -46,9 +47,11 @@ def define_task_flags() -> None:
     'accepts. Default: a new directory under ./runs.')
   # Data.
   d(flags.DEFINE_multi_string, 'train-files', [],
-    'Training file globs (repeat the flag or separate with commas).')
+    'Training file globs (repeat the flag, or separate with commas or '
+    'spaces).')
   d(flags.DEFINE_multi_string, 'eval-files', [],
-    'Evaluation file globs (repeat the flag or separate with commas).')
+    'Evaluation file globs (repeat the flag, or separate with commas or '
+    'spaces).')
   d(flags.DEFINE_enum, 'input-format', None,
     ['digits', 'csv', 'tfrecord', 'image_folder', 'synthetic_images',
      'synthetic_tabular'],
@@ -83,6 +86,10 @@ def define_task_flags() -> None:
     'A model_fn name from model_fns (linear, dnn, cifar_cnn, resnet, '
     'keras_app) or your own as package.module:function.')
   d(flags.DEFINE_integer, 'train-steps', 1000, 'Total training steps.',
+    lower_bound=1)
+  d(flags.DEFINE_integer, 'num-epochs', None,
+    'Passes over the training data; training stops after them or at '
+    '--train-steps, whichever comes first. Default: only --train-steps.',
     lower_bound=1)
   d(flags.DEFINE_integer, 'eval-steps', None,
     'Evaluation steps; default: the whole evaluation set.', lower_bound=1)
@@ -127,10 +134,14 @@ def define_task_flags() -> None:
   # Checkpoints and export.
   d(flags.DEFINE_integer, 'save-checkpoints-steps', 500,
     'Checkpoint (and evaluate) every this many steps.', lower_bound=1)
+  d(flags.DEFINE_integer, 'log-step-count-steps', 100,
+    'Every this many steps: a progress line, and global_step/sec and '
+    'examples/sec summaries for TensorBoard.', lower_bound=1)
   d(flags.DEFINE_integer, 'keep-checkpoint-max', 5,
     'Checkpoints to keep.', lower_bound=1)
   d(flags.DEFINE_enum, 'export-format', 'json', ['json', 'csv', 'example'],
-    'Serving input of the exported SavedModel.')
+    'Serving input of the exported SavedModel (any case: JSON, CSV, '
+    'EXAMPLE as the census sample passes them).', case_sensitive=False)
   d(flags.DEFINE_boolean, 'export-best', False,
     'Also export the best model on the tuning metric.')
   # Hyperparameter tuning.
@@ -197,5 +208,9 @@ def value(name: str):
 
 
 def split_multi(values: Sequence[str]) -> List[str]:
-  """Flattens repeated and comma-separated flag values."""
-  return [part for v in values for part in v.split(',') if part]
+  """Flattens repeated, comma- and space-separated flag values.
+
+  The census sample passes several files in one flag value separated by
+  spaces (`--train-files "a.csv b.csv"`); others use commas.
+  """
+  return [part for v in values for part in re.split(r'[,\s]+', v) if part]

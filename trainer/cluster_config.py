@@ -185,3 +185,42 @@ def without_evaluator(environ=None) -> bool:
     return False
   cluster = spec.get('cluster') if isinstance(spec, dict) else None
   return isinstance(cluster, dict) and not cluster.get('workerpool3')
+
+
+# Vertex AI's worker pools, in CLUSTER_SPEC's names, as TF_CONFIG task types.
+_POOLS = {'workerpool0': 'chief', 'workerpool1': 'worker',
+          'workerpool2': 'ps', 'workerpool3': 'evaluator'}
+
+
+def adopt_cluster_spec(environ=None) -> None:
+  """Writes TF_CONFIG from Vertex AI's CLUSTER_SPEC when TF_CONFIG is unset.
+
+  Vertex sets CLUSTER_SPEC for every custom job, TF_CONFIG only for
+  TensorFlow ones (e.g. not for custom containers it does not recognise).
+  Pool 0 is the chief, 1 the workers, 2 the parameter servers, 3 the
+  evaluator (which TF_CONFIG's cluster leaves out).
+
+  Raises:
+    ValueError: CLUSTER_SPEC is not valid JSON or names an unknown pool.
+  """
+  environ = os.environ if environ is None else environ
+  raw = environ.get('CLUSTER_SPEC', '').strip()
+  if not raw or environ.get('TF_CONFIG', '').strip():
+    return
+  try:
+    spec = json.loads(raw)
+  except json.JSONDecodeError as e:
+    raise ValueError(f'CLUSTER_SPEC is not valid JSON ({e}).') from e
+  if not isinstance(spec, dict):
+    raise ValueError('CLUSTER_SPEC must be a JSON object.')
+  cluster, task = spec.get('cluster') or {}, dict(spec.get('task') or {})
+  unknown = sorted(set(cluster) - set(_POOLS))
+  if unknown or task.get('type') not in _POOLS:
+    raise ValueError(f'CLUSTER_SPEC names pools {unknown or [task.get("type")]}'
+                     f'; Vertex AI pools are {sorted(_POOLS)}.')
+  task['type'] = _POOLS[task['type']]
+  config = {'cluster': {_POOLS[pool]: addresses
+                        for pool, addresses in cluster.items()
+                        if pool != 'workerpool3'},
+            'task': task, 'environment': spec.get('environment', 'cloud')}
+  environ['TF_CONFIG'] = json.dumps(config)

@@ -6,7 +6,7 @@ Values already in the environment win.
 """
 
 import os
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 
 def _flag_value(argv: Sequence[str], name: str) -> Optional[str]:
@@ -21,8 +21,45 @@ def _flag_value(argv: Sequence[str], name: str) -> Optional[str]:
   return None
 
 
-def configure(argv: Sequence[str]) -> None:
+# --verbosity as the census sample spells it -> absl's number.
+VERBOSITY_NAMES = {'DEBUG': 1, 'INFO': 0, 'WARN': -1, 'WARNING': -1,
+                   'ERROR': -2, 'FATAL': -3}
+# absl level -> TF_CPP_MIN_LOG_LEVEL (0 all, 1 no INFO, 2 no WARNING, 3 no
+# ERROR). ERROR maps to 3 too: the C++ runtime's "errors" on a CPU machine
+# are CUDA plugin registration notices; real failures reach Python.
+_CPP_LEVEL = {1: '0', 0: '0', -1: '1', -2: '3', -3: '3'}
+
+
+def _verbosity(argv: List[str]) -> Optional[int]:
+  """The --verbosity level in argv as absl's number; names are rewritten.
+
+  absl's --verbosity takes numbers only; the census sample's trainers take
+  DEBUG, INFO, WARN, ERROR and FATAL, so those become absl's numbers here,
+  before absl parses the command line.
+  """
+  for i, arg in enumerate(argv):
+    key, sep, value = arg.partition('=')
+    if key not in ('--verbosity', '-v'):
+      continue
+    if not sep and i + 1 < len(argv):
+      value, i = argv[i + 1], i + 1
+    number = VERBOSITY_NAMES.get(value.upper())
+    if number is not None:
+      argv[i] = f'{key}={number}' if sep else str(number)
+      return number
+    try:
+      return max(-3, min(1, int(value)))
+    except ValueError:
+      return None  # absl reports the bad value.
+  return None
+
+
+def configure(argv: List[str]) -> None:
   """Sets TensorFlow's log level and, for CPU towers, turns oneDNN off.
+
+  `--verbosity` (a census name or absl's number) sets the C++ log level; by
+  default the C++ runtime logs only what reaches Python as an error anyway.
+  `argv` is edited in place: a verbosity name becomes absl's number.
 
   With several virtual CPU towers, a batch smaller than the tower count
   leaves some towers an empty shard in evaluation; TF 2.15's oneDNN
@@ -32,7 +69,40 @@ def configure(argv: Sequence[str]) -> None:
   # 3 hides the C++ runtime's import-time noise (e.g. CUDA plugin
   # registration errors on machines without GPUs); real failures still
   # reach Python as exceptions with their message.
-  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+  level = _verbosity(argv)
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL',
+                        '3' if level is None else _CPP_LEVEL[level])
   towers = _flag_value(argv, 'cpu-towers')
   if towers and towers.isdigit() and int(towers) > 1:
     os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
+
+
+def quiet_python_logs(verbosity_given: bool, level: int) -> None:
+  """TensorFlow's Python logs: warnings and errors only, unless asked.
+
+  By default the Estimator's INFO chatter (config dumps, "Calling model_fn")
+  and TensorFlow's deprecation notices are left out, so that the console
+  shows the task's own lines. `--verbosity` lets them through again.
+
+  Args:
+    verbosity_given: Whether --verbosity was on the command line.
+    level: absl's verbosity (1 DEBUG ... -3 FATAL).
+  """
+  # pylint: disable=g-import-not-at-top
+  import logging as py_logging
+  import warnings
+  import tensorflow as tf
+  from tensorflow.python.util import deprecation
+  logger = tf.get_logger()
+  logger.handlers = []  # One log format: through absl's handler.
+  if verbosity_given:
+    logger.setLevel({1: py_logging.DEBUG, 0: py_logging.INFO,
+                     -1: py_logging.WARNING, -2: py_logging.ERROR}.get(
+                         level, py_logging.CRITICAL))
+    return
+  logger.setLevel(py_logging.WARNING)
+  # Private, but the only switch for TensorFlow's deprecation notices.
+  deprecation._PRINT_DEPRECATION_WARNINGS = False  # pylint: disable=protected-access
+  warnings.filterwarnings('ignore', category=UserWarning,
+                          module=r'(keras|tensorflow)\.')
+  warnings.filterwarnings('ignore', category=DeprecationWarning)

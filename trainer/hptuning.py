@@ -135,8 +135,11 @@ class HypertuneReporter(tf.estimator.Exporter):
       self._hypertune.report_hyperparameter_tuning_metric(
           hyperparameter_metric_tag=self._tag, metric_value=value,
           global_step=step, checkpoint_path=checkpoint_path or '')
-    logging.info('Tuning metric %s=%.6g at step %d (tag %s).', self._metric,
-                 value, step, self._tag)
+    scalars = ' '.join(
+        f'{k}={float(v):.4g}' for k, v in sorted(eval_result.items())
+        if k != 'global_step' and getattr(v, 'size', 1) == 1)
+    logging.info('evaluated step %d: %s (tuning metric %s, tag %s)', step,
+                 scalars, self._metric, self._tag)
     return None
 
 

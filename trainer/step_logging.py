@@ -28,10 +28,15 @@ class StepLoggingHook(tf1.train.SessionRunHook):
     global_batch_size: Examples per step, across all towers.
     num_towers: Towers sharing each batch.
     every_n_steps: Logging period.
+    summary_dir: Also write an `examples/sec` summary there (the model dir).
+    max_steps: The last step, for the time-left estimate.
   """
 
   def __init__(self, loss: tf.Tensor, global_batch_size: int, num_towers: int,
-               every_n_steps: int = 100):
+               every_n_steps: int = 100, summary_dir: Optional[str] = None,
+               max_steps: Optional[int] = None):
+    self._summary_dir = summary_dir
+    self._max_steps = max_steps
     self._loss = loss
     self._batch = global_batch_size
     self._towers = num_towers
@@ -60,7 +65,16 @@ class StepLoggingHook(tf1.train.SessionRunHook):
     rate = (step - self._last[0]) * self._batch / max(now - self._last[1], 1e-9)
     lr = results.get('learning_rate')
     lr_text = f' learning_rate={lr:.4g}' if lr is not None else ''
+    eta = ''
+    if self._max_steps:
+      steps_per_sec = (step - self._last[0]) / max(now - self._last[1], 1e-9)
+      eta = ' ETA %ds' % max(0, (self._max_steps - step) / steps_per_sec)
     logging.info('step %d: loss=%.4f%s examples/sec=%.0f (%.0f per tower, '
-                 '%d towers)', step, results['loss'], lr_text, rate,
-                 rate / self._towers, self._towers)
+                 '%d towers)%s', step, results['loss'], lr_text, rate,
+                 rate / self._towers, self._towers, eta)
+    if self._summary_dir:
+      # Beside the Estimator's global_step/sec, in the same event files.
+      writer = tf1.summary.FileWriterCache.get(self._summary_dir)
+      writer.add_summary(tf1.Summary(value=[tf1.Summary.Value(
+          tag='examples/sec', simple_value=rate)]), step)
     self._last = (step, now)

@@ -11,11 +11,13 @@ This module only parses flags; `trainer.train` does the work.
 import sys
 
 from absl import app
+from absl import flags
 from absl import logging
 import tensorflow as tf
 
 from trainer import cli
 from trainer import data_errors
+from trainer import environment
 from trainer import preemption
 from trainer import train
 
@@ -91,6 +93,7 @@ def options_from_flags() -> train.TaskOptions:
       skip_malformed=v('skip-malformed'),
       allow_non_finite=v('allow-non-finite'), image_size=tuple(image_size),
       image_channels=v('image-channels'), train_steps=v('train-steps'),
+      num_epochs=v('num-epochs'),
       eval_steps=v('eval-steps'), train_batch_size=v('train-batch-size'),
       eval_batch_size=v('eval-batch-size'), learning_rate=v('learning-rate'),
       optimizer=v('optimizer'), hidden_units=hidden,
@@ -105,6 +108,7 @@ def options_from_flags() -> train.TaskOptions:
       inter_op_threads=v('inter-op-threads'),
       intra_op_threads=v('intra-op-threads'),
       save_checkpoints_steps=v('save-checkpoints-steps'),
+      log_step_count_steps=v('log-step-count-steps'),
       keep_checkpoint_max=v('keep-checkpoint-max'),
       export_format=v('export-format'), export_best=v('export-best'),
       hypertune_metric=v('hypertune-metric'),
@@ -112,8 +116,8 @@ def options_from_flags() -> train.TaskOptions:
 
 
 def main(argv):
-  # One log format: TensorFlow's records go through absl's handler only.
-  tf.get_logger().handlers = []
+  environment.quiet_python_logs(flags.FLAGS['verbosity'].present,
+                                logging.get_verbosity())
   if len(argv) > 1:
     sys.stderr.write(f'task: error: unexpected arguments {argv[1:]}\n')
     sys.exit(2)

@@ -28,6 +28,7 @@ from trainer import hptuning
 from trainer import job_dir as job_dir_lib
 from trainer import limits
 from trainer import preemption
+from trainer import vertex
 from trainer import step_logging
 
 tf1 = tf.compat.v1
@@ -53,6 +54,7 @@ class TaskOptions:
   image_size: Tuple[int, int] = (32, 32)
   image_channels: int = 3
   train_steps: int = 1000
+  num_epochs: Optional[int] = None
   eval_steps: Optional[int] = None
   train_batch_size: int = 128
   eval_batch_size: int = 256
@@ -74,6 +76,7 @@ class TaskOptions:
   inter_op_threads: int = 0
   intra_op_threads: int = 0
   save_checkpoints_steps: int = 500
+  log_step_count_steps: int = 100
   keep_checkpoint_max: int = 5
   export_format: str = 'json'
   export_best: bool = False
@@ -212,16 +215,19 @@ def _checked(name: str, model_fn):
   return checked_model_fn
 
 
-def _with_step_logging(model_fn, global_batch_size: int, num_towers: int):
+def _with_step_logging(model_fn, global_batch_size: int, num_towers: int,
+                       max_steps: int):
   """Adds a StepLoggingHook on the merged loss to TRAIN specs."""
 
   def logged_model_fn(features, labels, mode, params, config):
     spec = model_fn(features, labels, mode, params, config)
     if mode != tf.estimator.ModeKeys.TRAIN:
       return spec
-    every = max(1, min(100, config.save_checkpoints_steps or 100))
-    hook = step_logging.StepLoggingHook(spec.loss, global_batch_size,
-                                        num_towers, every)
+    hook = step_logging.StepLoggingHook(
+        spec.loss, global_batch_size, num_towers,
+        config.log_step_count_steps or 100,
+        summary_dir=config.model_dir if config.is_chief else None,
+        max_steps=max_steps)
     return spec._replace(training_hooks=list(spec.training_hooks) + [hook])
 
   return logged_model_fn
@@ -282,6 +288,18 @@ def _exporters(options, data, metric):
   return exporters
 
 
+def _vertex_hooks(config) -> List[tf1.train.SessionRunHook]:
+  directory = vertex.tensorboard_dir()
+  if not directory or not config.is_chief:
+    return []
+  return [vertex.TrainSummaries(directory, config.save_summary_steps or 100)]
+
+
+def _vertex_exporters() -> List[tf.estimator.Exporter]:
+  directory = vertex.tensorboard_dir()
+  return [vertex.EvalSummaries(directory)] if directory else []
+
+
 def _check_eval_metric(estimator, data, options: TaskOptions,
                        metric: str) -> None:
   """Fails before training when the tuning metric is not an eval result.
@@ -302,6 +320,16 @@ def _check_eval_metric(estimator, data, options: TaskOptions,
     raise ValueError(f'--hypertune-metric={metric} is not an evaluation '
                      f'result of --model={options.model}; it reports '
                      f'{", ".join(available)}.')
+
+
+def _final_export(estimator, eval_spec, model_dir: str, metrics) -> None:
+  """Runs the final exporter on the latest checkpoint and its metrics."""
+  checkpoint = tf.train.latest_checkpoint(model_dir)
+  for exporter in eval_spec.exporters:
+    if isinstance(exporter, tf.estimator.FinalExporter):
+      exporter.export(estimator,
+                      os.path.join(model_dir, 'export', exporter.name),
+                      checkpoint, metrics, is_the_final_export=True)
 
 
 def _evaluate_and_export(estimator, eval_spec, model_dir: str):
@@ -345,9 +373,10 @@ def run(options: TaskOptions) -> Dict[str, Any]:
       starts.
     preemption.Preempted: a stop signal arrived; a checkpoint was saved.
   """
+  cluster_config.adopt_cluster_spec()
   tf_config = cluster_config.single_machine(cluster_config.check_tf_config())
   cluster_config.warn_if_exposed(tf_config, private_network.inside())
-  job_dir = options.job_dir or default_job_dir()
+  job_dir = vertex.job_dir(options.job_dir) or default_job_dir()
   model_dir = hptuning.trial_dir(job_dir, hptuning.trial_id())
   task = (tf_config or {}).get('task') or {}
   # Everything that can be checked is checked before the job dir is touched.
@@ -379,13 +408,15 @@ class _Run:
         tf_random_seed=options.tf_random_seed,
         save_checkpoints_steps=options.save_checkpoints_steps,
         keep_checkpoint_max=options.keep_checkpoint_max,
-        log_step_count_steps=max(options.save_checkpoints_steps, 100))
+        log_step_count_steps=options.log_step_count_steps)
     num_gpus, num_cpus = session_device_counts(config.session_config)
     self.towers = num_gpus or num_cpus
+    self.devices = (f'GPU 0-{num_gpus - 1}' if num_gpus else
+                    f'virtual CPU 0-{num_cpus - 1}' if num_cpus > 1 else 'CPU')
     self.estimator = tf.estimator.Estimator(
         _with_step_logging(
             _checked(options.model, replicate_model_fn(model_fn)),
-            options.train_batch_size, self.towers),
+            options.train_batch_size, self.towers, options.train_steps),
         config=config, params=model_params(options, data))
     self._check_batch_sizes(data, model_params(options, data))
     metric = options.hypertune_metric or 'accuracy'
@@ -396,16 +427,19 @@ class _Run:
       _check_eval_metric(self.estimator, data, options, metric)
     self.train_spec = tf.estimator.TrainSpec(
         data.train_input_fn(options.train_batch_size,
-                            seed=options.tf_random_seed or 0),
+                            seed=options.tf_random_seed or 0,
+                            num_epochs=options.num_epochs),
         max_steps=options.train_steps,
         hooks=[preemption.PreemptionHook(model_dir, config.is_chief),
-               finite_weights.FiniteWeightsHook()] + (
+               finite_weights.FiniteWeightsHook(),
+               *_vertex_hooks(config)] + (
                    # One writer per job dir: the chief (or a local run).
                    [_SaveConfigWhenTraining(model_dir, options)]
                    if config.is_chief else []))
     self.eval_spec = tf.estimator.EvalSpec(
         data.eval_input_fn(options.eval_batch_size), steps=options.eval_steps,
-        exporters=_exporters(options, data, metric), start_delay_secs=0,
+        exporters=_exporters(options, data, metric) + _vertex_exporters(),
+        start_delay_secs=0,
         throttle_secs=0)
 
   def _check_batch_sizes(self, data, params) -> None:
@@ -423,8 +457,14 @@ class _Run:
   def train_and_evaluate(self) -> Dict[str, Any]:
     """Trains, evaluates and exports; returns what `run` returns."""
     task, model_dir = self._task, self._model_dir
-    logging.info('Training %s on %d tower(s) into %s', self._options.model,
-                 self.towers, model_dir)
+    logging.info('Training %s on %d tower(s) (%s) into %s, %d steps of %d '
+                 'examples', self._options.model, self.towers, self.devices,
+                 model_dir, self._options.train_steps,
+                 self._options.train_batch_size)
+    resumed = tf.train.latest_checkpoint(model_dir)
+    if resumed:
+      # TensorFlow's own "Restoring parameters" line is hidden by default.
+      logging.info('Resuming from %s', resumed)
     with preemption.sigterm_handled():
       result = tf.estimator.train_and_evaluate(
           self.estimator, self.train_spec, self.eval_spec)
@@ -440,6 +480,12 @@ class _Run:
       # reports.
       metrics = _evaluate_and_export(self.estimator, self.eval_spec,
                                      model_dir)
+    if metrics is not None and latest_export(model_dir) is None:
+      # Training ended before --train-steps (--num-epochs): the Estimator's
+      # final export waits for the last step, which never came.
+      _final_export(self.estimator, self.eval_spec, model_dir, metrics)
+    if metrics is not None:
+      vertex.copy_model(latest_export(model_dir))
     return {'metrics': metrics, 'export_dir': latest_export(model_dir),
             'model_dir': model_dir, 'towers': self.towers,
             'task': f"{task['type']}:{task.get('index', 0)}"
