@@ -32,6 +32,16 @@ def run_module(module, *args, env=None, check=True, timeout=300):
   return result
 
 
+def is_task_flag(arg):
+  """Whether `--name[=value]` sets a flag of trainer.task (once defined)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  name = arg[2:].partition('=')[0]
+  if name in flags.FLAGS:
+    return True
+  return (name.startswith('no') and name[2:] in flags.FLAGS and
+          flags.FLAGS[name[2:]].boolean)
+
+
 def eval_line(result):
   """The metrics of the task's final 'eval:' line as a dict."""
   line = [l for l in result.stdout.splitlines() if l.startswith('eval:')][-1]

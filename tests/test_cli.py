@@ -1,24 +1,92 @@
-"""Flag spellings of the trainer's command line."""
+"""The command-line toolkit: flag spellings, -- passthrough, exit codes."""
 
+import dataclasses
+
+from absl import flags
+import pytest
+
+from cli_helpers import run_module
 from trainer import cli
+from trainer import options
 
-cli.define_task_flags()
-
-
-def test_underscore_spellings_become_hyphenated():
-  argv = ['task', '--job_dir=/j', '--train_files', 'a.csv', '--nosave',
-          '--noallow_growth', '--verbosity=1', '--', '--job_dir=kept']
-  assert cli.normalize_argv(argv) == [
-      'task', '--job-dir=/j', '--train-files', 'a.csv', '--nosave',
-      '--noallow-growth', '--verbosity=1', '--', '--job_dir=kept']
+options.define_flags()
+FLAGS = flags.FLAGS
 
 
-def test_split_multi_accepts_repeats_and_commas():
-  assert cli.split_multi(['a.csv,b.csv', 'c.csv', '']) == [
-      'a.csv', 'b.csv', 'c.csv']
+@pytest.fixture
+def parsed():
+  """Parses a task command line into the global flags, then resets them."""
+  def parse(*args, passthrough=False):
+    return cli.parse(['task', *args], 'task', passthrough=passthrough)
+  yield parse
+  FLAGS.unparse_flags()
 
 
-def test_no_dash_negates_boolean_flags_only():
-  argv = ['task', '--no-allow-growth', '--no-skip_malformed', '--no-such']
-  assert cli.normalize_argv(argv) == [
-      'task', '--noallow-growth', '--noskip-malformed', '--no-such']
+def test_underscore_spellings_are_aliases(parsed):
+  parsed('--job_dir=/j', '--train_files', 'a.csv', '--noallow_growth',
+         '--verbosity=1')
+  assert FLAGS['job-dir'].value == '/j'
+  assert FLAGS['train-files'].value == ['a.csv']
+  assert FLAGS['allow-growth'].value is False
+
+
+def test_no_dash_negates_boolean_flags(parsed):
+  parsed('--no-allow-growth', '--no-skip_malformed', '--export-best')
+  assert FLAGS['allow-growth'].value is False
+  assert FLAGS['skip-malformed'].value is False
+  assert FLAGS['export-best'].value is True
+
+
+def test_no_dash_of_a_non_boolean_is_unknown(parsed):
+  with pytest.raises(SystemExit) as stopped:
+    parsed('--no-train-steps')
+  assert stopped.value.code == 2
+
+
+def test_args_after_double_dash_are_passed_through_or_refused(parsed):
+  assert parsed('--job-dir=/j', '--', '--job_dir=kept', passthrough=True) == [
+      'task', '--job_dir=kept']
+  with pytest.raises(SystemExit) as stopped:
+    parsed('--', '--x')
+  assert stopped.value.code == 2
+
+
+def test_split_multi_accepts_repeats_commas_and_spaces():
+  assert cli.split_multi(['a.csv,b.csv', 'c.csv d.csv', '']) == [
+      'a.csv', 'b.csv', 'c.csv', 'd.csv']
+
+
+def test_every_option_has_exactly_one_flag_with_its_default(parsed):
+  parsed()
+  defaults = options.from_flags()
+  assert defaults == options.TaskOptions()
+  for field in dataclasses.fields(options.TaskOptions):
+    assert options.flag_name(field) in FLAGS, field.name
+
+
+def test_flags_become_options(parsed):
+  parsed('--categorical-column=colour=red|blue', '--image-size=8,16',
+         '--hidden-units=4,2', '--export-format=CSV', '--gpu-ids=0,2')
+  got = options.from_flags()
+  assert got.categorical_columns == {'colour': ['red', 'blue']}
+  assert got.image_size == (8, 16)
+  assert got.hidden_units == [4, 2]
+  assert got.export_format == 'csv'
+  assert got.gpu_ids == [0, 2]
+  assert options.model_params(got)['hidden_units'] == [4, 2]
+
+
+@pytest.mark.parametrize('module', ['trainer.task', 'trainer.predict',
+                                    'trainer.cluster'])
+def test_every_entry_point_exits_2_on_a_bad_flag(module):
+  result = run_module(module, '--job-dir=/tmp/x', '--no-such-flag',
+                      check=False, timeout=120)
+  assert result.returncode == 2
+  name = module.split('.')[1]
+  assert result.stderr.strip().splitlines()[-2].startswith(f'{name}: error: ')
+
+
+def test_every_entry_point_exits_0_after_help():
+  for module in ('trainer.task', 'trainer.predict', 'trainer.cluster'):
+    assert run_module(module, '--help', check=False,
+                      timeout=120).returncode == 0, module

@@ -1,205 +1,84 @@
-"""Command-line flags of `python -m trainer.task`, spelled as Cloud spells them.
+"""The command-line rules shared by the trainer's four entry points.
 
-Cloud trainer packages take hyphenated flags (`--job-dir`, `--train-files`);
-the underscore spellings (`--job_dir`) are accepted too. A bad command line
-ends with a one-line message and exit code 2, as argparse-based trainers do.
+`python -m trainer.task`, `.predict`, `.sweep` and `.cluster` all:
+- take hyphenated flags as Cloud spells them (`--job-dir`), with the
+  underscore spellings (`--job_dir`, absl aliases) and `--no-FLAG` besides
+  absl's `--noFLAG` for booleans;
+- end a bad command line with `<prog>: error: <message>` and exit code 2,
+  and a run that cannot go on with `<prog>: error: <message>` and its own
+  exit code (1 unless said otherwise), never a traceback;
+- exit 0 after `--help`;
+- leave what follows `--` to the entry point (trainer flags for the sweep
+  and the cluster launcher); anything else left over is an error.
+
+Entry points call `run(main, prog)` in place of `absl.app.run(main)`.
 """
 
 import re
 import sys
-from typing import Callable, List, Sequence
+from typing import Callable, List, NoReturn, Optional, Sequence
 
+from absl import app
 from absl import flags
 
 FLAGS = flags.FLAGS
 
-# Where the flag names below live, to rewrite underscore spellings.
-_HYPHENATED: List[str] = []
-_task_flags_defined = False
-
-
-def define(kind: Callable, name: str, *args, **kwargs) -> None:
-  """Defines a flag with `kind` (e.g. flags.DEFINE_string).
-
-  Hyphenated names are recorded so that their underscore spellings are
-  accepted too.
-  """
-  kind(name, *args, **kwargs)
-  if '-' in name:
-    _HYPHENATED.append(name)
-
-
-def define_task_flags() -> None:
-  """Defines every flag of `trainer.task` (idempotent per process).
-
-  A flag of the same name defined elsewhere (another entry point imported
-  into the same process) fails loudly with absl's DuplicateFlagError rather
-  than leaving the task's flags undefined.
-  """
-  global _task_flags_defined
-  if _task_flags_defined:
-    return
-  _task_flags_defined = True
-  d = define
-  # Where things go.
-  d(flags.DEFINE_string, 'job-dir', None,
-    'Output directory (checkpoints, summaries, exports); any path tf.io.gfile '
-    'accepts. Default: a new directory under ./runs.')
-  # Data.
-  d(flags.DEFINE_multi_string, 'train-files', [],
-    'Training file globs (repeat the flag, or separate with commas or '
-    'spaces).')
-  d(flags.DEFINE_multi_string, 'eval-files', [],
-    'Evaluation file globs (repeat the flag, or separate with commas or '
-    'spaces).')
-  d(flags.DEFINE_enum, 'input-format', None,
-    ['digits', 'csv', 'tfrecord', 'image_folder', 'synthetic_images',
-     'synthetic_tabular'],
-    'Data source. Default: csv/tfrecord from the file suffix, or the embedded '
-    'digits data set when no files are given.')
-  d(flags.DEFINE_string, 'label-column', 'label',
-    'CSV column / tf.Example key holding the class label.')
-  d(flags.DEFINE_list, 'columns', None,
-    'Feature names: CSV columns in file order (for files without a header '
-    'row), or the numeric tf.Example keys of tabular TFRecords.')
-  d(flags.DEFINE_multi_string, 'categorical-column', [],
-    'A categorical CSV column: NAME=v1|v2|v3 (vocabulary) or NAME=hash:N. '
-    'Repeat for more. Other columns are numeric.')
-  d(flags.DEFINE_multi_string, 'column-default', [],
-    'NAME=VALUE used where a CSV field is empty. Repeat for more.')
-  d(flags.DEFINE_list, 'label-vocabulary', None,
-    'String labels in class-id order; default: labels are integer ids.')
-  d(flags.DEFINE_integer, 'n-classes', None,
-    'Number of classes (needed for integer labels of csv and tfrecord).',
-    lower_bound=2)
-  d(flags.DEFINE_boolean, 'skip-malformed', False,
-    'Skip (and count) malformed CSV rows instead of failing.')
-  d(flags.DEFINE_boolean, 'allow-non-finite', False,
-    'Accept nan and inf feature values in CSV and TFRecord input (by default '
-    'they stop training with an error naming the file and row).')
-  d(flags.DEFINE_list, 'image-size', ['32', '32'],
-    'HEIGHT,WIDTH images are resized to (image_folder, tfrecord images).')
-  d(flags.DEFINE_integer, 'image-channels', 3, 'Image channels.',
-    lower_bound=1)
-  # Training.
-  d(flags.DEFINE_string, 'model', 'dnn',
-    'A model_fn name from model_fns (linear, dnn, cifar_cnn, resnet, '
-    'keras_app) or your own as package.module:function.')
-  d(flags.DEFINE_integer, 'train-steps', 1000, 'Total training steps.',
-    lower_bound=1)
-  d(flags.DEFINE_integer, 'num-epochs', None,
-    'Passes over the training data; training stops after them or at '
-    '--train-steps, whichever comes first. Default: only --train-steps.',
-    lower_bound=1)
-  d(flags.DEFINE_integer, 'eval-steps', None,
-    'Evaluation steps; default: the whole evaluation set.', lower_bound=1)
-  d(flags.DEFINE_integer, 'train-batch-size', 128,
-    'GLOBAL training batch, split across the towers.', lower_bound=1)
-  d(flags.DEFINE_integer, 'eval-batch-size', 256, 'Evaluation batch.',
-    lower_bound=1)
-  d(flags.DEFINE_float, 'learning-rate', 0.01, 'Learning rate.',
-    lower_bound=0.0)
-  d(flags.DEFINE_enum, 'optimizer', 'adam',
-    ['sgd', 'momentum', 'adam', 'adagrad', 'rmsprop'], 'Optimizer.')
-  d(flags.DEFINE_list, 'hidden-units', None,
-    'DNN layer sizes, e.g. 128,64 (overrides --first-layer-size).')
-  d(flags.DEFINE_integer, 'first-layer-size', 128, 'DNN first layer size.',
-    lower_bound=1)
-  d(flags.DEFINE_integer, 'num-layers', 2, 'DNN hidden layers.',
-    lower_bound=1)
-  d(flags.DEFINE_float, 'scale-factor', 0.5,
-    'Each DNN layer is this times the previous one.', lower_bound=0.0)
-  d(flags.DEFINE_float, 'dropout', 0.0, 'Dropout rate in training.',
-    lower_bound=0.0, upper_bound=0.99)
-  d(flags.DEFINE_integer, 'resnet-depth', 20, 'ResNet depth (6n+2).')
-  d(flags.DEFINE_string, 'keras-application', 'MobileNetV2',
-    'tf.keras.applications model for --model=keras_app.')
-  d(flags.DEFINE_integer, 'tf-random-seed', None, 'Graph-level random seed.')
-  # Devices.
-  d(flags.DEFINE_integer, 'num-gpus', None,
-    'GPUs to use; default: every GPU TensorFlow sees.', lower_bound=0)
-  d(flags.DEFINE_list, 'gpu-ids', None, 'Which GPUs to use, e.g. 0,2.')
-  d(flags.DEFINE_integer, 'cpu-towers', None,
-    'Train on this many virtual CPU devices (for machines without GPUs).',
-    lower_bound=1)
-  d(flags.DEFINE_float, 'gpu-memory-fraction', None,
-    'Share of each GPU\'s memory to use, in (0, 1].')
-  d(flags.DEFINE_boolean, 'allow-growth', True,
-    'Allocate GPU memory as needed.')
-  d(flags.DEFINE_integer, 'inter-op-threads', 0,
-    'Threads running independent ops; 0 lets TensorFlow choose.',
-    lower_bound=0)
-  d(flags.DEFINE_integer, 'intra-op-threads', 0,
-    'Threads inside one op; 0 lets TensorFlow choose.', lower_bound=0)
-  # Checkpoints and export.
-  d(flags.DEFINE_integer, 'save-checkpoints-steps', 500,
-    'Checkpoint (and evaluate) every this many steps.', lower_bound=1)
-  d(flags.DEFINE_integer, 'log-step-count-steps', 100,
-    'Every this many steps: a progress line, and global_step/sec and '
-    'examples/sec summaries for TensorBoard.', lower_bound=1)
-  d(flags.DEFINE_integer, 'keep-checkpoint-max', 5,
-    'Checkpoints to keep.', lower_bound=1)
-  d(flags.DEFINE_enum, 'export-format', 'json', ['json', 'csv', 'example'],
-    'Serving input of the exported SavedModel (any case: JSON, CSV, '
-    'EXAMPLE as the census sample passes them).', case_sensitive=False)
-  d(flags.DEFINE_boolean, 'export-best', False,
-    'Also export the best model on the tuning metric.')
-  # Hyperparameter tuning.
-  d(flags.DEFINE_string, 'hypertune-metric', None,
-    'Eval metric reported for tuning; default: accuracy.')
-  d(flags.DEFINE_string, 'hypertune-summary-tag', 'training/hptuning/metric',
-    'Summary tag the tuning metric is written under.')
-
-
-def normalize_argv(argv: Sequence[str]) -> List[str]:
-  """Rewrites --job_dir style spellings of hyphenated flags to --job-dir.
-
-  Also accepts --no-FLAG for absl's --noFLAG negation of a boolean flag.
-  """
-  underscored = {name.replace('-', '_'): name for name in _HYPHENATED}
-  out = [argv[0]]
-  for arg in argv[1:]:
-    if arg == '--':
-      out.extend(argv[len(out):])
-      break
-    if arg.startswith('--no-') and _is_boolean(arg[5:].partition('=')[0],
-                                               underscored):
-      arg = '--no' + arg[5:]
-    if arg.startswith('--'):
-      name, sep, value = arg[2:].partition('=')
-      negated = name.startswith('no') and name[2:] in underscored
-      if name in underscored:
-        arg = f'--{underscored[name]}{sep}{value}'
-      elif negated:
-        arg = f'--no{underscored[name[2:]]}{sep}{value}'
-    out.append(arg)
-  return out
-
-
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+# Other spellings are listed apart, so that --help shows each flag once.
+_SPELLINGS = 'other spellings (trainer.cli)'
 _HELP_FLAGS = ('--help', '--helpfull', '--helpshort', '--helpxml', '-h', '-?')
 
 
-def _is_boolean(name: str, underscored) -> bool:
-  name = underscored.get(name, name)
-  return name in FLAGS and FLAGS[name].boolean
+class UsageError(app.UsageError):
+  """A command line that parses but cannot be used: exit code 2."""
+
+  def __init__(self, message: str):
+    super().__init__(message, exitcode=EXIT_USAGE)
 
 
-def parse_or_exit(argv: Sequence[str]) -> List[str]:
-  """absl flags parser for `app.run`: exit code 2 on a bad command line.
+class Failure(Exception):
+  """A run that cannot go on; its message says why and what to do.
 
-  Asking for help exits 0 (absl's help flags exit 1 after printing).
+  Args:
+    message: One line for the user.
+    exit_code: The process's exit code.
   """
-  try:
-    return FLAGS(normalize_argv(argv))
-  except SystemExit as e:
-    if e.code == 1 and any(a in _HELP_FLAGS for a in argv[1:]):
-      sys.exit(0)
-    raise
-  except flags.Error as e:
-    prog = argv[0].rsplit('/', 1)[-1] if argv else 'trainer'
-    sys.stderr.write(f'{prog}: error: {e}\n'
-                     f'Run with --helpfull to see every flag.\n')
-    sys.exit(2)
+
+  def __init__(self, message: str, exit_code: int = EXIT_FAILED):
+    super().__init__(message)
+    self.exit_code = exit_code
+
+
+class _Negation(flags.Flag):
+  """`--no-NAME`: sets the boolean flag NAME to false, as `--noNAME` does."""
+
+  def __init__(self, name: str, target: flags.Flag):
+    super().__init__(flags.BooleanParser(), None, name, None,
+                     f'Same as --no{target.name}.', boolean=True)
+    self._target = target
+
+  def parse(self, argument):
+    super().parse(argument)
+    self._target.parse(not self.value)
+
+
+def define(kind: Callable, name: str, default, help_text: str,
+           **kwargs) -> None:
+  """Defines a flag with absl's `kind` (e.g. flags.DEFINE_string).
+
+  A hyphenated name also gets its underscore spelling as an absl alias; a
+  boolean also gets `--no-NAME`.
+  """
+  kind(name, default, help=help_text, **kwargs)
+  spellings = [name]
+  if '-' in name:
+    spellings.append(name.replace('-', '_'))
+    flags.DEFINE_alias(spellings[-1], name, module_name=_SPELLINGS)
+  if FLAGS[name].boolean:
+    for spelling in spellings:
+      flags.DEFINE_flag(_Negation(f'no-{spelling}', FLAGS[name]),
+                        module_name=_SPELLINGS)
 
 
 def value(name: str):
@@ -214,3 +93,58 @@ def split_multi(values: Sequence[str]) -> List[str]:
   spaces (`--train-files "a.csv b.csv"`); others use commas.
   """
   return [part for v in values for part in re.split(r'[,\s]+', v) if part]
+
+
+def fail(prog: str, message: str, exit_code: int) -> NoReturn:
+  """Prints `<prog>: error: <message>` (stderr, which Cloud logs), exits."""
+  sys.stderr.write(f'{prog}: error: {message}\n')
+  sys.exit(exit_code)
+
+
+def parse(argv: Sequence[str], prog: str, passthrough: bool = False,
+          hint: str = '') -> List[str]:
+  """Parses the flags before `--`; returns [program, *args after `--`].
+
+  Exits with code 2 on a bad command line (0 after asking for help).
+  """
+  argv = list(argv)
+  split = argv.index('--') if '--' in argv else len(argv)
+  own, rest = argv[:split], argv[split + 1:]
+  ending = f'; {hint}' if hint else '.'
+  try:
+    unparsed = FLAGS(own)
+  except flags.Error as e:
+    fail(prog, f'{e}\nRun with --helpfull to see every flag{ending}',
+         EXIT_USAGE)
+  except SystemExit as e:
+    # absl's help flags exit 1 after printing; asking for help is no error.
+    if e.code == 1 and any(a in _HELP_FLAGS for a in own[1:]):
+      sys.exit(0)
+    raise
+  stray = unparsed[1:] + ([] if passthrough else rest)
+  if stray:
+    fail(prog, f'unexpected arguments {stray}{ending}', EXIT_USAGE)
+  return [argv[0], *rest]
+
+
+def run(main: Callable[[List[str]], Optional[int]], prog: str, *,
+        passthrough: bool = False, hint: str = '') -> None:
+  """`absl.app.run(main)` under the rules above.
+
+  Args:
+    main: Gets [program, *args after `--`]; may raise UsageError or Failure.
+    prog: The name messages start with.
+    passthrough: Whether arguments after `--` are main's (else an error).
+    hint: Ends usage messages, e.g. where other flags go.
+  """
+
+  def checked_main(argv):
+    try:
+      return main(argv)
+    except UsageError as e:
+      fail(prog, str(e), EXIT_USAGE)
+    except Failure as e:
+      fail(prog, str(e), e.exit_code)
+
+  app.run(checked_main,
+          flags_parser=lambda argv: parse(argv, prog, passthrough, hint))

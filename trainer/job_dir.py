@@ -15,13 +15,9 @@ from typing import Any, Dict, Iterator
 
 import tensorflow as tf
 
+from trainer import options as options_lib
+
 LOCK_FILE = '.trainer.lock'
-# Options that decide the model's variables or how its inputs are read.
-_ARCHITECTURE = ('model', 'hidden_units', 'first_layer_size', 'num_layers',
-                 'scale_factor', 'resnet_depth', 'keras_application',
-                 'input_format', 'label_column', 'columns',
-                 'categorical_columns', 'label_vocabulary', 'n_classes',
-                 'image_size', 'image_channels')
 # Superseded by hidden_units when both runs give it.
 _LAYER_SHAPE = ('first_layer_size', 'num_layers', 'scale_factor')
 
@@ -78,10 +74,11 @@ def check_same_architecture(model_dir: str, config_file: str,
   with tf.io.gfile.GFile(path) as f:
     saved = json.load(f)
   current = json.loads(json.dumps(dataclasses.asdict(options)))
-  names = [n for n in _ARCHITECTURE if n in saved]
+  architecture = options_lib.architecture_flags()
+  names = [n for n in architecture if n in saved]
   if saved.get('hidden_units') and current.get('hidden_units'):
     names = [n for n in names if n not in _LAYER_SHAPE]
-  differences = [f'--{n.replace("_", "-")}: {_shown(saved[n])} -> '
+  differences = [f'--{architecture[n]}: {_shown(saved[n])} -> '
                  f'{_shown(current[n])}'
                  for n in names if saved[n] != current[n]]
   if differences:

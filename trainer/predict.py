@@ -14,15 +14,11 @@ file that looks whole.
 
 import csv
 import dataclasses
-import json
 import os
-import sys
 from typing import Dict, Iterable, List
 
 
-from absl import app
 from absl import flags
-from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -31,9 +27,9 @@ from estimator_towers.replicate import replicate_model_fn
 from estimator_towers.run_config import make_run_config
 from estimator_towers.run_config import session_device_counts
 from estimator_towers.saved_model_towers import SavedModelTowers
+from trainer import assembly
 from trainer import cli
 from trainer import data_errors
-from trainer import train
 
 cli.define(flags.DEFINE_string, 'job-dir', None,
            'Directory a trainer.task run wrote (the trial directory for a '
@@ -53,25 +49,8 @@ cli.define(flags.DEFINE_string, 'saved-model', None,
            'Predict with this exported SavedModel (json serving input) '
            'instead of the job dir\'s checkpoint; --job-dir still says how '
            'to read the input files.')
-
-
-def load_options(job_dir: str) -> train.TaskOptions:
-  """The TaskOptions the training run saved.
-
-  Raises:
-    ValueError: job_dir holds no trainer_config.json.
-  """
-  path = os.path.join(job_dir, train.CONFIG_FILE)
-  if not tf.io.gfile.exists(path):
-    raise ValueError(f'{path} does not exist: --job-dir must be a directory '
-                     'written by trainer.task (for a sweep trial, its trial '
-                     'subdirectory).')
-  with tf.io.gfile.GFile(path) as f:
-    saved = json.load(f)
-  known = {f.name for f in dataclasses.fields(train.TaskOptions)}
-  options = train.TaskOptions(**{k: v for k, v in saved.items() if k in known})
-  options.image_size = tuple(options.image_size)
-  return options
+# --help lists them (absl registers them under cli, which defines them).
+flags.adopt_module_key_flags(cli)
 
 
 def predict(job_dir: str, predict_files: List[str], output: str,
@@ -89,9 +68,9 @@ def predict(job_dir: str, predict_files: List[str], output: str,
     raise ValueError(f'--output={output!r} must end in .csv or .tfrecord.')
   if not predict_files:
     raise ValueError('--predict-files is required.')
-  options = load_options(job_dir)
+  options = assembly.load_options(job_dir)
   options = dataclasses.replace(options, eval_files=predict_files)
-  data = train.build_data(options, model_fns.model_kind(options.model))
+  data = assembly.build_data(options, model_fns.model_kind(options.model))
   config = make_run_config(job_dir, cpu_devices=cpu_towers, num_gpus=num_gpus)
   if saved_model:
     return _predict_saved_model(saved_model, data, config, batch_size, output)
@@ -100,7 +79,7 @@ def predict(job_dir: str, predict_files: List[str], output: str,
     raise ValueError(f'No checkpoint in {job_dir}; train it first.')
   estimator = tf.estimator.Estimator(
       replicate_model_fn(model_fns.get_model_fn(options.model)),
-      config=config, params=train.model_params(options, data))
+      config=config, params=assembly.model_params(options, data))
   ids = data.example_ids()
   rows = estimator.predict(data.predict_input_fn(batch_size),
                            checkpoint_path=checkpoint)
@@ -188,12 +167,7 @@ def _write_tfrecord(path, pairs) -> int:
 
 
 def main(argv):
-  if len(argv) > 1:
-    sys.stderr.write(f'predict: error: unexpected arguments {argv[1:]}\n')
-    sys.exit(2)
-  if not cli.value('job-dir'):
-    sys.stderr.write('predict: error: --job-dir is required.\n')
-    sys.exit(2)
+  del argv  # cli.run has refused any left-over arguments.
   try:
     count = predict(cli.value('job-dir'),
                     cli.split_multi(cli.value('predict-files')),
@@ -201,18 +175,15 @@ def main(argv):
                     cli.value('cpu-towers'), cli.value('num-gpus'),
                     cli.value('checkpoint'), cli.value('saved-model'))
   except ValueError as e:
-    logging.error('%s', e)
-    sys.stderr.write(f'predict: error: {e}\n')
-    sys.exit(1)
+    raise cli.Failure(str(e)) from e
   except tf.errors.InvalidArgumentError as e:
     message = data_errors.cli_message(e)
     if message is None:
       raise  # Not a data check: TensorFlow's own error, traceback and all.
-    logging.error('%s', message)
-    sys.stderr.write(f'predict: error: {message}\n')
-    sys.exit(1)
+    raise cli.Failure(message) from e
   print(f'wrote {count} predictions to {cli.value("output")}', flush=True)
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=cli.parse_or_exit)
+  flags.mark_flag_as_required('job-dir')
+  cli.run(main, 'predict')

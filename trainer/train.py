@@ -5,185 +5,37 @@
 model is saved next to the checkpoints as `trainer_config.json`.
 """
 
-import dataclasses
-import json
 import os
 import time
-import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from absl import logging
 import tensorflow as tf
 
-import input_fns
 import model_fns
 from model_fns import hparams
 from estimator_towers.replicate import replicate_model_fn
 from estimator_towers.run_config import make_run_config
 from estimator_towers.run_config import session_device_counts
+from trainer import assembly
 from trainer import cluster_config
 from trainer.cluster import private_network
 from trainer import finite_weights
 from trainer import hptuning
 from trainer import job_dir as job_dir_lib
 from trainer import limits
+from trainer import options as options_lib
 from trainer import preemption
 from trainer import vertex
 from trainer import step_logging
 
 tf1 = tf.compat.v1
-CONFIG_FILE = 'trainer_config.json'
-
-
-@dataclasses.dataclass
-class TaskOptions:
-  """Everything `run` needs; field names mirror the task's flags."""
-  job_dir: Optional[str] = None
-  model: str = 'dnn'
-  train_files: List[str] = dataclasses.field(default_factory=list)
-  eval_files: List[str] = dataclasses.field(default_factory=list)
-  input_format: Optional[str] = None
-  label_column: str = 'label'
-  columns: Optional[List[str]] = None
-  categorical_columns: Dict[str, Any] = dataclasses.field(default_factory=dict)
-  column_defaults: Dict[str, str] = dataclasses.field(default_factory=dict)
-  label_vocabulary: Optional[List[str]] = None
-  n_classes: Optional[int] = None
-  skip_malformed: bool = False
-  allow_non_finite: bool = False
-  image_size: Tuple[int, int] = (32, 32)
-  image_channels: int = 3
-  train_steps: int = 1000
-  num_epochs: Optional[int] = None
-  eval_steps: Optional[int] = None
-  train_batch_size: int = 128
-  eval_batch_size: int = 256
-  learning_rate: float = 0.01
-  optimizer: str = 'adam'
-  hidden_units: Optional[List[int]] = None
-  first_layer_size: int = 128
-  num_layers: int = 2
-  scale_factor: float = 0.5
-  dropout: float = 0.0
-  resnet_depth: int = 20
-  keras_application: str = 'MobileNetV2'
-  tf_random_seed: Optional[int] = None
-  num_gpus: Optional[int] = None
-  gpu_ids: Optional[List[int]] = None
-  cpu_towers: Optional[int] = None
-  gpu_memory_fraction: Optional[float] = None
-  allow_growth: bool = True
-  inter_op_threads: int = 0
-  intra_op_threads: int = 0
-  save_checkpoints_steps: int = 500
-  log_step_count_steps: int = 100
-  keep_checkpoint_max: int = 5
-  export_format: str = 'json'
-  export_best: bool = False
-  hypertune_metric: Optional[str] = None
-  hypertune_summary_tag: str = hptuning.DEFAULT_SUMMARY_TAG
+CONFIG_FILE = assembly.CONFIG_FILE
+TaskOptions = options_lib.TaskOptions  # Where users of train.run find it.
 
 
 def default_job_dir() -> str:
   return os.path.join('runs', time.strftime('task-%Y%m%d-%H%M%S'))
-
-
-def build_data(options: TaskOptions, kind: Optional[str]) -> input_fns.Data:
-  """The data source the options name, checked before any training.
-
-  Raises:
-    ValueError: files are missing or the source does not fit the model.
-  """
-  fmt = options.input_format or _guess_format(options.train_files)
-  view = 'image' if kind == 'image' else 'tabular'
-  if fmt == 'digits':
-    return input_fns.digits(view=view)
-  if fmt == 'synthetic_images':
-    return input_fns.synthetic_images(
-        image_shape=(*options.image_size, options.image_channels))
-  if fmt == 'synthetic_tabular':
-    return input_fns.synthetic_tabular()
-  if not options.train_files:
-    raise ValueError(f'--input-format={fmt} needs --train-files.')
-  if fmt == 'csv':
-    return input_fns.csv_data(
-        options.train_files, options.eval_files or options.train_files,
-        label_column=options.label_column, columns=options.columns,
-        header=options.columns is None,
-        categorical_columns=options.categorical_columns,
-        defaults=options.column_defaults,
-        label_vocabulary=options.label_vocabulary,
-        n_classes=options.n_classes, skip_malformed=options.skip_malformed,
-        allow_non_finite=options.allow_non_finite)
-  if fmt == 'tfrecord':
-    return _tfrecord_data(options, kind)
-  if fmt == 'image_folder':
-    return input_fns.image_folder_data(
-        options.train_files[0],
-        options.eval_files[0] if options.eval_files else None,
-        image_size=tuple(options.image_size),
-        channels=options.image_channels)
-  raise ValueError(f'Unknown --input-format={fmt!r}.')
-
-
-def _guess_format(train_files: List[str]) -> str:
-  if not train_files:
-    return 'digits'
-  first = train_files[0].lower()
-  if first.endswith(('.csv', '.csv*', '.txt')):
-    return 'csv'
-  if '.tfrecord' in first or first.endswith('.tfr'):
-    return 'tfrecord'
-  raise ValueError(
-      f'Cannot tell the format of --train-files={train_files[0]!r} from its '
-      'name; pass --input-format (csv, tfrecord or image_folder).')
-
-
-def _tfrecord_data(options: TaskOptions, kind: Optional[str]):
-  if options.n_classes is None:
-    raise ValueError('--input-format=tfrecord needs --n-classes.')
-  if kind == 'image':
-    spec = {'image': tf.io.FixedLenFeature([], tf.string),
-            options.label_column: tf.io.FixedLenFeature([], tf.int64)}
-    return input_fns.tfrecord_data(
-        options.train_files, options.eval_files or options.train_files,
-        feature_spec=spec, label_key=options.label_column,
-        n_classes=options.n_classes, image_key='image',
-        image_shape=(*options.image_size, options.image_channels),
-        allow_non_finite=options.allow_non_finite)
-  if not options.columns:
-    raise ValueError('Tabular --input-format=tfrecord needs --columns naming '
-                     'the numeric feature keys of the tf.Examples.')
-  spec = {name: tf.io.FixedLenFeature([], tf.float32)
-          for name in options.columns}
-  spec.update({name: tf.io.FixedLenFeature([], tf.string)
-               for name in options.categorical_columns})
-  spec[options.label_column] = tf.io.FixedLenFeature([], tf.int64)
-  return input_fns.tfrecord_data(
-      options.train_files, options.eval_files or options.train_files,
-      feature_spec=spec, label_key=options.label_column,
-      n_classes=options.n_classes,
-      allow_non_finite=options.allow_non_finite)
-
-
-def model_params(options: TaskOptions, data: input_fns.Data) -> Dict[str, Any]:
-  """The params every model_fn reads, from options and the data."""
-  params = {
-      'n_classes': data.n_classes,
-      'feature_columns': data.feature_columns,
-      'image_shape': data.image_shape,
-      'learning_rate': options.learning_rate,
-      'optimizer': options.optimizer,
-      'first_layer_size': options.first_layer_size,
-      'num_layers': options.num_layers,
-      'scale_factor': options.scale_factor,
-      'dropout': options.dropout,
-      'resnet_depth': options.resnet_depth,
-      'keras_application': options.keras_application,
-  }
-  if options.hidden_units:
-    params['hidden_units'] = list(options.hidden_units)
-  return params
 
 
 class ModelFnError(ValueError):
@@ -233,20 +85,6 @@ def _with_step_logging(model_fn, global_batch_size: int, num_towers: int,
   return logged_model_fn
 
 
-def _save_task_config(model_dir: str, options: TaskOptions) -> None:
-  """Writes the options atomically: a half-written file is never read.
-
-  The temporary name is unique to this process, so tasks sharing a job dir
-  never rename each other's file.
-  """
-  tf.io.gfile.makedirs(model_dir)
-  path = os.path.join(model_dir, CONFIG_FILE)
-  temp = f'{path}.tmp-{os.getpid()}-{uuid.uuid4().hex}'
-  with tf.io.gfile.GFile(temp, 'w') as f:
-    json.dump(dataclasses.asdict(options), f, indent=2, sort_keys=True)
-  tf.io.gfile.rename(temp, path, overwrite=True)
-
-
 class _SaveConfigWhenTraining(tf1.train.SessionRunHook):
   """Writes trainer_config.json once the training session exists.
 
@@ -261,7 +99,7 @@ class _SaveConfigWhenTraining(tf1.train.SessionRunHook):
 
   def after_create_session(self, session, coord):
     del session, coord
-    _save_task_config(self._model_dir, self._options)
+    assembly.save_options(self._model_dir, self._options)
 
 
 def _exporters(options, data, metric):
@@ -397,7 +235,7 @@ class _Run:
     self._options, self._model_dir, self._task = options, model_dir, task
     kind = model_fns.model_kind(options.model)
     model_fn = model_fns.get_model_fn(options.model)
-    data = build_data(options, kind)
+    data = assembly.build_data(options, kind)
     config = make_run_config(
         model_dir, num_gpus=options.num_gpus, gpu_ids=options.gpu_ids,
         cpu_devices=options.cpu_towers,
@@ -417,8 +255,8 @@ class _Run:
         _with_step_logging(
             _checked(options.model, replicate_model_fn(model_fn)),
             options.train_batch_size, self.towers, options.train_steps),
-        config=config, params=model_params(options, data))
-    self._check_batch_sizes(data, model_params(options, data))
+        config=config, params=assembly.model_params(options, data))
+    self._check_batch_sizes(data, assembly.model_params(options, data))
     metric = options.hypertune_metric or 'accuracy'
     if not task.get('type') or task['type'] in ('chief', 'master',
                                                 'evaluator'):

@@ -1,8 +1,13 @@
 """Runs `python -m trainer.cluster`; see trainer/cluster/main.py."""
 
+from absl import flags
+
+from trainer import cli
 from trainer.cluster import main
 
 # absl prints the __main__ module's docstring as the usage text.
 __doc__ = main.__doc__  # pylint: disable=redefined-builtin
+# --help lists the flags (absl registers them under trainer.cli).
+flags.adopt_module_key_flags(cli)
 
 main.run_main()

@@ -19,7 +19,6 @@ import os
 import signal
 import sys
 
-from absl import app
 from absl import flags
 from absl import logging
 
@@ -43,8 +42,6 @@ cli.define(flags.DEFINE_float, 'grace-secs', 10.0,
 def _task_args(argv):
   """Flags for every task: those after `--`, plus the shared job dir."""
   extra = list(argv[1:])
-  if extra and extra[0] == '--':
-    extra = extra[1:]
   for arg in extra:
     if arg.startswith(('--job-dir', '--job_dir')):
       raise ValueError('Give --job-dir to trainer.cluster, not after --.')
@@ -59,8 +56,6 @@ def run(argv) -> None:
     cluster_launch.ClusterFailed: a task failed for good.
   """
   job_dir = cli.value('job-dir')
-  if not job_dir:
-    raise ValueError('--job-dir is required.')
   private_network.bring_up_loopback()
   log_dir = os.path.join(job_dir, 'logs')
   os.makedirs(log_dir, exist_ok=True)
@@ -92,11 +87,10 @@ def main(argv):
       sys.exit(private_network.reexec_inside(['-m', 'trainer.cluster',
                                               *sys.argv[1:]]))
     except private_network.PrivateNetworkError as e:
-      sys.stderr.write(f'cluster: error: cannot make a private network '
-                       f'namespace ({e}); TensorFlow servers listen on all '
-                       'interfaces, so the launcher will not start them '
-                       'outside one.\n')
-      sys.exit(1)
+      raise cli.Failure(
+          f'cannot make a private network namespace ({e}); TensorFlow '
+          'servers listen on all interfaces, so the launcher will not start '
+          'them outside one.') from e
   # SIGTERM (from the outer launcher, or a job scheduler) and SIGHUP stop the
   # tasks the way Ctrl-C does. A terminal's Ctrl-C arrives twice (from the
   # terminal and forwarded by the outer launcher): only the first counts.
@@ -105,11 +99,9 @@ def main(argv):
   try:
     run(argv)
   except ValueError as e:
-    sys.stderr.write(f'cluster: error: {e}\n')
-    sys.exit(2)
+    raise cli.UsageError(str(e)) from e
   except cluster_launch.ClusterFailed as e:
-    sys.stderr.write(f'cluster: error: {e}\n')
-    sys.exit(1)
+    raise cli.Failure(str(e)) from e
   except KeyboardInterrupt:
     signum = _received[0] if _received else signal.SIGINT
     sys.stderr.write(f'cluster: interrupted by {signal.Signals(signum).name}; '
@@ -121,4 +113,6 @@ def main(argv):
 
 def run_main() -> None:
   """The `python -m trainer.cluster` entry point."""
-  app.run(main, flags_parser=cli.parse_or_exit)
+  flags.mark_flag_as_required('job-dir')
+  cli.run(main, 'cluster', passthrough=True,
+          hint='trainer flags go after --.')

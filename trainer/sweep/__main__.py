@@ -13,9 +13,14 @@ if _MISSING:
       "(or pip install -e '.[sweep]' in a checkout).\n")
   sys.exit(2)
 
+from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from trainer import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 from trainer.sweep import main  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # absl prints the __main__ module's docstring as the usage text.
 __doc__ = main.__doc__  # pylint: disable=redefined-builtin
+# --help lists the flags (absl registers them under trainer.cli).
+flags.adopt_module_key_flags(cli)
 
 main.run_main()

@@ -19,7 +19,6 @@ import sys
 import threading
 from typing import List, Sequence
 
-from absl import app
 from absl import flags
 import optuna
 
@@ -29,48 +28,46 @@ from trainer.sweep import report as sweep_report
 from trainer.sweep import runner as sweep_runner
 from trainer.sweep import space as sweep_space
 from trainer.sweep import study as sweep_study
+from trainer import cli
 from trainer.cli import value
 
 FLAGS = flags.FLAGS
 
 # Exit codes.
-EXIT_FAILED = 1   # Too many failed trials, or none completed.
-EXIT_USAGE = 2    # Bad flags, config or job dir.
+EXIT_FAILED = cli.EXIT_FAILED   # Too many failed trials, or none completed.
+EXIT_USAGE = cli.EXIT_USAGE     # Bad flags, config or job dir.
 
 # absl flags that change how a trial reads its flags, not what it trains:
 # a --flagfile can set --job-dir or a swept parameter unseen, --undefok
 # hides a misspelt flag, --only_check_args exits 0 untrained.
 _FORBIDDEN_FIXED = ('flagfile', 'undefok', 'only-check-args', 'help',
                     'helpfull', 'helpshort', 'helpxml')
-_OWN_FLAGS = ('config', 'job-dir', 'resume', 'seed', 'module-name',
-              'prune-startup-trials', 'poll-secs', 'termination-grace-secs')
 
 
 def define_flags() -> None:
   """Defines the sweep's flags (idempotent per process)."""
   if 'config' in FLAGS:
     return
-  flags.DEFINE_string('config', None, 'hptuning_config.yaml: a file with '
-                      'trainingInput: hyperparameters: ... (as gcloud takes '
-                      'it) or a bare hyperparameters: block.')
-  flags.DEFINE_string('job-dir', None, 'Local directory of the sweep: '
-                      'sweep.db, one directory per trial, the results.')
-  flags.DEFINE_boolean('resume', False, 'Go on with the sweep in --job-dir '
-                       '(after Ctrl-C, a kill or a crash).')
-  flags.DEFINE_integer('seed', None, 'Seed of the sampler\'s random draws; '
-                       'default: a fresh one each run. A resumed sweep mixes '
-                       'it with its trial count, so that it draws anew.',
-                       lower_bound=0, upper_bound=2**32 - 1)
-  flags.DEFINE_string('module-name', 'trainer.task', 'The trainer module '
-                      'each trial runs with python -m (as gcloud\'s '
-                      '--module-name).')
-  flags.DEFINE_integer('prune-startup-trials', 5, 'With '
-                       'enableTrialEarlyStopping: trials that must complete '
-                       'before the median rule prunes any.', lower_bound=0)
-  flags.DEFINE_float('poll-secs', 1.0, 'How often a running trial\'s metric '
-                     'file is read.', lower_bound=0.05)
-  flags.DEFINE_float('termination-grace-secs', 10.0, 'Time a stopped trial '
-                     'gets between SIGTERM and SIGKILL.', lower_bound=0.0)
+  d = cli.define
+  d(flags.DEFINE_string, 'config', None, 'hptuning_config.yaml: a file with '
+    'trainingInput: hyperparameters: ... (as gcloud takes it) or a bare '
+    'hyperparameters: block.')
+  d(flags.DEFINE_string, 'job-dir', None, 'Local directory of the sweep: '
+    'sweep.db, one directory per trial, the results.')
+  d(flags.DEFINE_boolean, 'resume', False, 'Go on with the sweep in '
+    '--job-dir (after Ctrl-C, a kill or a crash).')
+  d(flags.DEFINE_integer, 'seed', None, 'Seed of the sampler\'s random draws; '
+    'default: a fresh one each run. A resumed sweep mixes it with its trial '
+    'count, so that it draws anew.', lower_bound=0, upper_bound=2**32 - 1)
+  d(flags.DEFINE_string, 'module-name', 'trainer.task', 'The trainer module '
+    'each trial runs with python -m (as gcloud\'s --module-name).')
+  d(flags.DEFINE_integer, 'prune-startup-trials', 5, 'With '
+    'enableTrialEarlyStopping: trials that must complete before the median '
+    'rule prunes any.', lower_bound=0)
+  d(flags.DEFINE_float, 'poll-secs', 1.0, 'How often a running trial\'s '
+    'metric file is read.', lower_bound=0.05)
+  d(flags.DEFINE_float, 'termination-grace-secs', 10.0, 'Time a stopped '
+    'trial gets between SIGTERM and SIGKILL.', lower_bound=0.0)
 
 
 define_flags()
@@ -78,48 +75,7 @@ define_flags()
 
 def fail(message: str, code: int) -> None:
   """Prints `sweep: error: <message>` and exits with `code`."""
-  sys.stderr.write(f'sweep: error: {message}\n')
-  sys.exit(code)
-
-
-def parse_flags(argv: Sequence[str]) -> List[str]:
-  """absl flags parser for `app.run`; exit code 2 on a bad command line.
-
-  Everything after the first `--` is the fixed trainer flags, left alone.
-  Underscore spellings (--job_dir) are accepted.
-
-  Returns:
-    [program, *fixed trainer flags].
-  """
-  argv = list(argv)
-  split = argv.index('--') if '--' in argv else len(argv)
-  own, fixed = argv[:split], argv[split + 1:]
-  try:
-    rest = FLAGS([own[0]] + [_hyphenate(arg) for arg in own[1:]])
-  except flags.Error as e:
-    fail(f'{e}\nRun with --helpfull to see every flag; trainer flags go '
-         'after --.', EXIT_USAGE)
-  except SystemExit as e:
-    # absl's --help exits 1 after printing; asking for help is no error.
-    if e.code == 1 and any(a in ('--help', '--helpfull', '--helpshort', '-h',
-                                 '-?') for a in own[1:]):
-      sys.exit(0)
-    raise
-  if len(rest) > 1:
-    fail(f'unexpected arguments {rest[1:]}; trainer flags go after --.',
-         EXIT_USAGE)
-  return [argv[0]] + fixed
-
-
-def _hyphenate(arg: str) -> str:
-  if not arg.startswith('--'):
-    return arg
-  name, sep, rest = arg[2:].partition('=')
-  for prefix in ('', 'no'):
-    bare = name[len(prefix):]
-    if name.startswith(prefix) and bare.replace('_', '-') in _OWN_FLAGS:
-      return f'--{prefix}{bare.replace("_", "-")}{sep}{rest}'
-  return arg
+  cli.fail('sweep', message, code)
 
 
 def check_fixed_flags(fixed: Sequence[str],
@@ -306,4 +262,4 @@ def finish(outcome: str, sweep: sweep_runner.Sweep, study: optuna.Study,
 def run_main() -> None:
   """The `python -m trainer.sweep` entry point."""
   flags.mark_flags_as_required(['config', 'job-dir'])
-  app.run(main, flags_parser=parse_flags)
+  cli.run(main, 'sweep', passthrough=True, hint='trainer flags go after --.')

@@ -1,0 +1,320 @@
+"""The options of `python -m trainer.task`: one field, one flag.
+
+Each `TaskOptions` field declares its flag (kind, help, bounds), its default,
+how the flag's text becomes the option's value, and whether it is a model
+hyperparameter (`params[...]` of every model_fn) or part of the architecture
+(a job dir's checkpoints only resume with the same value). Adding an option
+is adding a field here: the flag, its underscore spelling, the conversion,
+`params`, the saved `trainer_config.json` and the architecture check follow.
+"""
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from absl import flags
+
+from trainer import cli
+from trainer import hptuning
+
+_FORMATS = ['digits', 'csv', 'tfrecord', 'image_folder', 'synthetic_images',
+            'synthetic_tabular']
+_OPTIMIZERS = ['sgd', 'momentum', 'adam', 'adagrad', 'rmsprop']
+
+
+# Conversions from a flag's parsed value to the option's value. Each takes
+# the flag name (for its message) and raises cli.UsageError.
+
+def _ints(name: str, values: Optional[Sequence[str]]) -> Optional[List[int]]:
+  """Integers from a list flag; None when it is unset or empty."""
+  if not values:
+    return None
+  try:
+    return [int(v) for v in values]
+  except ValueError as e:
+    raise cli.UsageError(f'--{name} takes integers, got {values!r}.') from e
+
+
+def _positive_ints(name: str, values) -> Optional[List[int]]:
+  ints = _ints(name, values)
+  if ints is not None and min(ints) < 1:
+    raise cli.UsageError(f'--{name} must be positive, got {ints}.')
+  return ints
+
+
+def _image_size(name: str, values) -> Tuple[int, int]:
+  size = _ints(name, values) or []
+  if len(size) != 2 or min(size) < 1:
+    raise cli.UsageError(f'--{name} takes HEIGHT,WIDTH, got {values}.')
+  return tuple(size)
+
+
+def _files(name: str, values) -> List[str]:
+  del name
+  return cli.split_multi(values)
+
+
+def _pairs(name: str, values) -> Dict[str, str]:
+  """NAME=VALUE flag values as a dict."""
+  out = {}
+  for item in values:
+    key, sep, value = item.partition('=')
+    if not sep or not key:
+      raise cli.UsageError(f'--{name}={item!r} must look like NAME=VALUE.')
+    out[key] = value
+  return out
+
+
+def _categorical(name: str, values) -> Dict[str, Any]:
+  """NAME=v1|v2 (vocabulary) or NAME=hash:N (hash buckets)."""
+  columns = {}
+  for key, spec in _pairs(name, values).items():
+    if spec.startswith('hash:'):
+      buckets = _ints(name, [spec[5:]])[0]
+      if buckets < 2:
+        raise cli.UsageError(f'--{name}={key}={spec}: use at least 2 hash '
+                             'buckets.')
+      columns[key] = buckets
+    elif spec:
+      columns[key] = spec.split('|')
+    else:
+      raise cli.UsageError(f'--{name}={key}= needs a vocabulary (a|b|c) or '
+                           'hash:N.')
+  return columns
+
+
+def _fraction(name: str, value: Optional[float]) -> Optional[float]:
+  if value is not None and not 0 < value <= 1:
+    raise cli.UsageError(f'--{name} must be in (0, 1], got {value}.')
+  return value
+
+
+def _option(define: Callable, default: Any, help_text: str, *,
+            flag_default: Any = None, parse: Optional[Callable] = None,
+            flag: Optional[str] = None, param: bool = False,
+            architecture: bool = False, **flag_args) -> Any:
+  """A dataclass field that declares its flag.
+
+  Args:
+    define: absl's DEFINE_* function of the flag.
+    default: The option's default; also the flag's unless `flag_default`.
+    help_text: The flag's help.
+    flag_default: The flag's default where it is spelled otherwise.
+    parse: (flag name, flag value) -> option value.
+    flag: The flag's name, if not the field's name with hyphens.
+    param: Pass the option to every model_fn as `params[<field name>]`.
+    architecture: A job dir trained with another value cannot resume.
+    **flag_args: More arguments of `define` (bounds, enum values).
+  """
+  metadata = {'define': define, 'help': help_text, 'parse': parse,
+              'flag': flag, 'param': param, 'architecture': architecture,
+              'flag_args': flag_args,
+              'flag_default': default if flag_default is None
+                              else flag_default}
+  if isinstance(default, (list, dict)):
+    return dataclasses.field(default_factory=lambda: type(default)(default),
+                             metadata=metadata)
+  return dataclasses.field(default=default, metadata=metadata)
+
+
+_STRING, _INT, _FLOAT, _BOOL = (flags.DEFINE_string, flags.DEFINE_integer,
+                                flags.DEFINE_float, flags.DEFINE_boolean)
+_ENUM, _LIST, _MULTI = (flags.DEFINE_enum, flags.DEFINE_list,
+                        flags.DEFINE_multi_string)
+
+
+@dataclasses.dataclass
+class TaskOptions:
+  """Everything `trainer.train.run` needs; one field per task flag."""
+  # Where things go.
+  job_dir: Optional[str] = _option(
+      _STRING, None, 'Output directory (checkpoints, summaries, exports); any '
+      'path tf.io.gfile accepts. Default: AIP_CHECKPOINT_DIR on Vertex AI, '
+      'else a new directory under ./runs.')
+  # Data.
+  train_files: List[str] = _option(
+      _MULTI, [], 'Training file globs (repeat the flag, or separate with '
+      'commas or spaces).', parse=_files)
+  eval_files: List[str] = _option(
+      _MULTI, [], 'Evaluation file globs (repeat the flag, or separate with '
+      'commas or spaces).', parse=_files)
+  input_format: Optional[str] = _option(
+      _ENUM, None, 'Data source. Default: csv/tfrecord from the file suffix, '
+      'or the embedded digits data set when no files are given.',
+      enum_values=_FORMATS, architecture=True)
+  label_column: str = _option(
+      _STRING, 'label', 'CSV column / tf.Example key holding the class label.',
+      architecture=True)
+  columns: Optional[List[str]] = _option(
+      _LIST, None, 'Feature names: CSV columns in file order (for files '
+      'without a header row), or the numeric tf.Example keys of tabular '
+      'TFRecords.', architecture=True)
+  categorical_columns: Dict[str, Any] = _option(
+      _MULTI, {}, 'A categorical CSV column: NAME=v1|v2|v3 (vocabulary) or '
+      'NAME=hash:N. Repeat for more. Other columns are numeric.',
+      flag='categorical-column', flag_default=[], parse=_categorical,
+      architecture=True)
+  column_defaults: Dict[str, str] = _option(
+      _MULTI, {}, 'NAME=VALUE used where a CSV field is empty. Repeat for '
+      'more.', flag='column-default', flag_default=[], parse=_pairs)
+  label_vocabulary: Optional[List[str]] = _option(
+      _LIST, None, 'String labels in class-id order; default: labels are '
+      'integer ids.', architecture=True)
+  n_classes: Optional[int] = _option(
+      _INT, None, 'Number of classes (needed for integer labels of csv and '
+      'tfrecord).', lower_bound=2, architecture=True)
+  skip_malformed: bool = _option(
+      _BOOL, False, 'Skip (and count) malformed CSV rows instead of failing.')
+  allow_non_finite: bool = _option(
+      _BOOL, False, 'Accept nan and inf feature values in CSV and TFRecord '
+      'input (by default they stop training with an error naming the file '
+      'and row).')
+  image_size: Tuple[int, int] = _option(
+      _LIST, (32, 32), 'HEIGHT,WIDTH images are resized to (image_folder, '
+      'tfrecord images).', flag_default=['32', '32'], parse=_image_size,
+      architecture=True)
+  image_channels: int = _option(_INT, 3, 'Image channels.', lower_bound=1,
+                                architecture=True)
+  # Training.
+  model: str = _option(
+      _STRING, 'dnn', 'A model_fn name from model_fns (linear, dnn, '
+      'cifar_cnn, resnet, keras_app) or your own as package.module:function.',
+      architecture=True)
+  train_steps: int = _option(_INT, 1000, 'Total training steps.',
+                             lower_bound=1)
+  num_epochs: Optional[int] = _option(
+      _INT, None, 'Passes over the training data; training stops after them '
+      'or at --train-steps, whichever comes first. Default: only '
+      '--train-steps.', lower_bound=1)
+  eval_steps: Optional[int] = _option(
+      _INT, None, 'Evaluation steps; default: the whole evaluation set.',
+      lower_bound=1)
+  train_batch_size: int = _option(
+      _INT, 128, 'GLOBAL training batch, split across the towers.',
+      lower_bound=1)
+  eval_batch_size: int = _option(_INT, 256, 'Evaluation batch.',
+                                 lower_bound=1)
+  learning_rate: float = _option(_FLOAT, 0.01, 'Learning rate.',
+                                 lower_bound=0.0, param=True)
+  optimizer: str = _option(_ENUM, 'adam', 'Optimizer.',
+                           enum_values=_OPTIMIZERS, param=True)
+  hidden_units: Optional[List[int]] = _option(
+      _LIST, None, 'DNN layer sizes, e.g. 128,64 (overrides '
+      '--first-layer-size).', parse=_positive_ints, param=True,
+      architecture=True)
+  first_layer_size: int = _option(_INT, 128, 'DNN first layer size.',
+                                  lower_bound=1, param=True, architecture=True)
+  num_layers: int = _option(_INT, 2, 'DNN hidden layers.', lower_bound=1,
+                            param=True, architecture=True)
+  scale_factor: float = _option(
+      _FLOAT, 0.5, 'Each DNN layer is this times the previous one.',
+      lower_bound=0.0, param=True, architecture=True)
+  dropout: float = _option(_FLOAT, 0.0, 'Dropout rate in training.',
+                           lower_bound=0.0, upper_bound=0.99, param=True)
+  resnet_depth: int = _option(_INT, 20, 'ResNet depth (6n+2).', param=True,
+                              architecture=True)
+  keras_application: str = _option(
+      _STRING, 'MobileNetV2', 'tf.keras.applications model for '
+      '--model=keras_app.', param=True, architecture=True)
+  tf_random_seed: Optional[int] = _option(_INT, None,
+                                          'Graph-level random seed.')
+  # Devices.
+  num_gpus: Optional[int] = _option(
+      _INT, None, 'GPUs to use; default: every GPU TensorFlow sees.',
+      lower_bound=0)
+  gpu_ids: Optional[List[int]] = _option(
+      _LIST, None, 'Which GPUs to use, e.g. 0,2.', parse=_ints)
+  cpu_towers: Optional[int] = _option(
+      _INT, None, 'Train on this many virtual CPU devices (for machines '
+      'without GPUs).', lower_bound=1)
+  gpu_memory_fraction: Optional[float] = _option(
+      _FLOAT, None, 'Share of each GPU\'s memory to use, in (0, 1].',
+      parse=_fraction)
+  allow_growth: bool = _option(_BOOL, True, 'Allocate GPU memory as needed.')
+  inter_op_threads: int = _option(
+      _INT, 0, 'Threads running independent ops; 0 lets TensorFlow choose.',
+      lower_bound=0)
+  intra_op_threads: int = _option(
+      _INT, 0, 'Threads inside one op; 0 lets TensorFlow choose.',
+      lower_bound=0)
+  # Checkpoints and export.
+  save_checkpoints_steps: int = _option(
+      _INT, 500, 'Checkpoint (and evaluate) every this many steps.',
+      lower_bound=1)
+  log_step_count_steps: int = _option(
+      _INT, 100, 'Every this many steps: a progress line, and '
+      'global_step/sec and examples/sec summaries for TensorBoard.',
+      lower_bound=1)
+  keep_checkpoint_max: int = _option(_INT, 5, 'Checkpoints to keep.',
+                                     lower_bound=1)
+  export_format: str = _option(
+      _ENUM, 'json', 'Serving input of the exported SavedModel (any case: '
+      'JSON, CSV, EXAMPLE as the census sample passes them).',
+      enum_values=['json', 'csv', 'example'], case_sensitive=False)
+  export_best: bool = _option(
+      _BOOL, False, 'Also export the best model on the tuning metric.')
+  # Hyperparameter tuning.
+  hypertune_metric: Optional[str] = _option(
+      _STRING, None, 'Eval metric reported for tuning; default: accuracy.')
+  hypertune_summary_tag: str = _option(
+      _STRING, hptuning.DEFAULT_SUMMARY_TAG, 'Summary tag the tuning metric '
+      'is written under.')
+
+
+_defined = False
+
+
+def flag_name(field: dataclasses.Field) -> str:
+  """The flag of an options field: its name with hyphens, or as declared."""
+  return field.metadata['flag'] or field.name.replace('_', '-')
+
+
+def define_flags() -> None:
+  """Defines every task flag, with its underscore spelling (idempotent).
+
+  A flag of the same name defined elsewhere (another entry point imported
+  into the same process) fails loudly with absl's DuplicateFlagError.
+  """
+  global _defined
+  if _defined:
+    return
+  _defined = True
+  for field in dataclasses.fields(TaskOptions):
+    meta = field.metadata
+    cli.define(meta['define'], flag_name(field), meta['flag_default'],
+               meta['help'], **meta['flag_args'])
+
+
+def from_flags() -> TaskOptions:
+  """The options the parsed flags give.
+
+  Raises:
+    cli.UsageError: a flag value that parses but cannot be used.
+  """
+  values = {}
+  for field in dataclasses.fields(TaskOptions):
+    name = flag_name(field)
+    value = flags.FLAGS[name].value
+    parse = field.metadata['parse']
+    values[field.name] = parse(name, value) if parse else value
+  return TaskOptions(**values)
+
+
+def from_saved(saved: Dict[str, Any]) -> TaskOptions:
+  """Options from a saved trainer_config.json (unknown keys ignored)."""
+  known = {f.name for f in dataclasses.fields(TaskOptions)}
+  options = TaskOptions(**{k: v for k, v in saved.items() if k in known})
+  options.image_size = tuple(options.image_size)
+  return options
+
+
+def model_params(options: TaskOptions) -> Dict[str, Any]:
+  """The options every model_fn gets in `params` (unset ones left out)."""
+  params = {f.name: getattr(options, f.name)
+            for f in dataclasses.fields(TaskOptions) if f.metadata['param']}
+  return {k: v for k, v in params.items() if v is not None and v != []}
+
+
+def architecture_flags() -> Dict[str, str]:
+  """Field name -> flag name of the options that shape the model."""
+  return {f.name: flag_name(f) for f in dataclasses.fields(TaskOptions)
+          if f.metadata['architecture']}
