@@ -43,6 +43,15 @@ def test_no_dash_of_a_non_boolean_is_unknown(parsed):
   assert stopped.value.code == 2
 
 
+@pytest.mark.parametrize('fraction', ['0', '1.5'])
+def test_validators_refuse_values_the_bounds_cannot_say(parsed, fraction,
+                                                        capsys):
+  with pytest.raises(SystemExit) as stopped:
+    parsed(f'--gpu-memory-fraction={fraction}')
+  assert stopped.value.code == 2
+  assert 'must be in (0, 1]' in capsys.readouterr().err
+
+
 def test_args_after_double_dash_are_passed_through_or_refused(parsed):
   assert parsed('--job-dir=/j', '--', '--job_dir=kept', passthrough=True) == [
       'task', '--job_dir=kept']

@@ -82,16 +82,12 @@ def _categorical(name: str, values) -> Dict[str, Any]:
   return columns
 
 
-def _fraction(name: str, value: Optional[float]) -> Optional[float]:
-  if value is not None and not 0 < value <= 1:
-    raise cli.UsageError(f'--{name} must be in (0, 1], got {value}.')
-  return value
-
-
 def _option(define: Callable, default: Any, help_text: str, *,
             flag_default: Any = None, parse: Optional[Callable] = None,
             flag: Optional[str] = None, param: bool = False,
-            architecture: bool = False, **flag_args) -> Any:
+            architecture: bool = False,
+            check: Optional[Tuple[Callable[[Any], bool], str]] = None,
+            **flag_args) -> Any:
   """A dataclass field that declares its flag.
 
   Args:
@@ -103,11 +99,12 @@ def _option(define: Callable, default: Any, help_text: str, *,
     flag: The flag's name, if not the field's name with hyphens.
     param: Pass the option to every model_fn as `params[<field name>]`.
     architecture: A job dir trained with another value cannot resume.
+    check: (predicate, message): an absl validator of the flag's value.
     **flag_args: More arguments of `define` (bounds, enum values).
   """
   metadata = {'define': define, 'help': help_text, 'parse': parse,
               'flag': flag, 'param': param, 'architecture': architecture,
-              'flag_args': flag_args,
+              'check': check, 'flag_args': flag_args,
               'flag_default': default if flag_default is None
                               else flag_default}
   if isinstance(default, (list, dict)):
@@ -228,7 +225,7 @@ class TaskOptions:
       'without GPUs).', lower_bound=1)
   gpu_memory_fraction: Optional[float] = _option(
       _FLOAT, None, 'Share of each GPU\'s memory to use, in (0, 1].',
-      parse=_fraction)
+      check=(lambda v: v is None or 0 < v <= 1, 'must be in (0, 1]'))
   allow_growth: bool = _option(_BOOL, True, 'Allocate GPU memory as needed.')
   inter_op_threads: int = _option(
       _INT, 0, 'Threads running independent ops; 0 lets TensorFlow choose.',
@@ -282,6 +279,8 @@ def define_flags() -> None:
     meta = field.metadata
     cli.define(meta['define'], flag_name(field), meta['flag_default'],
                meta['help'], **meta['flag_args'])
+    if meta['check']:
+      flags.register_validator(flag_name(field), *meta['check'])
 
 
 def from_flags() -> TaskOptions:
