@@ -305,6 +305,9 @@ class OneUpdate:
           # iterations and global_step advance once.
           op = apply(opt, self._replicas.expand(grads_and_vars), *args,
                      **kwargs)
+        unused = self._replicas.unused_sums()
+        if unused:
+          op = tf.group(op, *unused)
         self._replicas.applied(opt, first, _next_op_id(graph))
         return op
     finally:

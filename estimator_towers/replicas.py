@@ -64,6 +64,7 @@ class Replicas:
     self._trainable: Optional[set] = None
     # id(gradient returned to the model_fn) -> that variable's sums per tower.
     self._sums: Dict[int, list] = {}
+    self._used = set()  # ids of the sums some copy's update consumes.
     self._optimizers = []
     self._apply_ids: List[tuple] = []  # [first, last) op ids of updates
 
@@ -195,7 +196,19 @@ class Replicas:
       sums = self._sums.get(id(grad)) if grad is not None else None
       for tower, copy in enumerate(copies):
         expanded.append((sums[tower] if sums else grad, copy))
+        if sums:
+          self._used.add(id(sums[tower]))
     return expanded
+
+  def unused_sums(self) -> List:
+    """The all-reduce results no update consumes.
+
+    A collective completes only when every device takes part: if the
+    model_fn transformed tower 0's sums, the other devices' results must
+    still be computed, or the step waits forever.
+    """
+    return [t for sums in self._sums.values() for t in sums
+            if id(t) not in self._used]
 
   def applied(self, optimizer, first_op_id: int, last_op_id: int) -> None:
     """Records an update: its optimizer (for slots) and its ops."""
