@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import tensorflow as tf
 
 from estimator_towers import cross_device
+from tensorflow.python.ops import variables as variables_lib  # pylint: disable=g-direct-tensorflow-import,g-bad-import-order
 
 tf1 = tf.compat.v1
 _COPY_NAME = re.compile(r'(^|/)tower_\d+_replica/')
@@ -61,6 +62,7 @@ class Replicas:
     self._placement = placement
     self._copies: Dict[int, List[tf.Variable]] = {}  # id(primary) -> copies
     self._primary: Dict[int, tf.Variable] = {}  # id(any copy) -> primary
+    self._partitioned_copies = {}  # (id(primary), tower) -> its copy
     self._trainable: Optional[set] = None
     # id(gradient returned to the model_fn) -> that variable's sums per tower.
     self._sums: Dict[int, list] = {}
@@ -73,16 +75,30 @@ class Replicas:
 
   def tower_variable(self, primary, tower: int):
     """What tower `tower` uses for `primary`: its copy if trainable."""
+    if isinstance(primary, variables_lib.PartitionedVariable):
+      return self._partitioned(primary, tower)
     if not tower or not self._is_trainable(primary):
       return primary
-    if hasattr(primary, '_variable_list'):  # A PartitionedVariable.
-      raise ValueError(
-          f"aggregation='all_reduce' does not replicate the partitioned "
-          f'variable {primary.name}; use global_loss or round_robin.')
     copies = self._copies.setdefault(id(primary), [primary])
     while len(copies) <= tower:
       copies.append(self._make_copy(primary, len(copies)))
     return copies[tower]
+
+  def _partitioned(self, primary, tower: int):
+    """A PartitionedVariable of tower `tower`'s copies of the parts."""
+    parts = list(primary)
+    copies = [self.tower_variable(part, tower) for part in parts]
+    if not tower or all(c is p for c, p in zip(copies, parts)):
+      return primary
+    key = (id(primary), tower)
+    if key not in self._partitioned_copies:
+      for copy, part in zip(copies, parts):
+        # The constructor wants the slices; the Saver never sees copies.
+        copy._set_save_slice_info(part._get_save_slice_info())  # pylint: disable=protected-access
+      self._partitioned_copies[key] = variables_lib.PartitionedVariable(
+          f'tower_{tower}_replica/{primary.name}', primary.get_shape(),
+          primary.dtype, copies, primary._get_partitions())  # pylint: disable=protected-access
+    return self._partitioned_copies[key]
 
   def _is_trainable(self, variable) -> bool:
     if self._trainable is None or id(variable) not in self._trainable:
@@ -257,7 +273,7 @@ class Replicas:
       if target in handles:
         raise ValueError(
             f"aggregation='all_reduce': the model_fn writes the trainable "
-            f'variable {self.primary_of(handles[target]).name} itself '
+            f'variable {self.primary_of(handles[target]).op.name} itself '
             f'({op.type} {op.name}), which would reach only one of its '
             "copies. Use aggregation='global_loss' or 'round_robin'.")
 

@@ -133,9 +133,9 @@ def replicate_model_fn(model_fn: ModelFn,
                     f'{aggregation_lib.AGGREGATIONS}, got {aggregation!r}.')
   if devices is not None:
     devices = _canonical_devices(devices)
+  aggregation_lib.check(aggregation, variables_device)
   if variables_device is not None:
     variables_device = _canonical_variables_device(variables_device)
-  aggregation_lib.check(aggregation, variables_device)
   if aggregation == 'global_loss' and variables_device is None:
     variables_device = _canonical_variables_device(
         aggregation_lib.DEFAULT_VARIABLES_DEVICE)
