@@ -274,3 +274,107 @@ def test_one_explicit_device_with_all_reduce_is_plain(tmp_path, data):
                   aggregation='all_reduce')
   assert_same_variables(variables_of(one), variables_of(pinned))
   assert os.path.isdir(tmp_path / 'pinned')
+
+
+def _two_optimizers_model_fn(features, labels, mode):
+  """A GAN-style model_fn: two losses, two optimizers, one with slots."""
+  with tf1.variable_scope('a'):
+    logits_a = tf1.layers.dense(features['x'], 2,
+                                kernel_initializer=tf1.glorot_uniform_initializer(seed=21))
+  with tf1.variable_scope('b'):
+    logits_b = tf1.layers.dense(features['x'], 2,
+                                kernel_initializer=tf1.glorot_uniform_initializer(seed=22))
+  loss_a = tf1.losses.sparse_softmax_cross_entropy(labels, logits_a)
+  loss_b = tf1.losses.sparse_softmax_cross_entropy(labels, logits_b * 2.0)
+  step = tf1.train.get_or_create_global_step()
+  train_a = tf1.train.GradientDescentOptimizer(0.3).minimize(
+      loss_a, var_list=tf1.trainable_variables('a'))
+  train_b = tf1.train.MomentumOptimizer(0.1, 0.5).minimize(
+      loss_b, step, var_list=tf1.trainable_variables('b'))
+  return tf.estimator.EstimatorSpec(mode, loss=loss_a + loss_b,
+                                    train_op=tf.group(train_a, train_b))
+
+
+@pytest.mark.parametrize('aggregation', AGGREGATIONS)
+def test_two_optimizers_equal_one_device(tmp_path, data, aggregation):
+  x, y = data
+  runs = {}
+  for towers in (1, 3):
+    kwargs = {'aggregation': aggregation} if towers > 1 else {}
+    estimator = make_estimator(_two_optimizers_model_fn, tmp_path / str(towers),
+                               towers, **kwargs)
+    estimator.train(dataset_input_fn({'x': x}, y, BATCH), steps=3)
+    runs[towers] = variables_of(estimator)
+  assert_same_variables(runs[1], runs[3])
+  assert runs[3]['global_step'] == 3
+
+
+def _embedding_model_fn(features, labels, mode):
+  """Sparse gradients: an embedding trained by Momentum's sparse update."""
+  word = tf1.feature_column.categorical_column_with_hash_bucket('word', 20)
+  columns = [
+      tf1.feature_column.embedding_column(
+          word, 3, initializer=tf1.truncated_normal_initializer(seed=4)),
+      tf1.feature_column.numeric_column('amount'),
+  ]
+  net = tf1.feature_column.input_layer(features, columns)
+  logits = tf1.layers.dense(net, 2, kernel_initializer=
+                            tf1.glorot_uniform_initializer(seed=5))
+  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf1.train.MomentumOptimizer(0.5, 0.9).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize('aggregation', AGGREGATIONS)
+def test_sparse_embedding_gradients_equal_one_device(tmp_path, aggregation):
+  rng = np.random.RandomState(1)
+  words = np.array([b'cat', b'dog', b'fish', b'bird', b'cow'])[
+      rng.randint(0, 5, 40)]
+  amount = rng.randn(40, 1).astype(np.float32)
+  labels = (amount[:, 0] > 0).astype(np.int32)
+
+  def input_fn():
+    ds = tf.data.Dataset.from_tensor_slices(
+        ({'word': words, 'amount': amount}, labels))
+    ds = ds.map(lambda f, l: ({'word': tf.sparse.from_dense(
+        tf.reshape(f['word'], [1])), 'amount': f['amount']}, l))
+    return ds.batch(BATCH).repeat()
+
+  runs = {}
+  for towers in (1, 3):
+    kwargs = {'aggregation': aggregation} if towers > 1 else {}
+    estimator = make_estimator(_embedding_model_fn, tmp_path / str(towers),
+                               towers, **kwargs)
+    estimator.train(input_fn, steps=STEPS)
+    runs[towers] = variables_of(estimator)
+  assert_same_variables(runs[1], runs[3])
+  assert any('embedding_weights/Momentum' in name for name in runs[3])
+
+
+def _batch_norm_model_fn(features, labels, mode):
+  training = mode == tf.estimator.ModeKeys.TRAIN
+  net = tf1.layers.batch_normalization(features['x'], training=training,
+                                       momentum=0.5)
+  logits = tf1.layers.dense(net, 2, kernel_initializer=
+                            tf1.glorot_uniform_initializer(seed=8))
+  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+  with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+    train_op = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(
+        loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_batch_norm_trains_alike_under_every_strategy(tmp_path, data):
+  # Batch statistics are per tower under any in-graph replication, so the
+  # reference is global_loss: the strategies must agree with each other.
+  x, y = data
+  runs = {}
+  for aggregation in AGGREGATIONS:
+    estimator = make_estimator(_batch_norm_model_fn, tmp_path / aggregation,
+                               3, aggregation=aggregation)
+    estimator.train(dataset_input_fn({'x': x}, y, BATCH), steps=STEPS)
+    runs[aggregation] = variables_of(estimator)
+  for aggregation in AGGREGATIONS[1:]:
+    assert_same_variables(runs['global_loss'], runs[aggregation])
+  assert 'batch_normalization/moving_mean' in runs['all_reduce']
