@@ -106,11 +106,17 @@ def _tensor_bytes(tensor, unknown_dim: int) -> int:
 
 
 def cross_device_bytes(graph, fetches, unknown_dim: int):
-  """(edge bytes, collective bytes) one run of `fetches` moves."""
+  """What one run of `fetches` moves between devices.
+
+  Returns:
+    (edge bytes, all-reduce bytes, bytes the busiest device sends plus
+    receives): the busiest device's link is the bottleneck.
+  """
   device_of = _Devices(graph)
   pending = [f if isinstance(f, tf.Operation) else f.op for f in fetches]
   seen, sent = set(), set()
   edge_bytes = 0
+  per_device = collections.Counter()
   collective = collections.defaultdict(list)  # instance key -> tensors
   while pending:
     op = pending.pop()
@@ -123,17 +129,24 @@ def cross_device_bytes(graph, fetches, unknown_dim: int):
       collective[key].append(op.inputs[0])
     for t in op.inputs:
       destination = device_of(op)
-      if device_of(t.op) != destination and (t.name, destination) not in sent:
+      source = device_of(t.op)
+      if source != destination and (t.name, destination) not in sent:
         sent.add((t.name, destination))
-        edge_bytes += _tensor_bytes(t, unknown_dim)
+        size = _tensor_bytes(t, unknown_dim)
+        edge_bytes += size
+        per_device[source] += size
+        per_device[destination] += size
       pending.append(t.op)
     pending.extend(op.control_inputs)
   reduce_bytes = 0
   for tensors in collective.values():
     n = len(tensors)
     # Ring all-reduce: each member sends 2 (n-1)/n of the tensor.
-    reduce_bytes += int(2 * (n - 1) * _tensor_bytes(tensors[0], unknown_dim))
-  return edge_bytes, reduce_bytes
+    size = _tensor_bytes(tensors[0], unknown_dim)
+    reduce_bytes += int(2 * (n - 1) * size)
+    for t in tensors:  # Sends 2 (n-1)/n of it and receives as much.
+      per_device[device_of(t.op)] += int(4 * (n - 1) / n * size)
+  return edge_bytes, reduce_bytes, max(per_device.values(), default=0)
 
 
 def graph_bytes(strategy: str, towers: int, global_batch: int):
@@ -243,17 +256,18 @@ def run_throughput(args, root):
 def print_table(args, variants, traffic, loads):
   plain = variants.get('plain')
   print('\nexamples/s: median over rounds (min..max); "/gl" = median of '
-        'per-round ratios to global_loss at the same tower count; bytes per '
-        'step crossing devices (graph edges + all-reduce); variable bytes '
-        'per device (max/min)')
+        'per-round ratios to global_loss at the same tower count; MB per '
+        'step crossing devices (graph edges + all-reduce = total; busiest = '
+        'sent + received by the busiest device); variable (and slot) MB '
+        'per device, max/min')
   print(f'{"strategy":<12s} {"towers":>6s} {"median":>9s} {"min..max":>17s} '
         f'{"/gl":>7s} {"/plain":>7s} {"edge MB":>8s} {"reduce MB":>9s} '
-        f'{"total MB":>8s} {"var MB max/min":>15s}')
+        f'{"total MB":>8s} {"busiest MB":>11s} {"var MB max/min":>15s}')
   for n in args.towers:
     base = variants.get(f'global_loss_{n}')
     for s in STRATEGIES:
       v = variants.get(f'{s}_{n}')
-      edge, reduce = traffic[(s, n)]
+      edge, reduce, busiest = traffic[(s, n)]
       per_device = loads[(s, n)]
       var_cell = (f'{max(per_device.values()) / 1e6:6.1f}/'
                   f'{min(per_device.values()) / 1e6:<6.1f}'
@@ -270,7 +284,7 @@ def print_table(args, variants, traffic, loads):
                       f'{ratio:6.3f}x {to_plain:>7s}')
       print(f'{s:<12s} {n:>6d} {rate_cells} {edge / 1e6:8.2f} '
             f'{reduce / 1e6:9.2f} {(edge + reduce) / 1e6:8.2f} '
-            f'{var_cell:>15s}')
+            f'{busiest / 1e6:11.2f} {var_cell:>15s}')
   if plain:
     print(f'{"plain":<12s} {1:>6d} {plain.median():>9,.0f} '
           f'{min(plain.rates):>8,.0f}..{max(plain.rates):<7,.0f}')
