@@ -30,7 +30,7 @@ virtual CPU devices of one machine are measured: the devices share memory,
 so crossing a device boundary costs a copy at most, not a PCIe or NVLink
 transfer; the bytes column is what would cross such links.
 
-  .venv/bin/python bench/bench_aggregation.py           # full run, ~10 min
+  .venv/bin/python bench/bench_aggregation.py           # full run, ~7 min
   .venv/bin/python bench/bench_aggregation.py --quick   # smoke run, ~1 min
 """
 
@@ -292,10 +292,10 @@ def print_table(args, variants, traffic, loads):
 
 def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--rounds', type=int, default=5)
-  p.add_argument('--steps', type=int, default=50,
+  p.add_argument('--rounds', type=int, default=10)
+  p.add_argument('--steps', type=int, default=100,
                  help='Steps per train call (measurement).')
-  p.add_argument('--skip', type=int, default=10,
+  p.add_argument('--skip', type=int, default=20,
                  help='Steps at the start of each train call not timed.')
   p.add_argument('--global-batch', type=int, default=256)
   p.add_argument('--hidden', default=','.join(map(str, bench_towers.HIDDEN)),
