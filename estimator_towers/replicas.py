@@ -115,10 +115,12 @@ class Replicas:
     with self._unshared(), graph.name_scope(None), graph.colocate_with(
         None, ignore_existing=True):
       # Zeros until local_init_op sets it from the primary (see sync_op).
+      # The constraint too: optimizers project each variable they update.
       copy = tf1.Variable(
           tf.zeros(primary.shape, primary.dtype.base_dtype), name=name,
           trainable=True, use_resource=True,
-          collections=[tf1.GraphKeys.LOCAL_VARIABLES])
+          collections=[tf1.GraphKeys.LOCAL_VARIABLES],
+          constraint=getattr(primary, 'constraint', None))
     # Trainable for the layers that own it (Keras lists trainable_weights),
     # but not in the collection: var_list=None means the primaries.
     _remove_from(graph, tf1.GraphKeys.TRAINABLE_VARIABLES, copy)

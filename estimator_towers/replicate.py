@@ -116,8 +116,8 @@ def replicate_model_fn(model_fn: ModelFn,
     A model_fn with the signature `(features, labels, mode, params, config)`.
 
   Raises:
-    TypeError: `model_fn` is not callable or `devices` is not a list of
-      device strings.
+    TypeError: `model_fn` is not callable, `devices` is not a list of
+      device strings, or `aggregation` is not a string.
     ValueError: `devices` is empty or repeats a device, `loss_reduction` or
       `aggregation` is unknown, or `variables_device` is given with an
       `aggregation` other than 'global_loss'. Devices the session lacks, and a `loss_reduction` the loss

@@ -378,3 +378,31 @@ def test_batch_norm_trains_alike_under_every_strategy(tmp_path, data):
   for aggregation in AGGREGATIONS[1:]:
     assert_same_variables(runs['global_loss'], runs[aggregation])
   assert 'batch_normalization/moving_mean' in runs['all_reduce']
+
+
+def _constrained_model_fn(features, labels, mode):
+  """A Keras kernel constraint, which the optimizer applies after updating."""
+  logits = tf.keras.layers.Dense(
+      2, kernel_initializer=tf1.glorot_uniform_initializer(seed=9),
+      kernel_constraint=tf.keras.constraints.MaxNorm(0.3))(features['x'])
+  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf1.train.GradientDescentOptimizer(0.5).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize('aggregation', AGGREGATIONS)
+def test_variable_constraints_apply_to_every_copy(tmp_path, data,
+                                                  aggregation):
+  x, y = data
+  runs = {}
+  for towers in (1, 3):
+    kwargs = {'aggregation': aggregation} if towers > 1 else {}
+    estimator = make_estimator(_constrained_model_fn, tmp_path / str(towers),
+                               towers, **kwargs)
+    estimator.train(dataset_input_fn({'x': x}, y, BATCH), steps=STEPS)
+    runs[towers] = variables_of(estimator)
+  assert_same_variables(runs[1], runs[3])
+  # The constraint binds, so a copy that ignored it would differ.
+  norms = np.linalg.norm(runs[1]['dense/kernel'], axis=0)
+  np.testing.assert_allclose(norms, 0.3, rtol=1e-4)
