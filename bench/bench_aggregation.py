@@ -269,10 +269,10 @@ def print_table(args, variants, traffic, loads):
       v = variants.get(f'{s}_{n}')
       edge, reduce, busiest = traffic[(s, n)]
       per_device = loads[(s, n)]
-      var_cell = (f'{max(per_device.values()) / 1e6:6.1f}/'
-                  f'{min(per_device.values()) / 1e6:<6.1f}'
+      most = max(per_device.values()) / 1e6
+      var_cell = (f'{most:6.1f}/{min(per_device.values()) / 1e6:<6.1f}'
                   if len(per_device) == n else
-                  f'{max(per_device.values()) / 1e6:6.1f}/(on {len(per_device)})')
+                  f'{most:6.1f}/(on {len(per_device)})')
       if v is None:
         rate_cells = f'{"-":>9s} {"-":>17s} {"-":>7s} {"-":>7s}'
       else:

@@ -28,7 +28,8 @@ Gradient = Union[tf.Tensor, tf.IndexedSlices]
 
 # Group keys of this module; well away from small keys a user might pick.
 _GROUP_KEY_BASE = 0x7E57_0000
-_keys = weakref.WeakKeyDictionary()  # graph -> {'groups': {devices: key}, 'instance': n}
+# graph -> {'groups': {device tuple: group key}, 'instance': last key}.
+_keys = weakref.WeakKeyDictionary()
 
 
 def _graph_keys(graph: tf.Graph) -> dict:

@@ -73,9 +73,11 @@ def replicate_model_fn(model_fn: ModelFn,
   (named or not) are shared by all towers and keep one-device names, so
   checkpoints move freely between tower counts and plain Estimators. EVAL
   metrics share their state across towers and equal the one-device values;
-  PREDICT outputs are concatenated back in input order. A batch that does
-  not divide by the number of towers is split as evenly as possible; towers
-  beyond a small batch are idle and contribute nothing.
+  PREDICT outputs are concatenated back in input order. With
+  aggregation='all_reduce' each tower device also holds a copy of the
+  trainable variables, kept identical and never checkpointed. A batch that
+  does not divide by the number of towers is split as evenly as possible;
+  towers beyond a small batch are idle and contribute nothing.
 
   Inside the model_fn, `trainer.tower_context()` tells the tower index and
   count. Batch-norm statistics are computed per tower (as with any
@@ -120,8 +122,9 @@ def replicate_model_fn(model_fn: ModelFn,
       device strings, or `aggregation` is not a string.
     ValueError: `devices` is empty or repeats a device, `loss_reduction` or
       `aggregation` is unknown, or `variables_device` is given with an
-      `aggregation` other than 'global_loss'. Devices the session lacks, and a `loss_reduction` the loss
-      contradicts, are reported when the Estimator calls the model_fn.
+      `aggregation` other than 'global_loss'. Devices the session lacks,
+      and a `loss_reduction` the loss contradicts, are reported when the
+      Estimator calls the model_fn.
   """
   if not callable(model_fn):
     raise TypeError(f'model_fn must be callable, got {model_fn!r}.')

@@ -276,11 +276,13 @@ def test_one_explicit_device_with_all_reduce_is_plain(tmp_path, data):
 def _two_optimizers_model_fn(features, labels, mode):
   """A GAN-style model_fn: two losses, two optimizers, one with slots."""
   with tf1.variable_scope('a'):
-    logits_a = tf1.layers.dense(features['x'], 2,
-                                kernel_initializer=tf1.glorot_uniform_initializer(seed=21))
+    logits_a = tf1.layers.dense(
+        features['x'], 2,
+        kernel_initializer=tf1.glorot_uniform_initializer(seed=21))
   with tf1.variable_scope('b'):
-    logits_b = tf1.layers.dense(features['x'], 2,
-                                kernel_initializer=tf1.glorot_uniform_initializer(seed=22))
+    logits_b = tf1.layers.dense(
+        features['x'], 2,
+        kernel_initializer=tf1.glorot_uniform_initializer(seed=22))
   loss_a = tf1.losses.sparse_softmax_cross_entropy(labels, logits_a)
   loss_b = tf1.losses.sparse_softmax_cross_entropy(labels, logits_b * 2.0)
   step = tf1.train.get_or_create_global_step()
