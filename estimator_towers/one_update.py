@@ -20,6 +20,11 @@ TF2 canned Estimators, heads and `model_to_estimator` use) are routed here.
 
 A model_fn may call the optimizer several times (e.g. a GAN's two losses):
 calls are matched by their order within each tower.
+
+With the 'all_reduce' aggregation (`replicas` given), the last tower's call
+instead differentiates each tower's weighted loss w.r.t. that tower's copies
+and all-reduces the gradients, and `apply_gradients` updates every copy; see
+replicas.py.
 """
 
 import contextlib
@@ -41,14 +46,18 @@ class OneUpdate:
       weight per tower such that the weighted sum is the global-batch loss.
     unshared: A context factory inside which new variables (slots) may be
       created in any tower; see `VariableSharing.unshared`.
+    replicas: For the 'all_reduce' aggregation, the towers' copies of the
+      variables (a `replicas.Replicas`); None for one shared set.
   """
 
   def __init__(self, num_towers: int,
                weigh: Callable[[List[tf.Tensor]], List[tf.Tensor]],
-               unshared: Callable[[], contextlib.AbstractContextManager]):
+               unshared: Callable[[], contextlib.AbstractContextManager],
+               replicas=None):
     self._num_towers = num_towers
     self._weigh = weigh
     self._unshared = unshared
+    self._replicas = replicas
     # Ops the model_fn made the optimizer calls depend on, per tower.
     self.call_dependencies: List[List[tf.Operation]] = [
         [] for _ in range(num_towers)]
@@ -118,7 +127,9 @@ class OneUpdate:
       params = tf.nest.flatten(params)
       return outer._gradients(
           loss, lambda: [_zeros_like(v) for v in params],
-          lambda total: _keras_gradients(opt, total, params, None, True))
+          lambda total: _keras_gradients(opt, total, params, None, True),
+          params, lambda l, vs: _keras_gradients(opt, l, vs, None, True),
+          lambda grads: grads)
 
     def routed_compute(opt, loss, var_list, grad_loss=None, tape=None):
       if not outer._owns_call():
@@ -130,7 +141,10 @@ class OneUpdate:
       return outer._gradients(
           loss, lambda: [(_zeros_like(v), v) for v in variables],
           lambda total: list(zip(_keras_gradients(
-              opt, total, variables, grad_loss, False), variables)))
+              opt, total, variables, grad_loss, False), variables)),
+          variables,
+          lambda l, vs: _keras_gradients(opt, l, vs, grad_loss, False),
+          lambda grads: list(zip(grads, variables)))
 
     def routed_apply(opt, grads_and_vars, *args, **kwargs):
       if not outer._owns_call():
@@ -163,15 +177,27 @@ class OneUpdate:
       raise TypeError(
           'replicate_model_fn needs the loss as a Tensor in graph mode; '
           f'compute_gradients got the callable {loss!r}.')
+    variables = _variables(var_list)
+
+    def per_tower(tower_loss, tower_variables):
+      return [g for g, _ in compute(
+          opt, tower_loss, var_list=tower_variables,
+          gate_gradients=gate_gradients,
+          aggregation_method=aggregation_method,
+          colocate_gradients_with_ops=True, grad_loss=grad_loss)]
+
     return self._gradients(
-        loss, lambda: [(_zeros_like(v), v) for v in _variables(var_list)],
+        loss, lambda: [(_zeros_like(v), v) for v in variables],
         lambda total: compute(
             opt, total, var_list=var_list, gate_gradients=gate_gradients,
             aggregation_method=aggregation_method,
-            colocate_gradients_with_ops=True, grad_loss=grad_loss))
+            colocate_gradients_with_ops=True, grad_loss=grad_loss),
+        variables, per_tower, lambda grads: list(zip(grads, variables)))
 
   def _gradients(self, loss: tf.Tensor, placeholder: Callable[[], Any],
-                 differentiate: Callable[[tf.Tensor], Any]) -> Any:
+                 differentiate: Callable[[tf.Tensor], Any],
+                 variables: List, per_tower: Callable[[tf.Tensor, List], List],
+                 pack: Callable[[List], Any]) -> Any:
     """One tower's gradient call.
 
     Args:
@@ -180,6 +206,11 @@ class OneUpdate:
         like the gradients (the update they would feed is not made).
       differentiate: Given the global-batch loss, returns the gradients in
         the form the optimizer's method returns them.
+      variables: The variables the call differentiates with respect to.
+      per_tower: (loss, variables) -> a gradient (or None) per variable;
+        used by the all_reduce aggregation, once per tower.
+      pack: Puts such a list of gradients in the form the optimizer's method
+        returns.
 
     Returns:
       The placeholder for earlier towers; the global-batch gradients for
@@ -204,6 +235,9 @@ class OneUpdate:
       # Under tower 0's name scope, the one-device one: the backward pass
       # spans every tower (each op on its tower's device).
       with self._first_tower_scope(('compute', call)), self._unshared():
+        if self._replicas is not None:
+          return pack(self._replicas.gradients(
+              self._weighted_losses(call), variables, per_tower))
         return differentiate(self._global_loss(call))
     finally:
       self.applying = False
@@ -215,6 +249,14 @@ class OneUpdate:
       return tf.add_n([
           loss * tf.cast(weight, loss.dtype)
           for loss, weight in zip(losses, weights)])
+
+  def _weighted_losses(self, call: int) -> List[tf.Tensor]:
+    """Each tower's loss times its weight, on the tower's device."""
+    losses = [self._losses[call][t] for t in range(self._num_towers)]
+    with tf.name_scope('weighted_losses'):
+      weights = self._weigh(losses)
+      return self._replicas.on_tower_devices(
+          lambda t: losses[t] * tf.cast(weights[t], losses[t].dtype))
 
   def _record_call(self, tower: int, call: tuple) -> None:
     """Remembers the context of a tower's optimizer call.
@@ -254,7 +296,20 @@ class OneUpdate:
       # Under the name scope the one-device model_fn used, so slot and
       # non-slot variables get checkpoint-compatible names.
       with self._first_tower_scope(('apply', call)), self._unshared():
-        return apply(opt, grads_and_vars, *args, **kwargs)
+        if self._replicas is None:
+          return apply(opt, grads_and_vars, *args, **kwargs)
+        graph = tf1.get_default_graph()
+        first = _next_op_id(graph)
+        with self._replicas.local_slots():
+          # One call for every copy: slots, Adam's powers, Keras's
+          # iterations and global_step advance once.
+          op = apply(opt, self._replicas.expand(grads_and_vars), *args,
+                     **kwargs)
+        unused = self._replicas.unused_sums()
+        if unused:
+          op = tf.group(op, *unused)
+        self._replicas.applied(opt, first, _next_op_id(graph))
+        return op
     finally:
       self.applying = False
 
@@ -282,6 +337,11 @@ class OneUpdate:
           f'apply_gradients {applied} times. Apply the gradients through the '
           'same optimizer (optimizer.apply_gradients) so that the towers make '
           'one update.')
+
+
+def _next_op_id(graph: tf.Graph) -> int:
+  # Private, but the only way to tell the update's ops from the model_fn's.
+  return max(graph._nodes_by_id, default=0) + 1  # pylint: disable=protected-access
 
 
 def _overriding_subclasses(base: type, names: Sequence[str]

@@ -15,8 +15,10 @@ from typing import Any, Callable, List, Optional, Sequence
 from absl import logging
 import tensorflow as tf
 
+from estimator_towers import aggregation as aggregation_lib
 from estimator_towers import loss_reduction as reduction_lib
 from estimator_towers import one_update
+from estimator_towers import replicas as replicas_lib
 from estimator_towers import sharding
 from estimator_towers import spec_merge
 from estimator_towers import tower as tower_lib
@@ -50,9 +52,10 @@ ModelFn = Callable[..., tf.estimator.EstimatorSpec]
 def replicate_model_fn(model_fn: ModelFn,
                        devices: Optional[Sequence[str]] = None,
                        *,
-                       variables_device: str = '/device:CPU:0',
+                       variables_device: Optional[str] = None,
                        loss_reduction: str = 'auto',
-                       replicate_serving: bool = False) -> ModelFn:
+                       replicate_serving: bool = False,
+                       aggregation: str = 'global_loss') -> ModelFn:
   """Wraps a one-device `model_fn` so that it uses several devices.
 
   The returned function is a `model_fn` for `tf.estimator.Estimator`. In
@@ -70,9 +73,11 @@ def replicate_model_fn(model_fn: ModelFn,
   (named or not) are shared by all towers and keep one-device names, so
   checkpoints move freely between tower counts and plain Estimators. EVAL
   metrics share their state across towers and equal the one-device values;
-  PREDICT outputs are concatenated back in input order. A batch that does
-  not divide by the number of towers is split as evenly as possible; towers
-  beyond a small batch are idle and contribute nothing.
+  PREDICT outputs are concatenated back in input order. With
+  aggregation='all_reduce' each tower device also holds a copy of the
+  trainable variables, kept identical and never checkpointed. A batch that
+  does not divide by the number of towers is split as evenly as possible;
+  towers beyond a small batch are idle and contribute nothing.
 
   Inside the model_fn, `trainer.tower_context()` tells the tower index and
   count. Batch-norm statistics are computed per tower (as with any
@@ -84,7 +89,9 @@ def replicate_model_fn(model_fn: ModelFn,
       `labels`, `mode`, `params`, `config`.
     devices: Tower devices, e.g. `['/gpu:0', '/gpu:1']`. None takes them from
       the RunConfig the Estimator passes: its GPUs, else its (virtual) CPUs.
-    variables_device: Where the shared variables live.
+    variables_device: Where the shared variables live with
+      aggregation='global_loss'; None means '/cpu:0'. The other strategies
+      place variables on the tower devices and refuse it.
     loss_reduction: How the model_fn's loss reduces its batch, which decides
       how the towers' losses add up. 'auto' reads it off the loss: a sum
       (`reduce_sum`, `Reduction.SUM` of the `tf.compat.v1` canned
@@ -96,25 +103,45 @@ def replicate_model_fn(model_fn: ModelFn,
       placeholders, as `export_saved_model` builds). By default a serving
       graph runs the model_fn once without device pins, so the SavedModel
       serves any batch size on any machine.
+    aggregation: How the variables are placed and the towers' gradients
+      combined (see docs/aggregation.md); every choice trains the same
+      numbers and writes the same one-device checkpoint names.
+      'global_loss': one set of variables on `variables_device`; the last
+      tower differentiates the weighted global loss once. 'round_robin':
+      the same, with the variables spread over the tower devices by bytes.
+      'all_reduce': one copy of each trainable variable per tower device;
+      each tower differentiates its own loss, the gradients are summed by
+      an all-reduce (NCCL on GPUs, collective ops otherwise) and every copy
+      takes the same update.
 
   Returns:
     A model_fn with the signature `(features, labels, mode, params, config)`.
 
   Raises:
-    TypeError: `model_fn` is not callable or `devices` is not a list of
-      device strings.
-    ValueError: `devices` is empty or repeats a device, or `loss_reduction`
-      is unknown. Devices the session lacks, and a `loss_reduction` the loss
-      contradicts, are reported when the Estimator calls the model_fn.
+    TypeError: `model_fn` is not callable, `devices` is not a list of
+      device strings, or `aggregation` is not a string.
+    ValueError: `devices` is empty or repeats a device, `loss_reduction` or
+      `aggregation` is unknown, or `variables_device` is given with an
+      `aggregation` other than 'global_loss'. Devices the session lacks,
+      and a `loss_reduction` the loss contradicts, are reported when the
+      Estimator calls the model_fn.
   """
   if not callable(model_fn):
     raise TypeError(f'model_fn must be callable, got {model_fn!r}.')
   if loss_reduction not in _LOSS_REDUCTIONS:
     raise ValueError(f'loss_reduction={loss_reduction!r}; use one of '
                      f'{_LOSS_REDUCTIONS}.')
+  if not isinstance(aggregation, str):
+    raise TypeError(f'aggregation must be one of '
+                    f'{aggregation_lib.AGGREGATIONS}, got {aggregation!r}.')
   if devices is not None:
     devices = _canonical_devices(devices)
-  variables_device = _canonical_variables_device(variables_device)
+  aggregation_lib.check(aggregation, variables_device)
+  if variables_device is not None:
+    variables_device = _canonical_variables_device(variables_device)
+  if aggregation == 'global_loss' and variables_device is None:
+    variables_device = _canonical_variables_device(
+        aggregation_lib.DEFAULT_VARIABLES_DEVICE)
   accepted = _accepted_args(model_fn)
   if 'features' not in accepted:
     raise ValueError(f'{_name(model_fn)} has no `features` argument; a '
@@ -123,7 +150,8 @@ def replicate_model_fn(model_fn: ModelFn,
 
   def replicated_model_fn(features, labels, mode, params, config):
     tower_devices = _tower_devices(devices, config)
-    _check_variables_device(variables_device, config)
+    if variables_device is not None:
+      _check_variables_device(variables_device, config)
     kwargs = {'mode': mode, 'params': params, 'config': config}
     kwargs = {k: v for k, v in kwargs.items() if k in accepted}
     if labels is not None and 'labels' not in accepted:
@@ -138,11 +166,13 @@ def replicate_model_fn(model_fn: ModelFn,
     if len(tower_devices) == 1:
       if devices is None:  # One device of the session: as if unwrapped.
         return model_fn(features=features, **kwargs)
+      placement = aggregation_lib.make(aggregation, tower_devices,
+                                       variables_device)
       with tf1.get_default_graph().device(
-          _placer(tower_devices[0], variables_device, lambda: False)):
+          _placer(0, tower_devices[0], placement, lambda: False)):
         return model_fn(features=features, **kwargs)
     builder = _TowerBuilder(model_fn, tower_devices, variables_device,
-                            loss_reduction, mode)
+                            loss_reduction, mode, aggregation)
     return builder.build(features, labels, kwargs)
 
   return replicated_model_fn
@@ -152,14 +182,21 @@ class _TowerBuilder:
   """Builds the towers of one model_fn call and merges their specs."""
 
   def __init__(self, model_fn, devices, variables_device, loss_reduction,
-               mode):
+               mode, aggregation):
     self._model_fn = model_fn
     self._devices = devices
-    self._variables_device = variables_device
     self._reduction = loss_reduction
     self._mode = mode
     self._sharing = variable_sharing.VariableSharing()
     self._update = None
+    self._placement = aggregation_lib.make(aggregation, devices,
+                                           variables_device)
+    self._replicas = None
+    if aggregation == 'all_reduce' and mode == ModeKeys.TRAIN:
+      # Other modes read the primaries, which are tower 0's variables.
+      self._replicas = replicas_lib.Replicas(devices, self._sharing.unshared,
+                                             self._placement)
+      self._sharing.tower_variable = self._replicas.tower_variable
 
   def build(self, features, labels, kwargs) -> tf.estimator.EstimatorSpec:
     num_towers = len(self._devices)
@@ -181,7 +218,7 @@ class _TowerBuilder:
         self._reduction, sizes, list(zip(feature_shards, label_shards)),
         first_ids)
     self._update = one_update.OneUpdate(num_towers, weigh,
-                                        self._sharing.unshared)
+                                        self._sharing.unshared, self._replicas)
     specs, update_ops = [], []
     graph = tf1.get_default_graph()
     with self._update.routing():
@@ -200,9 +237,13 @@ class _TowerBuilder:
             reduction_lib.ExampleDependence(
                 (feature_shards[i], label_shards[i]), first_ids[i]),
             self._update.call_dependencies[i]))
-      return spec_merge.merge_train(specs, weigh, sizes,
+      spec = spec_merge.merge_train(specs, weigh, sizes,
                                     [op for ops in update_ops for op in ops],
                                     effects)
+      if self._replicas is not None:
+        self._replicas.check_no_other_writes(first_ids[0])
+        spec = spec._replace(scaffold=self._replicas.scaffold(spec.scaffold))
+      return spec
     if self._mode == ModeKeys.EVAL:
       return spec_merge.merge_eval(specs, weigh, sizes)
     return spec_merge.merge_predict(specs, sizes)
@@ -219,7 +260,7 @@ class _TowerBuilder:
       stack.enter_context(tower_lib._entered(context))  # pylint: disable=protected-access
       if name_scope:
         stack.enter_context(graph.name_scope(name_scope))
-      stack.enter_context(graph.device(self._device_fn(device)))
+      stack.enter_context(graph.device(self._device_fn(index, device)))
       stack.enter_context(self._sharing.tower(index))
       stack.enter_context(self._update.tower(index, name_scope))
       added = stack.enter_context(_per_tower_collections(graph, index))
@@ -233,21 +274,25 @@ class _TowerBuilder:
       self._update.check_tower(index)
     return spec, added
 
-  def _device_fn(self, tower_device: str):
+  def _device_fn(self, index: int, tower_device: str):
     update = self._update
-    return _placer(tower_device, self._variables_device,
+    return _placer(index, tower_device, self._placement,
                    lambda: update.applying)
 
 
-def _placer(tower_device: str, variables_device: str,
+def _placer(tower: int, tower_device: str,
+            placement: aggregation_lib.Placement,
             applying: Callable[[], bool]):
-  """A device function: variables on `variables_device`, the rest on the
-  tower's device, except the one update, which goes where apply_gradients
-  puts it (by the variables)."""
+  """A device function: variables where the aggregation strategy puts them,
+  the rest on the tower's device, except the one update, which goes where
+  apply_gradients puts it (by the variables), and ops the strategy places
+  itself (all-reduce)."""
 
   def place(op):
+    if placement.is_deferring:
+      return op.device
     if op.type in _VARIABLE_OPS:
-      return variables_device
+      return placement.variable_device(op, tower, applying())
     return '' if applying() else tower_device
 
   return place

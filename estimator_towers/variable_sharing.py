@@ -14,11 +14,16 @@ must reuse them. Two mechanisms cover the ways variables get made:
   that shape and dtype agree. Metric variables are shared this way too, so
   every tower's update accumulates into one state and the metric equals the
   one-device value.
+
+With the 'all_reduce' aggregation, later towers get their own copy of each
+trainable variable instead of tower 0's (see replicas.py): the sharing above
+decides which of tower 0's variables a request means, and `tower_variable`
+maps it to the tower's copy.
 """
 
 import contextlib
 import threading
-from typing import Iterator, List
+from typing import Any, Callable, Iterator, List, Optional
 
 import tensorflow as tf
 
@@ -31,6 +36,13 @@ class VariableSharing:
   def __init__(self):
     self._created: List[tf.Variable] = []
     self._local = threading.local()
+    # (primary, tower index) -> what that tower uses; identity by default.
+    self.tower_variable: Optional[Callable[[Any, int], Any]] = None
+
+  def _for_tower(self, variable, index: int):
+    if self.tower_variable is None or not index:
+      return variable
+    return self.tower_variable(variable, index)
 
   @property
   def _get_variable_depth(self) -> int:
@@ -47,9 +59,12 @@ class VariableSharing:
       # disagrees with the Tensor was refused before this point.)
       kwargs['dtype'] = initializer.dtype.base_dtype
     try:
-      return getter(name, *args, **kwargs)
+      variable = getter(name, *args, **kwargs)
     finally:
       self._local.depth -= 1
+    if self._get_variable_depth or getattr(self._local, 'unshared', False):
+      return variable
+    return self._for_tower(variable, getattr(self._local, 'index', 0))
 
   @contextlib.contextmanager
   def unshared(self) -> Iterator[None]:
@@ -72,6 +87,7 @@ class VariableSharing:
       Nothing; variables created inside are shared as described above.
     """
     creator = self._record if index == 0 else self._reuser(index)
+    self._local.index = index
     root = tf1.get_variable_scope()
     with tf1.variable_scope(root, reuse=tf1.AUTO_REUSE if index else None,
                             custom_getter=self._counting_getter,
@@ -109,7 +125,7 @@ class VariableSharing:
       self._local.cursor = cursor + 1
       variable = self._created[cursor]
       _check_same_kind(index, name, kwargs, variable)
-      return variable
+      return self._for_tower(variable, index)
 
     return reuse
 

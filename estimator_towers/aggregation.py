@@ -1,0 +1,166 @@
+"""Where the variables live and how the towers' gradients become one update.
+
+`replicate_model_fn(..., aggregation=...)` picks one of:
+
+* 'global_loss' (default): one set of variables on `variables_device`; the
+  last tower differentiates the weighted sum of every tower's loss once
+  (see one_update), so each gradient is summed where `tf.gradients` sums it.
+* 'round_robin': the same backward pass, but the variables are spread over
+  the tower devices: each new variable goes to the device holding the fewest
+  variable bytes so far (greedy in creation order, like TF1 contrib's
+  GreedyLoadBalancingStrategy). Slots follow their variable.
+* 'all_reduce': one copy of every trainable variable per tower device
+  (replicas.py); each tower differentiates its own weighted loss w.r.t. its
+  own copy, the gradients are summed across devices by an all-reduce
+  (cross_device.py), and every copy takes the same update.
+
+Each strategy is a small class deciding the device of a variable op; the
+all_reduce one also owns the replicated variables.
+"""
+
+import contextlib
+import threading
+from typing import Iterator, List, Optional, Sequence
+
+import tensorflow as tf
+
+AGGREGATIONS = ('global_loss', 'round_robin', 'all_reduce')
+DEFAULT_VARIABLES_DEVICE = '/device:CPU:0'
+
+
+def check(aggregation: str, variables_device: Optional[str]) -> None:
+  """Fails on an unknown strategy or one that places variables itself.
+
+  Args:
+    aggregation: The `aggregation` argument of replicate_model_fn.
+    variables_device: Its `variables_device` argument; None if not given.
+
+  Raises:
+    ValueError: `aggregation` is unknown, or `variables_device` is given with
+      a strategy that places variables on the tower devices.
+  """
+  if aggregation not in AGGREGATIONS:
+    raise ValueError(f'aggregation={aggregation!r}; use one of '
+                     f'{AGGREGATIONS}.')
+  if aggregation != 'global_loss' and variables_device is not None:
+    raise ValueError(
+        f'variables_device={variables_device!r} cannot be combined with '
+        f"aggregation={aggregation!r}, which places the variables on the "
+        "tower devices itself; use aggregation='global_loss' to pin them.")
+
+
+class Placement:
+  """Decides the device of variable ops; base of the strategies.
+
+  Attributes:
+    name: The strategy's name, one of AGGREGATIONS.
+  """
+
+  name = ''
+
+  def __init__(self):
+    self._local = threading.local()
+
+  def variable_device(self, op: tf.Operation, tower: int,
+                      applying: bool) -> str:
+    """The device of a variable op made in `tower` (or by the one update)."""
+    raise NotImplementedError
+
+  @contextlib.contextmanager
+  def deferring(self) -> Iterator[None]:
+    """Inside, ops keep the device an inner `tf.device` gives them."""
+    previous = getattr(self._local, 'deferring', False)
+    self._local.deferring = True
+    try:
+      yield
+    finally:
+      self._local.deferring = previous
+
+  @property
+  def is_deferring(self) -> bool:
+    return getattr(self._local, 'deferring', False)
+
+
+class GlobalLoss(Placement):
+  """Every variable on one device."""
+
+  name = 'global_loss'
+
+  def __init__(self, variables_device: str):
+    super().__init__()
+    self._device = variables_device
+
+  def variable_device(self, op, tower, applying):
+    del op, tower, applying  # Slots are colocated with their variable anyway.
+    return self._device
+
+
+class RoundRobin(Placement):
+  """Each new variable on the tower device with the fewest bytes so far."""
+
+  name = 'round_robin'
+
+  def __init__(self, devices: Sequence[str]):
+    super().__init__()
+    self._devices = list(devices)
+    self.loads: List[int] = [0] * len(devices)
+    self._placed = {}  # op name -> device, so a repeated call agrees.
+
+  def variable_device(self, op, tower, applying):
+    del tower
+    if applying:
+      # Slots and an optimizer's own variables: colocated with a variable
+      # when the optimizer says so; the others are small.
+      return ''
+    if op.name not in self._placed:
+      index = min(range(len(self._devices)), key=lambda i: (self.loads[i], i))
+      self.loads[index] += _variable_bytes(op)
+      self._placed[op.name] = self._devices[index]
+    return self._placed[op.name]
+
+
+class AllReduce(Placement):
+  """Each tower's variables on its own device; see replicas.py."""
+
+  name = 'all_reduce'
+
+  def __init__(self, devices: Sequence[str]):
+    super().__init__()
+    self._devices = list(devices)
+
+  def variable_device(self, op, tower, applying):
+    del op
+    # A copy's slots are colocated with the copy; '' lets that decide.
+    return '' if applying else self._devices[tower]
+
+
+def make(aggregation: str, devices: Sequence[str],
+         variables_device: Optional[str]) -> Placement:
+  """The placement of one model_fn call.
+
+  Args:
+    aggregation: One of AGGREGATIONS (checked by `check`).
+    devices: The tower devices.
+    variables_device: The variables' device for 'global_loss'; None for the
+      default.
+
+  Returns:
+    A new Placement (round_robin counts bytes per graph build).
+  """
+  if aggregation == 'round_robin':
+    return RoundRobin(devices)
+  if aggregation == 'all_reduce':
+    return AllReduce(devices)
+  return GlobalLoss(variables_device or DEFAULT_VARIABLES_DEVICE)
+
+
+def _variable_bytes(op: tf.Operation) -> int:
+  """Bytes of the variable a variable op holds; 0 if unknown (tables)."""
+  try:
+    shape = tf.TensorShape(op.get_attr('shape'))
+    dtype = tf.as_dtype(op.get_attr('dtype'))
+  except (ValueError, TypeError):
+    return 0
+  if not shape.is_fully_defined():
+    return 0
+  return shape.num_elements() * dtype.size

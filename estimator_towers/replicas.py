@@ -1,0 +1,328 @@
+"""Replicated variables for the 'all_reduce' aggregation.
+
+Tower 0 creates the primary variables under their one-device names, on its
+own device. Every later tower gets its own copy of each trainable primary,
+on its own device, named `tower_<i>_replica/<primary name>`. Copies and their
+optimizer slots are local variables (not in GLOBAL_VARIABLES nor
+TRAINABLE_VARIABLES), so the Saver never writes or expects them: checkpoints
+hold exactly the one-device names and move freely between strategies, tower
+counts and plain Estimators.
+
+After every restore or initialisation, the Scaffold's local_init_op sets each
+copy (and each of its slots) from its primary (slot), so all copies start
+identical. Each step then gives every copy the same update:
+
+* each tower differentiates its own weighted loss w.r.t. its own copies;
+* per variable, the towers' gradients are summed by an all-reduce that
+  leaves the same sum on every device (cross_device);
+* the model_fn's `apply_gradients` is performed once, on a list holding every
+  copy: slots and the step count advance once, global_step once. If the
+  model_fn passed the gradients on unchanged, each copy takes its own
+  device's sum; if it transformed them (clipping), every copy takes the
+  transformed tensor, sent to its device, which is exact.
+
+Non-trainable variables (batch-norm statistics, counters) are not copied:
+every tower uses the primary, as with the other strategies.
+"""
+
+import contextlib
+import re
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import tensorflow as tf
+
+from estimator_towers import cross_device
+from tensorflow.python.ops import variables as variables_lib  # pylint: disable=g-direct-tensorflow-import,g-bad-import-order
+
+tf1 = tf.compat.v1
+_COPY_NAME = re.compile(r'(^|/)tower_\d+_replica/')
+_WRITES = frozenset([
+    'Assign', 'AssignAdd', 'AssignSub', 'AssignVariableOp',
+    'AssignAddVariableOp', 'AssignSubVariableOp', 'ScatterUpdate',
+    'ScatterAdd', 'ScatterSub', 'ResourceScatterUpdate', 'ResourceScatterAdd',
+    'ResourceScatterSub'])
+
+
+class Replicas:
+  """The copies of one TRAIN graph, their gradients and their update.
+
+  Args:
+    devices: The tower devices; tower i's copies live on devices[i].
+    unshared: A context factory inside which variables may be created
+      freely (see `VariableSharing.unshared`).
+    placement: The aggregation.AllReduce placement, which lets the all-reduce
+      ops keep the devices given here.
+  """
+
+  def __init__(self, devices: Sequence[str],
+               unshared: Callable[[], contextlib.AbstractContextManager],
+               placement):
+    self._devices = list(devices)
+    self._unshared = unshared
+    self._placement = placement
+    self._copies: Dict[int, List[tf.Variable]] = {}  # id(primary) -> copies
+    self._primary: Dict[int, tf.Variable] = {}  # id(any copy) -> primary
+    self._partitioned_copies = {}  # (id(primary), tower) -> its copy
+    self._trainable: Optional[set] = None
+    # id(gradient returned to the model_fn) -> that variable's sums per tower.
+    self._sums: Dict[int, list] = {}
+    self._used = set()  # ids of the sums some copy's update consumes.
+    self._optimizers = []
+    self._apply_ids: List[tuple] = []  # [first, last) op ids of updates
+
+  # ----------------------------------------------------------------------
+  # Copies.
+
+  def tower_variable(self, primary, tower: int):
+    """What tower `tower` uses for `primary`: its copy if trainable."""
+    if isinstance(primary, variables_lib.PartitionedVariable):
+      return self._partitioned(primary, tower)
+    if not tower or not self._is_trainable(primary):
+      return primary
+    copies = self._copies.setdefault(id(primary), [primary])
+    while len(copies) <= tower:
+      copies.append(self._make_copy(primary, len(copies)))
+    return copies[tower]
+
+  def _partitioned(self, primary, tower: int):
+    """A PartitionedVariable of tower `tower`'s copies of the parts."""
+    parts = list(primary)
+    copies = [self.tower_variable(part, tower) for part in parts]
+    if not tower or all(c is p for c, p in zip(copies, parts)):
+      return primary
+    key = (id(primary), tower)
+    if key not in self._partitioned_copies:
+      for copy, part in zip(copies, parts):
+        # The constructor wants the slices; the Saver never sees copies.
+        copy._set_save_slice_info(part._get_save_slice_info())  # pylint: disable=protected-access
+      self._partitioned_copies[key] = variables_lib.PartitionedVariable(
+          f'tower_{tower}_replica/{primary.name}', primary.get_shape(),
+          primary.dtype, copies, primary._get_partitions())  # pylint: disable=protected-access
+    return self._partitioned_copies[key]
+
+  def _is_trainable(self, variable) -> bool:
+    if self._trainable is None or id(variable) not in self._trainable:
+      self._trainable = {id(v) for v in tf1.trainable_variables()}
+    return id(variable) in self._trainable
+
+  def _make_copy(self, primary, tower: int):
+    if not primary.shape.is_fully_defined():
+      raise ValueError(
+          f"aggregation='all_reduce' needs a static shape to replicate "
+          f'{primary.name}, which has shape {primary.shape}.')
+    graph = tf1.get_default_graph()
+    name = f'tower_{tower}_replica/{primary.op.name}'
+    with self._unshared(), graph.name_scope(None), graph.colocate_with(
+        None, ignore_existing=True):
+      # Zeros until local_init_op sets it from the primary (see sync_op).
+      # The constraint too: optimizers project each variable they update.
+      copy = tf1.Variable(
+          tf.zeros(primary.shape, primary.dtype.base_dtype), name=name,
+          trainable=True, use_resource=True,
+          collections=[tf1.GraphKeys.LOCAL_VARIABLES],
+          constraint=getattr(primary, 'constraint', None))
+    # Trainable for the layers that own it (Keras lists trainable_weights),
+    # but not in the collection: var_list=None means the primaries.
+    _remove_from(graph, tf1.GraphKeys.TRAINABLE_VARIABLES, copy)
+    self._primary[id(copy)] = primary
+    return copy
+
+  def primary_of(self, variable):
+    return self._primary.get(id(variable), variable)
+
+  @contextlib.contextmanager
+  def local_slots(self) -> Iterator[None]:
+    """Variables made inside for a copy (its slots) become local ones."""
+    graph = tf1.get_default_graph()
+
+    def creator(next_creator, **kwargs):
+      variable = next_creator(**kwargs)
+      if _COPY_NAME.search(_full_name(kwargs)):
+        _remove_from(graph, tf1.GraphKeys.GLOBAL_VARIABLES, variable)
+        _remove_from(graph, tf1.GraphKeys.TRAINABLE_VARIABLES, variable)
+        if variable not in graph.get_collection(
+            tf1.GraphKeys.LOCAL_VARIABLES):
+          graph.add_to_collection(tf1.GraphKeys.LOCAL_VARIABLES, variable)
+      return variable
+
+    with tf1.variable_creator_scope(creator):
+      yield
+
+  # ----------------------------------------------------------------------
+  # Gradients.
+
+  def on_tower_devices(self, fn: Callable[[int], Any]) -> List[Any]:
+    """[fn(i) built on tower i's device for every tower i]."""
+    results = []
+    with self._placement.deferring():
+      for tower, device in enumerate(self._devices):
+        with tf.device(device):
+          results.append(fn(tower))
+    return results
+
+  def gradients(self, weighted_losses: Sequence[tf.Tensor], variables: List,
+                differentiate: Callable[[tf.Tensor, List], List]) -> List:
+    """Each tower's gradients w.r.t. its copies, all-reduced.
+
+    Args:
+      weighted_losses: Each tower's loss times its weight.
+      variables: The variables the model_fn asked gradients for (primaries
+        or one tower's copies).
+      differentiate: (loss, variables) -> one gradient (or None) each.
+
+    Returns:
+      The summed gradients on tower 0's device, one per variable; the other
+      towers' sums are remembered for `expand`.
+    """
+    primaries = [self.primary_of(v) for v in variables]
+    per_tower = []
+    for tower, loss in enumerate(weighted_losses):
+      per_tower.append(differentiate(
+          loss, [self.tower_variable(p, tower) for p in primaries]))
+    result = []
+    with self._placement.deferring(), tf.name_scope('all_reduce'):
+      for k in range(len(primaries)):
+        grads = [g[k] for g in per_tower]
+        missing = [t for t, g in enumerate(grads) if g is None]
+        if len(missing) == len(grads):
+          result.append(None)
+          continue
+        if missing:
+          raise ValueError(
+              f'Variable {primaries[k].name} has a gradient in some towers '
+              f'but none in towers {missing}; every tower must build the '
+              'same model.')
+        sums = cross_device.all_sum(grads, self._devices)
+        self._sums[id(sums[0])] = sums
+        result.append(sums[0])
+    return result
+
+  # ----------------------------------------------------------------------
+  # The update.
+
+  def expand(self, grads_and_vars) -> list:
+    """The model_fn's (gradient, variable) pairs for every copy.
+
+    A gradient returned by `gradients` and passed on unchanged is replaced,
+    for tower i's copy, by the sum on tower i's device. Any other gradient
+    (transformed by the model_fn) is used for every copy.
+    """
+    expanded = []
+    for grad, variable in grads_and_vars:
+      primary = self.primary_of(variable)
+      copies = self._copies.get(id(primary), [primary])
+      sums = self._sums.get(id(grad)) if grad is not None else None
+      for tower, copy in enumerate(copies):
+        expanded.append((sums[tower] if sums else grad, copy))
+        if sums:
+          self._used.add(id(sums[tower]))
+    return expanded
+
+  def unused_sums(self) -> List:
+    """The all-reduce results no update consumes.
+
+    A collective completes only when every device takes part: if the
+    model_fn transformed tower 0's sums, the other devices' results must
+    still be computed, or the step waits forever.
+    """
+    return [t for sums in self._sums.values() for t in sums
+            if id(t) not in self._used]
+
+  def applied(self, optimizer, first_op_id: int, last_op_id: int) -> None:
+    """Records an update: its optimizer (for slots) and its ops."""
+    self._optimizers.append(optimizer)
+    self._apply_ids.append((first_op_id, last_op_id))
+
+  def pairs(self) -> List[tuple]:
+    """(primary, copy) for every copy and every slot of a copy."""
+    found = []
+    for copies in self._copies.values():
+      primary = copies[0]
+      for copy in copies[1:]:
+        found.append((primary, copy))
+        for opt in self._optimizers:
+          for slot in opt.get_slot_names():
+            primary_slot = opt.get_slot(primary, slot)
+            copy_slot = opt.get_slot(copy, slot)
+            if (primary_slot is None) != (copy_slot is None):
+              raise ValueError(
+                  f'The optimizer made slot {slot!r} for only one of '
+                  f'{primary.name} and its copy {copy.name}.')
+            if primary_slot is not None:
+              found.append((primary_slot, copy_slot))
+    return found
+
+  def check_no_other_writes(self, first_op_id: int) -> None:
+    """Fails when the model_fn itself writes a replicated variable.
+
+    Such a write (an assign in the model_fn) would reach one copy only, and
+    the copies would drift apart silently.
+    """
+    handles = {}
+    for copies in self._copies.values():
+      for v in copies:
+        handles[v.handle.name if hasattr(v, 'handle') else v.name] = v
+    graph = tf1.get_default_graph()
+    initializers = {v.initializer.name for vs in self._copies.values()
+                    for v in vs}
+    for op in graph.get_operations():
+      op_id = op._id  # pylint: disable=protected-access
+      if (op_id < first_op_id or op.type not in _WRITES or
+          op.name in initializers or
+          any(a <= op_id < b for a, b in self._apply_ids)):
+        continue
+      target = op.inputs[0].name if op.inputs else None
+      if target in handles:
+        raise ValueError(
+            f"aggregation='all_reduce': the model_fn writes the trainable "
+            f'variable {self.primary_of(handles[target]).op.name} itself '
+            f'({op.type} {op.name}), which would reach only one of its '
+            "copies. Use aggregation='global_loss' or 'round_robin'.")
+
+  def sync_op(self, after: tf.Operation) -> tf.Operation:
+    """Sets every copy and copy slot from its primary, after `after`."""
+    with tf.name_scope('sync_replicas'):
+      with tf.control_dependencies([after]):
+        assigns = [copy.assign(primary.read_value()).op
+                   for primary, copy in self.pairs()]
+      return tf.group(after, *assigns)
+
+  def scaffold(self, scaffold: tf1.train.Scaffold) -> tf1.train.Scaffold:
+    """`scaffold` whose local_init_op also sets the copies."""
+    return _SyncingScaffold(self, scaffold)
+
+
+class _SyncingScaffold(tf1.train.Scaffold):
+  """A Scaffold whose local_init_op ends by syncing the copies.
+
+  SessionManager runs local_init_op after the restore or init_op, on every
+  session (re)creation. The base op (the model_fn's own, else the default
+  one) is found at finalize time, when every local variable exists.
+  """
+
+  def __init__(self, replicas: Replicas, scaffold: tf1.train.Scaffold):
+    super().__init__(copy_from_scaffold=scaffold)
+    self._replicas = replicas
+    self._synced = False
+
+  def finalize(self):
+    if not self._synced:
+      self._synced = True
+      base = self._local_init_op
+      if base is None:
+        base = tf1.train.Scaffold.get_or_default(
+            'local_init_op', tf1.GraphKeys.LOCAL_INIT_OP,
+            tf1.train.Scaffold.default_local_init_op)
+      self._local_init_op = self._replicas.sync_op(base)
+    return super().finalize()
+
+
+def _remove_from(graph: tf.Graph, key: str, variable) -> None:
+  ref = graph.get_collection_ref(key)
+  ref[:] = [v for v in ref if v is not variable]
+
+
+def _full_name(kwargs) -> str:
+  name = kwargs.get('name') or ''
+  scope = tf1.get_default_graph().get_name_scope()
+  return f'{scope}/{name}' if scope else str(name)

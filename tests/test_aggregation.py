@@ -1,0 +1,407 @@
+"""Every aggregation strategy trains what one device trains.
+
+`replicate_model_fn(aggregation=...)` changes where variables live and how
+the towers' gradients meet, never the numbers: each strategy is compared
+with a plain one-device Estimator from the same start, on batches that do
+not divide by the tower count, and its checkpoints must carry exactly the
+one-device names and resume under every other strategy.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import estimator_towers
+from conftest import (OPTIMIZERS, assert_same_variables, build_replicated,
+                      classifier_model_fn, dataset_input_fn, make_estimator,
+                      save_start_checkpoint, variables_of)
+
+tf1 = tf.compat.v1
+AGGREGATIONS = ['global_loss', 'round_robin', 'all_reduce']
+STEPS = 4
+BATCH = 7  # Divides by neither 2 nor 3 towers.
+COLUMNS = [tf.feature_column.numeric_column('x', shape=(5,))]
+
+
+def _train(tmp_path, name, towers, data, params, steps=STEPS, **kwargs):
+  x, y = data
+  estimator = make_estimator(classifier_model_fn, tmp_path / name, towers,
+                             params, **kwargs)
+  estimator.train(dataset_input_fn({'x': x}, y, BATCH), steps=steps)
+  return estimator
+
+
+@pytest.mark.parametrize('aggregation', AGGREGATIONS)
+@pytest.mark.parametrize('towers', [2, 3])
+@pytest.mark.parametrize('optimizer', ['momentum', 'adam'])
+def test_training_equals_one_device(tmp_path, data, aggregation, towers,
+                                    optimizer):
+  params = {'optimizer': OPTIMIZERS[optimizer]}
+  one = _train(tmp_path, 'one', 1, data, params)
+  many = _train(tmp_path, 'many', towers, data, params,
+                aggregation=aggregation)
+  # Same names (slots and Adam's powers too) and values; one global_step.
+  assert_same_variables(variables_of(one), variables_of(many))
+  assert many.get_variable_value('global_step') == STEPS
+
+
+@pytest.mark.parametrize('aggregation', AGGREGATIONS)
+def test_clipped_gradients_equal_one_device(tmp_path, data, aggregation):
+  params = {'optimizer': OPTIMIZERS['momentum'], 'clip_norm': 0.05}
+  one = _train(tmp_path, 'one', 1, data, params)
+  many = _train(tmp_path, 'many', 3, data, params, aggregation=aggregation)
+  unclipped = _train(tmp_path, 'unclipped', 1, data,
+                     {'optimizer': OPTIMIZERS['momentum']})
+  assert_same_variables(variables_of(one), variables_of(many))
+  # The clip is active, so the comparison is not vacuous.
+  assert not np.allclose(one.get_variable_value('dense/kernel'),
+                         unclipped.get_variable_value('dense/kernel'))
+
+
+def _canned_pair(tmp_path, model_fn, towers, input_fn, aggregation):
+  dirs = [tmp_path / 'one', tmp_path / 'many']
+  save_start_checkpoint(model_fn, input_fn, dirs)
+  one = tf.estimator.Estimator(
+      model_fn,
+      config=estimator_towers.make_run_config(str(dirs[0]), cpu_devices=1))
+  many = tf.estimator.Estimator(
+      estimator_towers.replicate_model_fn(model_fn, aggregation=aggregation),
+      config=estimator_towers.make_run_config(str(dirs[1]),
+                                              cpu_devices=towers))
+  return one, many
+
+
+@pytest.mark.parametrize('aggregation', AGGREGATIONS)
+@pytest.mark.parametrize('version', ['v1', 'tf2_keras_optimizer'])
+def test_canned_dnn_classifier_equals_one_device(tmp_path, data, aggregation,
+                                                 version):
+  # v1: summed loss, tf.compat.v1 Adagrad; TF2: a legacy Keras Adagrad.
+  x, y = data
+  canned = (tf1.estimator.DNNClassifier if version == 'v1'
+            else tf.estimator.DNNClassifier)
+  estimator = canned(hidden_units=[4], feature_columns=COLUMNS)
+  input_fn = dataset_input_fn({'x': x}, y[:, None], BATCH)
+  towers = 2 if version == 'v1' else 3
+  one, many = _canned_pair(tmp_path, estimator.model_fn, towers, input_fn,
+                           aggregation)
+  one.train(input_fn, steps=STEPS)
+  many.train(input_fn, steps=STEPS)
+  assert_same_variables(variables_of(one), variables_of(many))
+  assert any('Adagrad' in name for name in variables_of(many))
+
+
+@pytest.mark.parametrize('aggregation', AGGREGATIONS)
+def test_eval_and_predict_equal_one_device(tmp_path, data, aggregation):
+  x, y = data
+  params = {'optimizer': OPTIMIZERS['momentum']}
+  one = _train(tmp_path, 'one', 1, data, params)
+  many = make_estimator(classifier_model_fn, tmp_path / 'one', 3, params,
+                        aggregation=aggregation)
+  eval_input = dataset_input_fn({'x': x}, y, BATCH, repeat=False)
+  expected, actual = one.evaluate(eval_input), many.evaluate(eval_input)
+  assert sorted(expected) == sorted(actual)
+  for key in expected:
+    np.testing.assert_allclose(actual[key], expected[key], rtol=1e-5,
+                               err_msg=key)
+  predict_input = dataset_input_fn({'x': x[:17]}, None, BATCH, repeat=False)
+  expected = list(one.predict(predict_input))
+  actual = list(many.predict(predict_input))
+  assert len(actual) == 17
+  for e, a in zip(expected, actual):
+    np.testing.assert_allclose(a['logits'], e['logits'], rtol=1e-5, atol=1e-6)
+
+
+def _checkpoint_names(model_dir):
+  return sorted(name for name, _ in tf.train.list_variables(str(model_dir))
+                if name != '_CHECKPOINTABLE_OBJECT_GRAPH')
+
+
+@pytest.mark.parametrize('aggregation', AGGREGATIONS)
+def test_checkpoints_hold_exactly_the_one_device_names(tmp_path, data,
+                                                        aggregation):
+  params = {'optimizer': OPTIMIZERS['adam']}
+  _train(tmp_path, 'one', 1, data, params, steps=1)
+  _train(tmp_path, 'many', 3, data, params, steps=1, aggregation=aggregation)
+  names = _checkpoint_names(tmp_path / 'many')
+  assert names == _checkpoint_names(tmp_path / 'one')
+  assert not any('replica' in name for name in names)
+
+
+@pytest.mark.parametrize('first', AGGREGATIONS)
+def test_checkpoint_resumes_under_every_strategy_and_tower_count(
+    tmp_path, data, first):
+  # One model_dir trained in turn by `first` on 2 towers, the other two
+  # strategies on 3 and 2 towers and a plain Estimator equals one device
+  # trained for as many steps (the input restarts at each train() call).
+  x, y = data
+  params = {'optimizer': OPTIMIZERS['momentum']}
+  others = [a for a in AGGREGATIONS if a != first]
+  plan = [(first, 2), (others[0], 3), (None, 1), (others[1], 2)]
+  shared = tmp_path / 'shared'
+  reference = make_estimator(classifier_model_fn, tmp_path / 'ref', 1, params)
+  for i, (aggregation, towers) in enumerate(plan):
+    kwargs = {'aggregation': aggregation} if aggregation else {}
+    estimator = make_estimator(classifier_model_fn, shared, towers, params,
+                               **kwargs)
+    estimator.train(dataset_input_fn({'x': x}, y, BATCH), max_steps=2 * i + 2)
+    reference.train(dataset_input_fn({'x': x}, y, BATCH), max_steps=2 * i + 2)
+  assert estimator.get_variable_value('global_step') == 8
+  assert_same_variables(variables_of(reference), variables_of(estimator))
+
+
+def _variable_devices(graph, names):
+  by_name = {op.name: op for op in graph.get_operations()}
+  return {name: tf.DeviceSpec.from_string(by_name[name].device).to_string()
+          for name in names}
+
+
+def test_round_robin_spreads_variables_over_the_towers():
+  graph, _ = build_replicated(classifier_model_fn, 3,
+                              params={'optimizer': OPTIMIZERS['momentum']},
+                              aggregation='round_robin')
+  names = ['dense/kernel', 'dense/bias', 'dense_1/kernel', 'dense_1/bias']
+  devices = _variable_devices(graph, names)
+  assert len(set(devices.values())) == 3, devices
+  # Each slot lives with its variable, whatever the device function said.
+  by_name = {op.name: op for op in graph.get_operations()}
+  for name in names:
+    slot = by_name[f'{name}/Momentum']
+    assert f'loc:@{name}'.encode() in slot.colocation_groups()
+    assert slot.device == by_name[name].device
+
+
+def test_global_loss_keeps_every_variable_on_variables_device():
+  graph, _ = build_replicated(classifier_model_fn, 3,
+                              aggregation='global_loss')
+  devices = _variable_devices(graph, ['dense/kernel', 'dense_1/kernel'])
+  assert set(devices.values()) == {'/device:CPU:0'}
+
+
+def test_all_reduce_has_one_copy_per_device_and_sums_with_collectives():
+  graph, _ = build_replicated(classifier_model_fn, 3,
+                              params={'optimizer': OPTIMIZERS['momentum']},
+                              aggregation='all_reduce')
+  names = ['dense/kernel', 'tower_1_replica/dense/kernel',
+           'tower_2_replica/dense/kernel']
+  devices = _variable_devices(graph, names)
+  assert list(devices.values()) == [
+      '/device:CPU:0', '/device:CPU:1', '/device:CPU:2']
+  with graph.as_default():
+    saved = {v.op.name for v in tf1.global_variables()}
+    local = {v.op.name for v in tf1.local_variables()}
+    trainable = {v.op.name for v in tf1.trainable_variables()}
+  assert 'tower_1_replica/dense/kernel/Momentum' in local
+  assert not any('replica' in name for name in saved | trainable)
+  reduce_devices = {op.device for op in graph.get_operations()
+                    if op.type == 'CollectiveReduce'}
+  assert len(reduce_devices) == 3
+
+
+def test_all_reduce_copies_stay_identical_to_the_primary(data):
+  x, y = data
+  graph = tf.Graph()
+  with graph.as_default():
+    features, labels = tf1.data.make_one_shot_iterator(
+        dataset_input_fn({'x': x}, y, BATCH)()).get_next()
+    tf1.train.get_or_create_global_step()
+    config = estimator_towers.make_run_config(cpu_devices=3)
+    spec = estimator_towers.replicate_model_fn(
+        classifier_model_fn, aggregation='all_reduce')(
+            features, labels, tf.estimator.ModeKeys.TRAIN,
+            {'optimizer': OPTIMIZERS['adam']}, config)
+    copies = {v.op.name: v for v in tf1.local_variables()
+              if 'replica' in v.op.name}
+    primaries = {v.op.name: v for v in tf1.global_variables()}
+    with tf1.train.MonitoredSession(
+        tf1.train.ChiefSessionCreator(scaffold=spec.scaffold,
+                                      config=config.session_config)) as sess:
+      start = sess.run(primaries['dense/kernel'])
+      for _ in range(STEPS):
+        sess.run(spec.train_op)
+      values = sess.run({**copies, **primaries})
+  assert len(copies) == 2 * (4 + 4 * 2)  # 2 towers: 4 variables, 8 slots.
+  for name in copies:
+    primary = name.split('/', 1)[1]
+    np.testing.assert_array_equal(values[name], values[primary],
+                                  err_msg=name)
+  assert not np.allclose(values['dense/kernel'], start)  # It trained.
+
+
+def test_bad_aggregation_is_named_with_the_choices():
+  with pytest.raises(ValueError, match=r"aggregation='ring'.*'global_loss', "
+                     r"'round_robin', 'all_reduce'"):
+    estimator_towers.replicate_model_fn(classifier_model_fn,
+                                        aggregation='ring')
+  with pytest.raises(TypeError, match='aggregation must be one of'):
+    estimator_towers.replicate_model_fn(classifier_model_fn, aggregation=None)
+
+
+@pytest.mark.parametrize('aggregation', ['round_robin', 'all_reduce'])
+def test_variables_device_with_a_placing_strategy_is_refused(aggregation):
+  with pytest.raises(ValueError, match=r"variables_device='/cpu:0' cannot be "
+                     rf"combined with aggregation='{aggregation}'"):
+    estimator_towers.replicate_model_fn(
+        classifier_model_fn, variables_device='/cpu:0',
+        aggregation=aggregation)
+
+
+def test_all_reduce_refuses_a_model_fn_that_writes_its_weights():
+
+  def model_fn(features, labels, mode):
+    layer = tf.keras.layers.Dense(2)
+    logits = layer(features['x'])
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=logits))
+    train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    with tf.control_dependencies([train_op]):
+      # Weight decay by hand: would reach only the last tower's copy.
+      decay = layer.kernel.assign(layer.kernel * 0.99)
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=decay.op)
+
+  with pytest.raises(ValueError, match=r'writes the trainable variable '
+                     r'dense/kernel itself'):
+    build_replicated(model_fn, 2, aggregation='all_reduce')
+  build_replicated(model_fn, 2, aggregation='global_loss')  # Fine there.
+
+
+def test_one_explicit_device_with_all_reduce_is_plain(tmp_path, data):
+  params = {'optimizer': OPTIMIZERS['momentum']}
+  one = _train(tmp_path, 'one', 1, data, params)
+  pinned = _train(tmp_path, 'pinned', 2, data, params, devices=['/cpu:1'],
+                  aggregation='all_reduce')
+  assert_same_variables(variables_of(one), variables_of(pinned))
+
+
+def _two_optimizers_model_fn(features, labels, mode):
+  """A GAN-style model_fn: two losses, two optimizers, one with slots."""
+  with tf1.variable_scope('a'):
+    logits_a = tf1.layers.dense(
+        features['x'], 2,
+        kernel_initializer=tf1.glorot_uniform_initializer(seed=21))
+  with tf1.variable_scope('b'):
+    logits_b = tf1.layers.dense(
+        features['x'], 2,
+        kernel_initializer=tf1.glorot_uniform_initializer(seed=22))
+  loss_a = tf1.losses.sparse_softmax_cross_entropy(labels, logits_a)
+  loss_b = tf1.losses.sparse_softmax_cross_entropy(labels, logits_b * 2.0)
+  step = tf1.train.get_or_create_global_step()
+  train_a = tf1.train.GradientDescentOptimizer(0.3).minimize(
+      loss_a, var_list=tf1.trainable_variables('a'))
+  train_b = tf1.train.MomentumOptimizer(0.1, 0.5).minimize(
+      loss_b, step, var_list=tf1.trainable_variables('b'))
+  return tf.estimator.EstimatorSpec(mode, loss=loss_a + loss_b,
+                                    train_op=tf.group(train_a, train_b))
+
+
+@pytest.mark.parametrize('aggregation', AGGREGATIONS)
+def test_two_optimizers_equal_one_device(tmp_path, data, aggregation):
+  x, y = data
+  runs = {}
+  for towers in (1, 3):
+    kwargs = {'aggregation': aggregation} if towers > 1 else {}
+    estimator = make_estimator(_two_optimizers_model_fn, tmp_path / str(towers),
+                               towers, **kwargs)
+    estimator.train(dataset_input_fn({'x': x}, y, BATCH), steps=3)
+    runs[towers] = variables_of(estimator)
+  assert_same_variables(runs[1], runs[3])
+  assert runs[3]['global_step'] == 3
+
+
+def _embedding_model_fn(features, labels, mode):
+  """Sparse gradients: an embedding trained by Momentum's sparse update."""
+  word = tf1.feature_column.categorical_column_with_hash_bucket('word', 20)
+  columns = [
+      tf1.feature_column.embedding_column(
+          word, 3, initializer=tf1.truncated_normal_initializer(seed=4)),
+      tf1.feature_column.numeric_column('amount'),
+  ]
+  net = tf1.feature_column.input_layer(features, columns)
+  logits = tf1.layers.dense(net, 2, kernel_initializer=
+                            tf1.glorot_uniform_initializer(seed=5))
+  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf1.train.MomentumOptimizer(0.5, 0.9).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize('aggregation', AGGREGATIONS)
+def test_sparse_embedding_gradients_equal_one_device(tmp_path, aggregation):
+  rng = np.random.RandomState(1)
+  words = np.array([b'cat', b'dog', b'fish', b'bird', b'cow'])[
+      rng.randint(0, 5, 40)]
+  amount = rng.randn(40, 1).astype(np.float32)
+  labels = (amount[:, 0] > 0).astype(np.int32)
+
+  def input_fn():
+    ds = tf.data.Dataset.from_tensor_slices(
+        ({'word': words, 'amount': amount}, labels))
+    ds = ds.map(lambda f, l: ({'word': tf.sparse.from_dense(
+        tf.reshape(f['word'], [1])), 'amount': f['amount']}, l))
+    return ds.batch(BATCH).repeat()
+
+  runs = {}
+  for towers in (1, 3):
+    kwargs = {'aggregation': aggregation} if towers > 1 else {}
+    estimator = make_estimator(_embedding_model_fn, tmp_path / str(towers),
+                               towers, **kwargs)
+    estimator.train(input_fn, steps=STEPS)
+    runs[towers] = variables_of(estimator)
+  assert_same_variables(runs[1], runs[3])
+  assert any('embedding_weights/Momentum' in name for name in runs[3])
+
+
+def _batch_norm_model_fn(features, labels, mode):
+  training = mode == tf.estimator.ModeKeys.TRAIN
+  net = tf1.layers.batch_normalization(features['x'], training=training,
+                                       momentum=0.5)
+  logits = tf1.layers.dense(net, 2, kernel_initializer=
+                            tf1.glorot_uniform_initializer(seed=8))
+  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+  with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+    train_op = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(
+        loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_batch_norm_trains_alike_under_every_strategy(tmp_path, data):
+  # Batch statistics are per tower under any in-graph replication, so the
+  # reference is global_loss: the strategies must agree with each other.
+  x, y = data
+  runs = {}
+  for aggregation in AGGREGATIONS:
+    estimator = make_estimator(_batch_norm_model_fn, tmp_path / aggregation,
+                               3, aggregation=aggregation)
+    estimator.train(dataset_input_fn({'x': x}, y, BATCH), steps=STEPS)
+    runs[aggregation] = variables_of(estimator)
+  for aggregation in AGGREGATIONS[1:]:
+    assert_same_variables(runs['global_loss'], runs[aggregation])
+  assert 'batch_normalization/moving_mean' in runs['all_reduce']
+
+
+def _constrained_model_fn(features, labels, mode):
+  """A Keras kernel constraint, which the optimizer applies after updating."""
+  logits = tf.keras.layers.Dense(
+      2, kernel_initializer=tf1.glorot_uniform_initializer(seed=9),
+      kernel_constraint=tf.keras.constraints.MaxNorm(0.3))(features['x'])
+  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf1.train.GradientDescentOptimizer(0.5).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize('aggregation', AGGREGATIONS)
+def test_variable_constraints_apply_to_every_copy(tmp_path, data,
+                                                  aggregation):
+  x, y = data
+  runs = {}
+  for towers in (1, 3):
+    kwargs = {'aggregation': aggregation} if towers > 1 else {}
+    estimator = make_estimator(_constrained_model_fn, tmp_path / str(towers),
+                               towers, **kwargs)
+    estimator.train(dataset_input_fn({'x': x}, y, BATCH), steps=STEPS)
+    runs[towers] = variables_of(estimator)
+  assert_same_variables(runs[1], runs[3])
+  # The constraint binds, so a copy that ignored it would differ.
+  norms = np.linalg.norm(runs[1]['dense/kernel'], axis=0)
+  np.testing.assert_allclose(norms, 0.3, rtol=1e-4)
