@@ -325,3 +325,17 @@ def test_tuning_problems_fail_before_training(tmp_path, args, env, message):
   assert result.returncode == 1, result.stderr[-2000:]
   assert message in result.stderr
   assert not tmp_path.exists() or not any(tmp_path.iterdir())  # Untouched.
+
+
+def test_aggregation_flag_trains_and_checkpoints_move_between_strategies(
+    tmp_path):
+  job = tmp_path / 'job'
+  first = run_module('trainer.task', f'--job-dir={job}', '--train-steps=20',
+                     '--cpu-towers=2', '--aggregation=all_reduce')
+  assert int(eval_line(first)['global_step']) == 20
+  names = {name for name, _ in tf.train.list_variables(str(job))}
+  assert not any('replica' in name for name in names), sorted(names)
+  second = run_module('trainer.task', f'--job-dir={job}', '--train-steps=40',
+                      '--cpu-towers=2', '--aggregation=round_robin')
+  assert int(eval_line(second)['global_step']) == 40
+  assert 'Resuming from' in second.stderr

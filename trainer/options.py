@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import flags
 
+from estimator_towers.aggregation import AGGREGATIONS
 from trainer import cli
 from trainer import hptuning
 
@@ -220,6 +221,12 @@ class TaskOptions:
       lower_bound=0)
   gpu_ids: Optional[List[int]] = _option(
       _LIST, None, 'Which GPUs to use, e.g. 0,2.', parse=_ints)
+  aggregation: str = _option(
+      _ENUM, 'global_loss', 'How the towers\' gradients become one update: '
+      'global_loss (variables on one device), round_robin (variables spread '
+      'over the towers\' devices) or all_reduce (a copy per device, '
+      'gradients all-reduced). Checkpoints are the same for all; see '
+      'docs/aggregation.md.', enum_values=list(AGGREGATIONS))
   cpu_towers: Optional[int] = _option(
       _INT, None, 'Train on this many virtual CPU devices (for machines '
       'without GPUs).', lower_bound=1)

@@ -253,7 +253,8 @@ class _Run:
                     f'virtual CPU 0-{num_cpus - 1}' if num_cpus > 1 else 'CPU')
     self.estimator = tf.estimator.Estimator(
         _with_step_logging(
-            _checked(options.model, replicate_model_fn(model_fn)),
+            _checked(options.model, replicate_model_fn(
+                model_fn, aggregation=options.aggregation)),
             options.train_batch_size, self.towers, options.train_steps),
         config=config, params=assembly.model_params(options, data))
     self._check_batch_sizes(data, assembly.model_params(options, data))
