@@ -40,6 +40,21 @@ def test_chief_of_a_bigger_cluster_stays_a_cluster_task():
   assert json.loads(environ['TF_CONFIG']) == config
 
 
+def test_lone_chief_with_a_vertex_evaluator_pool_stays_a_cluster_task():
+  # The evaluator (pool 3, never in TF_CONFIG) evaluates and exports; the
+  # chief must not do it too.
+  config = {'cluster': {'chief': ['c:1']},
+            'task': {'type': 'chief', 'index': 0}}
+  spec = {'cluster': {'workerpool0': ['c:1'], 'workerpool3': ['e:1']},
+          'task': {'type': 'workerpool0', 'index': 0}}
+  environ = {'TF_CONFIG': json.dumps(config),
+             'CLUSTER_SPEC': json.dumps(spec)}
+  assert cluster_config.single_machine(config, environ) is config
+  del spec['cluster']['workerpool3']
+  environ['CLUSTER_SPEC'] = json.dumps(spec)
+  assert 'cluster' not in cluster_config.single_machine(config, environ)
+
+
 def test_missing_evaluator_is_known_from_vertex_cluster_spec_only():
   spec = {'cluster': {'workerpool0': ['c:1'], 'workerpool3': ['e:1']},
           'task': {'type': 'workerpool0', 'index': 0}}
@@ -116,3 +131,15 @@ def test_census_sample_conventions(tmp_path):
   assert tf.io.gfile.glob(str(tmp_path / 'job' / 'export' / 'final' / '*'))
   assert {'global_step/sec', 'examples/sec'} <= _summary_tags(
       tmp_path / 'job')
+  # A re-run trains one more epoch from the checkpoint: its export must be
+  # of the new step, not the first run's (which would then be reported).
+  again = run_module(
+      'trainer.task', f'--job-dir={tmp_path / "job"}',
+      f'--train-files={first} {second}', f'--eval-files={first},{second}',
+      '--train-batch-size=32', '--num-epochs=1', '--train-steps=1000',
+      '--export-format=CSV', *flags)
+  assert int(eval_line(again)['global_step']) == 8
+  assert eval_line(again)['export'] != eval_line(result)['export']
+  exported = tf.saved_model.load(eval_line(again)['export'])
+  steps = [v for v in exported.variables if 'global_step' in v.name]
+  assert int(steps[0].numpy()) == 8

@@ -158,7 +158,8 @@ def single_machine(config: Optional[Dict[str, Any]],
   task = (config or {}).get('task') or {}
   alone = (len(cluster) == 1 and task.get('type') in cluster and
            len(cluster[task['type']]) == 1 and
-           task['type'] in ('chief', 'master'))
+           task['type'] in ('chief', 'master') and
+           not _evaluator_pool(environ))
   if not alone:
     return config
   logging.info('TF_CONFIG names a cluster of this %s alone: running as one '
@@ -168,6 +169,20 @@ def single_machine(config: Optional[Dict[str, Any]],
     local['task'] = {'trial': task['trial']}
   environ['TF_CONFIG'] = json.dumps(local)
   return local
+
+
+def _evaluator_pool(environ) -> bool:
+  """Whether Vertex AI's CLUSTER_SPEC lists an evaluator (worker pool 3).
+
+  TF_CONFIG never names the evaluator: a chief alone in it may still have
+  one, which then evaluates, exports and reports.
+  """
+  try:
+    spec = json.loads(environ.get('CLUSTER_SPEC', '') or 'null')
+  except json.JSONDecodeError:
+    return False
+  cluster = spec.get('cluster') if isinstance(spec, dict) else None
+  return isinstance(cluster, dict) and bool(cluster.get('workerpool3'))
 
 
 def without_evaluator(environ=None) -> bool:

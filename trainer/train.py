@@ -32,6 +32,7 @@ from trainer import step_logging
 tf1 = tf.compat.v1
 CONFIG_FILE = assembly.CONFIG_FILE
 TaskOptions = options_lib.TaskOptions  # Where users of train.run find it.
+_EVALUATOR_POLL_SECS = 5
 
 
 def default_job_dir() -> str:
@@ -160,6 +161,11 @@ def _check_eval_metric(estimator, data, options: TaskOptions,
                      f'{", ".join(available)}.')
 
 
+def _checkpoint_step(model_dir: str) -> int:
+  checkpoint = tf.train.latest_checkpoint(model_dir)
+  return int(tf.train.load_variable(checkpoint, 'global_step'))
+
+
 def _final_export(estimator, eval_spec, model_dir: str, metrics) -> None:
   """Runs the final exporter on the latest checkpoint and its metrics."""
   checkpoint = tf.train.latest_checkpoint(model_dir)
@@ -279,7 +285,15 @@ class _Run:
         data.eval_input_fn(options.eval_batch_size), steps=options.eval_steps,
         exporters=_exporters(options, data, metric) + _vertex_exporters(),
         start_delay_secs=0,
-        throttle_secs=0)
+        # Locally each checkpoint is evaluated as it is saved; an evaluator
+        # task polls for new ones, and with no pause it spins, logging each
+        # time it finds none.
+        throttle_secs=_EVALUATOR_POLL_SECS if task.get('type') == 'evaluator'
+        else 0)
+    if not options.eval_files and options.train_files:
+      logging.warning('No --eval-files: evaluating on the training files, so '
+                      'the eval metrics (and the tuning metric) measure '
+                      'training data.')
 
   def _check_batch_sizes(self, data, params) -> None:
     try:
@@ -319,9 +333,12 @@ class _Run:
       # reports.
       metrics = _evaluate_and_export(self.estimator, self.eval_spec,
                                      model_dir)
-    if metrics is not None and latest_export(model_dir) is None:
+    if metrics is not None and (latest_export(model_dir) is None or
+                                _checkpoint_step(model_dir) <
+                                self._options.train_steps):
       # Training ended before --train-steps (--num-epochs): the Estimator's
-      # final export waits for the last step, which never came.
+      # final export waits for the last step, which never came; an export
+      # of an earlier run would be stale.
       _final_export(self.estimator, self.eval_spec, model_dir, metrics)
     if metrics is not None:
       vertex.copy_model(latest_export(model_dir))
