@@ -339,3 +339,20 @@ def test_aggregation_flag_trains_and_checkpoints_move_between_strategies(
                       '--cpu-towers=2', '--aggregation=round_robin')
   assert int(eval_line(second)['global_step']) == 40
   assert 'Resuming from' in second.stderr
+
+
+def test_same_tf_random_seed_gives_the_same_start_weights(tmp_path):
+  def kernels(job, seed):
+    run_module('trainer.task', f'--job-dir={job}', '--train-steps=1',
+               '--cpu-towers=2', f'--tf-random-seed={seed}')
+    reader = tf.train.load_checkpoint(str(job))
+    return {name: reader.get_tensor(name)
+            for name, _ in tf.train.list_variables(str(job))
+            if name.endswith('kernel')}
+  first = kernels(tmp_path / 'a', 7)
+  again = kernels(tmp_path / 'b', 7)
+  other = kernels(tmp_path / 'c', 8)
+  assert first.keys() == again.keys() and first
+  for name in first:
+    np.testing.assert_allclose(first[name], again[name], atol=1e-6)
+  assert any(not np.allclose(first[n], other[n]) for n in first)

@@ -223,6 +223,10 @@ def run(options: TaskOptions) -> Dict[str, Any]:
   job_dir = vertex.job_dir(options.job_dir) or default_job_dir()
   model_dir = hptuning.trial_dir(job_dir, hptuning.trial_id())
   task = (tf_config or {}).get('task') or {}
+  if options.tf_random_seed is not None:
+    # Keras initializers without a seed draw theirs from Python's random
+    # module, which the graph-level seed does not reach.
+    tf.keras.utils.set_random_seed(options.tf_random_seed)
   # Everything that can be checked is checked before the job dir is touched.
   run_ = _Run(options, model_dir, task)
   if task.get('type') not in (None, 'chief', 'master'):
