@@ -82,11 +82,16 @@ def check_same_architecture(model_dir: str, config_file: str,
                  f'{_shown(current[n])}'
                  for n in names if saved[n] != current[n]]
   if differences:
+    checkpoint = tf.train.latest_checkpoint(model_dir)
+    untrained = int(tf.train.load_variable(checkpoint, 'global_step')) == 0
     raise ValueError(
         f'{model_dir} holds checkpoints of another model ('
         + '; '.join(differences) + '). Resuming would restore weights of the '
         'old architecture or fail halfway. Use a new --job-dir, or the '
-        'options the job was trained with.')
+        'options the job was trained with.' + (
+            f' Its only checkpoint is the untrained step 0 of a run that '
+            f'failed before its first step: deleting {model_dir} loses '
+            'nothing.' if untrained else ''))
 
 
 def _shown(value: Dict[str, Any]) -> str:

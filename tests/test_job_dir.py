@@ -1,0 +1,30 @@
+"""job_dir.py: the architecture check's advice."""
+
+import tensorflow as tf
+import pytest
+
+from trainer import assembly
+from trainer import job_dir
+from trainer import options
+
+tf1 = tf.compat.v1
+
+
+def _checkpoint_at(model_dir, step):
+  with tf.Graph().as_default():
+    global_step = tf1.train.get_or_create_global_step()
+    with tf1.Session() as session:
+      session.run(tf1.global_variables_initializer())
+      session.run(global_step.assign(step))
+      tf1.train.Saver().save(session, str(model_dir / 'model.ckpt'),
+                             global_step=step)
+
+
+@pytest.mark.parametrize('step', [0, 5])
+def test_untrained_step_0_job_dir_says_deleting_loses_nothing(tmp_path, step):
+  assembly.save_options(str(tmp_path), options.TaskOptions(num_layers=2))
+  _checkpoint_at(tmp_path, step)
+  with pytest.raises(ValueError, match='--num-layers: 2 -> 3') as refused:
+    job_dir.check_same_architecture(str(tmp_path), assembly.CONFIG_FILE,
+                                    options.TaskOptions(num_layers=3))
+  assert ('deleting' in str(refused.value)) == (step == 0)
