@@ -32,7 +32,7 @@ from trainer import step_logging
 tf1 = tf.compat.v1
 CONFIG_FILE = assembly.CONFIG_FILE
 TaskOptions = options_lib.TaskOptions  # Where users of train.run find it.
-_EVALUATOR_POLL_SECS = 5
+_EVALUATOR_POLL_SECS = 1
 
 
 def default_job_dir() -> str:
