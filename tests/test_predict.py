@@ -67,6 +67,7 @@ def test_tfrecord_output(trained, csv_files, tmp_path):
     (['--output=out.json'], 'must end in .csv or .tfrecord'),
     (['--output=out.csv', '--job-dir=/nonexistent/job'],
      'trainer_config.json does not exist'),
+    (['--output=/nonexistent/dir/out.csv'], 'does not exist; create it'),
 ])
 def test_bad_arguments_fail_clearly(trained, csv_files, tmp_path, args,
                                     message):
@@ -108,3 +109,11 @@ def test_bad_rows_in_predict_files_are_one_clear_error(trained, csv_files,
   assert 'bad.csv:103' in result.stderr and 'not a finite' in result.stderr
   assert 'Traceback' not in result.stderr
   assert not out.exists()  # Nothing half-written.
+
+
+def test_missing_output_is_a_usage_error(trained, csv_files):
+  job_dir, _ = trained
+  result = run_module('trainer.predict', f'--job-dir={job_dir}',
+                      f'--predict-files={csv_files[1]}', check=False)
+  assert result.returncode == 2
+  assert 'Flag --output must have a value' in result.stderr

@@ -68,6 +68,10 @@ def predict(job_dir: str, predict_files: List[str], output: str,
     raise ValueError(f'--output={output!r} must end in .csv or .tfrecord.')
   if not predict_files:
     raise ValueError('--predict-files is required.')
+  directory = os.path.dirname(output)
+  if directory and not tf.io.gfile.isdir(directory):
+    raise ValueError(f'--output={output}: the directory {directory} does not '
+                     'exist; create it first.')
   options = assembly.load_options(job_dir)
   options = dataclasses.replace(options, eval_files=predict_files)
   data = assembly.build_data(options, model_fns.model_kind(options.model))
@@ -185,5 +189,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  flags.mark_flag_as_required('job-dir')
+  flags.mark_flags_as_required(['job-dir', 'output'])
   cli.run(main, 'predict')
