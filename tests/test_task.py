@@ -356,3 +356,15 @@ def test_same_tf_random_seed_gives_the_same_start_weights(tmp_path):
   for name in first:
     np.testing.assert_allclose(first[name], again[name], atol=1e-6)
   assert any(not np.allclose(first[n], other[n]) for n in first)
+
+
+def test_only_an_evaluator_task_pauses_between_checkpoint_polls(tmp_path):
+  # With no pause an evaluator that finds no new checkpoint loops at once,
+  # logging each time: megabytes a minute.
+  from trainer import train  # pylint: disable=g-import-not-at-top
+  options = train.TaskOptions(train_steps=10, cpu_towers=2)
+  evaluator = train._Run(options, str(tmp_path / 'e'),  # pylint: disable=protected-access
+                         {'type': 'evaluator', 'index': 0})
+  local = train._Run(options, str(tmp_path / 'l'), {})  # pylint: disable=protected-access
+  assert evaluator.eval_spec.throttle_secs >= 1
+  assert local.eval_spec.throttle_secs == 0
