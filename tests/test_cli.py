@@ -99,3 +99,33 @@ def test_every_entry_point_exits_0_after_help():
   for module in ('trainer.task', 'trainer.predict', 'trainer.cluster'):
     assert run_module(module, '--help', check=False,
                       timeout=120).returncode == 0, module
+
+
+@pytest.mark.parametrize('flag', ['--categorical-column=c=x|y',
+                                  '--categorical-column=c=hash:4'])
+def test_a_column_given_twice_is_refused_not_overwritten(parsed, flag):
+  parsed('--categorical-column=c=a|b', flag)
+  with pytest.raises(cli.UsageError, match='c=.*given twice'):
+    options.from_flags()
+
+
+def test_a_column_default_given_twice_is_refused(parsed):
+  parsed('--column-default=c=0', '--column_default=c=1')
+  with pytest.raises(cli.UsageError, match='c=.*given twice'):
+    options.from_flags()
+
+
+@pytest.mark.parametrize('replaced', ['--first-layer-size=8',
+                                      '--num_layers=3', '--scale-factor=1'])
+def test_hidden_units_refuses_the_layer_flags_it_replaces(parsed, replaced):
+  parsed('--hidden_units=4,2', replaced)
+  name = replaced[2:].partition('=')[0].replace('_', '-')
+  with pytest.raises(cli.UsageError, match=f'--hidden-units.*--{name}'):
+    options.from_flags()
+
+
+def test_hidden_units_or_the_layer_flags_alone_are_used(parsed):
+  parsed('--first-layer-size=8', '--num-layers=3')
+  got = options.model_params(options.from_flags())
+  assert (got['first_layer_size'], got['num_layers']) == (8, 3)
+  assert 'hidden_units' not in got

@@ -61,6 +61,9 @@ def _pairs(name: str, values) -> Dict[str, str]:
     key, sep, value = item.partition('=')
     if not sep or not key:
       raise cli.UsageError(f'--{name}={item!r} must look like NAME=VALUE.')
+    if key in out:  # A silent overwrite would drop one of the two.
+      raise cli.UsageError(f'--{name}: {key}= is given twice ({key}='
+                           f'{out[key]} and {item}); give it once.')
     out[key] = value
   return out
 
@@ -86,7 +89,7 @@ def _categorical(name: str, values) -> Dict[str, Any]:
 def _option(define: Callable, default: Any, help_text: str, *,
             flag_default: Any = None, parse: Optional[Callable] = None,
             flag: Optional[str] = None, param: bool = False,
-            architecture: bool = False,
+            architecture: bool = False, replaces: Tuple[str, ...] = (),
             check: Optional[Tuple[Callable[[Any], bool], str]] = None,
             **flag_args) -> Any:
   """A dataclass field that declares its flag.
@@ -100,12 +103,13 @@ def _option(define: Callable, default: Any, help_text: str, *,
     flag: The flag's name, if not the field's name with hyphens.
     param: Pass the option to every model_fn as `params[<field name>]`.
     architecture: A job dir trained with another value cannot resume.
+    replaces: Flags this option makes meaningless; giving both is refused.
     check: (predicate, message): an absl validator of the flag's value.
     **flag_args: More arguments of `define` (bounds, enum values).
   """
   metadata = {'define': define, 'help': help_text, 'parse': parse,
               'flag': flag, 'param': param, 'architecture': architecture,
-              'check': check, 'flag_args': flag_args,
+              'check': check, 'flag_args': flag_args, 'replaces': replaces,
               'flag_default': default if flag_default is None
                               else flag_default}
   if isinstance(default, (list, dict)):
@@ -197,8 +201,9 @@ class TaskOptions:
                            enum_values=_OPTIMIZERS, param=True)
   hidden_units: Optional[List[int]] = _option(
       _LIST, None, 'DNN layer sizes, e.g. 128,64 (overrides '
-      '--first-layer-size).', parse=_positive_ints, param=True,
-      architecture=True)
+      '--first-layer-size, --num-layers and --scale-factor).',
+      parse=_positive_ints, param=True, architecture=True,
+      replaces=('first-layer-size', 'num-layers', 'scale-factor'))
   first_layer_size: int = _option(_INT, 128, 'DNN first layer size.',
                                   lower_bound=1, param=True, architecture=True)
   num_layers: int = _option(_INT, 2, 'DNN hidden layers.', lower_bound=1,
@@ -294,8 +299,10 @@ def from_flags() -> TaskOptions:
   """The options the parsed flags give.
 
   Raises:
-    cli.UsageError: a flag value that parses but cannot be used.
+    cli.UsageError: a flag value that parses but cannot be used, or two flags
+      of which one would be silently ignored.
   """
+  _check_replaced_flags()
   values = {}
   for field in dataclasses.fields(TaskOptions):
     name = flag_name(field)
@@ -303,6 +310,22 @@ def from_flags() -> TaskOptions:
     parse = field.metadata['parse']
     values[field.name] = parse(name, value) if parse else value
   return TaskOptions(**values)
+
+
+def _check_replaced_flags() -> None:
+  """Refuses e.g. --hidden-units with --first-layer-size, which it ignores.
+
+  Otherwise a sweep of --first-layer-size with a fixed --hidden-units would
+  train the same model in every trial.
+  """
+  for field in dataclasses.fields(TaskOptions):
+    name = flag_name(field)
+    if not flags.FLAGS[name].present:
+      continue
+    for replaced in field.metadata['replaces']:
+      if flags.FLAGS[replaced].present:
+        raise cli.UsageError(f'--{name} sets every layer, so --{replaced} '
+                             f'would be ignored; give one of them.')
 
 
 def from_saved(saved: Dict[str, Any]) -> TaskOptions:
