@@ -21,6 +21,17 @@ def _flag_value(argv: Sequence[str], name: str) -> Optional[str]:
   return None
 
 
+def _with_flagfiles(argv: List[str]) -> List[str]:
+  """A copy of argv with every --flagfile expanded, as absl will read it."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  try:
+    return argv[:1] + flags.FlagValues().read_flags_from_files(argv[1:])
+  except flags.Error:
+    # An unreadable flagfile: absl stops with its message when it parses
+    # the command line moments later; until then, the flags on it count.
+    return list(argv)
+
+
 # --verbosity as the census sample spells it -> absl's number.
 VERBOSITY_NAMES = {'DEBUG': 1, 'INFO': 0, 'WARN': -1, 'WARNING': -1,
                    'ERROR': -2, 'FATAL': -3}
@@ -70,9 +81,12 @@ def configure(argv: List[str]) -> None:
   # registration errors on machines without GPUs); real failures still
   # reach Python as exceptions with their message.
   level = _verbosity(argv)
+  expanded = _with_flagfiles(argv)
+  if level is None:
+    level = _verbosity(expanded)
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL',
                         '3' if level is None else _CPP_LEVEL[level])
-  towers = _flag_value(argv, 'cpu-towers')
+  towers = _flag_value(expanded, 'cpu-towers')
   if towers and towers.isdigit() and int(towers) > 1:
     os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
 
