@@ -22,6 +22,7 @@ from trainer.sweep import process as sweep_process
 from trainer.sweep import report as sweep_report
 from trainer.sweep import space as sweep_space
 from trainer.sweep import study as sweep_study
+from trainer.sweep import trials as sweep_trials
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 
@@ -368,3 +369,21 @@ def test_sweep_without_its_extra_says_how_to_install_it(tmp_path):
   assert result.stderr.strip().splitlines()[-1].startswith(
       'sweep: error: python -m trainer.sweep needs optuna')
   assert "pip install 'estimator-towers[sweep]'" in result.stderr
+
+
+def test_each_trial_gets_its_own_vertex_output_dirs(tmp_path):
+  base_env = {'AIP_MODEL_DIR': '/out/model/', 'PATH': '/bin',
+              'AIP_CHECKPOINT_DIR': 'gs://b/ckpt',
+              'AIP_TENSORBOARD_LOG_DIR': '/out/logs'}
+  specs = [sweep_trials.make_spec(str(tmp_path), trial, 'trainer.task', {},
+                                  [], [], base_env, {}, 'accuracy', {})
+           for trial in ('1', '2')]
+  for spec, trial in zip(specs, ('1', '2')):
+    # One shared AIP_MODEL_DIR would keep whichever trial exported last.
+    assert spec.env['AIP_MODEL_DIR'] == f'/out/model/{trial}'
+    assert spec.env['AIP_CHECKPOINT_DIR'] == f'gs://b/ckpt/{trial}'
+    assert spec.env['AIP_TENSORBOARD_LOG_DIR'] == f'/out/logs/{trial}'
+    assert spec.env['PATH'] == '/bin'
+  assert 'AIP_MODEL_DIR' not in sweep_trials.make_spec(
+      str(tmp_path), '1', 'trainer.task', {}, [], [], {'PATH': '/bin'}, {},
+      'accuracy', {}).env

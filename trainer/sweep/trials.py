@@ -3,7 +3,8 @@
 A trial is `python -m <module> --job-dir=DIR --<param>=<value>...
 <fixed flags>` in its own process, with the environment a Cloud trial gets:
 TF_CONFIG carrying the trial id, CLOUD_ML_HP_METRIC_FILE naming the trial's
-own metric file and CLOUD_ML_HP_METRIC_TAG the tag to report. The trainer
+own metric file, CLOUD_ML_HP_METRIC_TAG the tag to report, and any AIP_*
+output location with the trial id appended. The trainer
 writes under DIR/<trial id>; its stdout and stderr go to
 DIR/<trial id>/trial.log. `run` supervises the process: it polls the metric
 file, hands every new report to the caller (who may ask to prune), and stops
@@ -97,12 +98,27 @@ def make_spec(job_dir: str, trial_id: str, module: str,
                'task': {'trial': trial_id}, 'job': dict(job)}
   env = dict(base_env)
   env.update(extra_env)
+  env.update(_trial_output_dirs(base_env, trial_id))
   env.update({'TF_CONFIG': json.dumps(tf_config),
               'CLOUD_ML_TRIAL_ID': trial_id,
               'CLOUD_ML_HP_METRIC_FILE': metric_path,
               'CLOUD_ML_HP_METRIC_TAG': metric_tag})
   return TrialSpec(trial_id, trial_dir, os.path.join(trial_dir, LOG_FILE),
                    metric_path, metric_tag, command, env)
+
+
+# Vertex AI's output locations (trainer/vertex.py). A shared AIP_MODEL_DIR
+# would hold whichever trial exported last, so each trial gets a folder of
+# its own under each, as Vertex's own tuning jobs do.
+_VERTEX_OUTPUTS = ('AIP_MODEL_DIR', 'AIP_CHECKPOINT_DIR',
+                   'AIP_TENSORBOARD_LOG_DIR')
+
+
+def _trial_output_dirs(base_env: Mapping[str, str],
+                       trial_id: str) -> Dict[str, str]:
+  """<value>/<trial id> for each Vertex output location that is set."""
+  return {name: f'{base_env[name].rstrip("/")}/{trial_id}'
+          for name in _VERTEX_OUTPUTS if base_env.get(name)}
 
 
 def tf_config_job(module: str, job_dir: str, fixed_flags: Sequence[str],
