@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 import tensorflow as tf
 
 from cli_helpers import CSV_FLAGS, eval_line, run_module, write_tabular_csv
@@ -143,3 +144,20 @@ def test_census_sample_conventions(tmp_path):
   exported = tf.saved_model.load(eval_line(again)['export'])
   steps = [v for v in exported.variables if 'global_step' in v.name]
   assert int(steps[0].numpy()) == 8
+
+
+@pytest.mark.parametrize('variable', ['AIP_MODEL_DIR',
+                                      'AIP_TENSORBOARD_LOG_DIR'])
+def test_an_unwritable_vertex_output_stops_the_task_before_training(
+    tmp_path, variable):
+  blocker = tmp_path / 'a_file'
+  blocker.write_text('not a directory')
+  job_dir = tmp_path / 'job'
+  result = run_module('trainer.task', f'--job-dir={job_dir}',
+                      '--train-steps=20', env={variable: f'{blocker}/out'},
+                      check=False)
+  assert result.returncode == 1
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith('task: error: ') and variable in last, last
+  assert 'Traceback' not in result.stderr
+  assert not tf.io.gfile.glob(str(job_dir / 'model.ckpt*'))

@@ -228,6 +228,7 @@ def run(options: TaskOptions) -> Dict[str, Any]:
     # module, which the graph-level seed does not reach.
     tf.keras.utils.set_random_seed(options.tf_random_seed)
   # Everything that can be checked is checked before the job dir is touched.
+  vertex.check_outputs()
   run_ = _Run(options, model_dir, task)
   if task.get('type') not in (None, 'chief', 'master'):
     return run_.train_and_evaluate()
