@@ -129,3 +129,12 @@ def test_hidden_units_or_the_layer_flags_alone_are_used(parsed):
   got = options.model_params(options.from_flags())
   assert (got['first_layer_size'], got['num_layers']) == (8, 3)
   assert 'hidden_units' not in got
+
+
+def test_dash_h_asks_for_help_unless_it_is_a_value(parsed):
+  result = run_module('trainer.task', '--allow-growth', '-h', check=False,
+                      timeout=120)
+  assert result.returncode == 0
+  assert '--train-steps' in result.stdout
+  parsed('--label-column', '-h')
+  assert FLAGS['label-column'].value == '-h'

@@ -109,7 +109,7 @@ def parse(argv: Sequence[str], prog: str, passthrough: bool = False,
   """
   argv = list(argv)
   split = argv.index('--') if '--' in argv else len(argv)
-  own, rest = argv[:split], argv[split + 1:]
+  own, rest = _short_help(argv[:split]), argv[split + 1:]
   ending = f'; {hint}' if hint else '.'
   try:
     unparsed = FLAGS(own)
@@ -125,6 +125,22 @@ def parse(argv: Sequence[str], prog: str, passthrough: bool = False,
   if stray:
     fail(prog, f'unexpected arguments {stray}{ending}', EXIT_USAGE)
   return [argv[0], *rest]
+
+
+def _short_help(args: List[str]) -> List[str]:
+  """`-h` as `--help`, as most command-line tools take it (absl: `-?`).
+
+  Not where it is the separate value of the flag before it (`--name -h`).
+  """
+  return ['--help' if arg == '-h' and not _takes_next(args[i - 1]) else arg
+          for i, arg in enumerate(args)]
+
+
+def _takes_next(arg: str) -> bool:
+  """Whether absl reads the argument after `arg` as its value."""
+  name = arg.lstrip('-')
+  return (arg.startswith('-') and '=' not in arg and name in FLAGS and
+          not FLAGS[name].boolean)
 
 
 def run(main: Callable[[List[str]], Optional[int]], prog: str, *,
