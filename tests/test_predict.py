@@ -25,6 +25,9 @@ def test_csv_predictions_in_input_order(trained, csv_files, tmp_path, towers,
                       f'--predict-files={csv_files[1]}', f'--output={out}',
                       f'--batch-size={batch}', f'--cpu-towers={towers}')
   assert 'wrote 101 predictions' in result.stdout
+  # TensorFlow's deprecation notices and INFO chatter stay out, as in the task.
+  assert 'deprecat' not in result.stderr.lower(), result.stderr[-2000:]
+  assert len(result.stderr.splitlines()) <= 3, result.stderr[-2000:]
   header, *rows = _rows(out)
   assert header == ['id', 'class_id', 'probability_0', 'probability_1']
   # Line 1 is the header, so the n-th data row is line n + 1.

@@ -19,6 +19,7 @@ from typing import Dict, Iterable, List
 
 
 from absl import flags
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -30,6 +31,7 @@ from estimator_towers.saved_model_towers import SavedModelTowers
 from trainer import assembly
 from trainer import cli
 from trainer import data_errors
+from trainer import environment
 
 cli.define(flags.DEFINE_string, 'job-dir', None,
            'Directory a trainer.task run wrote (the trial directory for a '
@@ -172,6 +174,8 @@ def _write_tfrecord(path, pairs) -> int:
 
 def main(argv):
   del argv  # cli.run has refused any left-over arguments.
+  environment.quiet_python_logs(flags.FLAGS['verbosity'].present,
+                                logging.get_verbosity())
   try:
     count = predict(cli.value('job-dir'),
                     cli.split_multi(cli.value('predict-files')),
