@@ -138,3 +138,11 @@ def test_dash_h_asks_for_help_unless_it_is_a_value(parsed):
   assert '--train-steps' in result.stdout
   parsed('--label-column', '-h')
   assert FLAGS['label-column'].value == '-h'
+
+
+def test_model_errors_name_the_flag_not_the_params_key():
+  assert options.in_flag_terms(
+      "params['resnet_depth']=21; use 20. params['learning_rate'] too.") == (
+          '--resnet-depth=21; use 20. --learning-rate too.')
+  # Not an option of the task: left as the model_fn spelt it.
+  assert options.in_flag_terms("params['mine']=1") == "params['mine']=1"

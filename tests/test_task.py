@@ -368,3 +368,12 @@ def test_only_an_evaluator_task_pauses_between_checkpoint_polls(tmp_path):
   local = train._Run(options, str(tmp_path / 'l'), {})  # pylint: disable=protected-access
   assert evaluator.eval_spec.throttle_secs >= 1
   assert local.eval_spec.throttle_secs == 0
+
+
+def test_a_bad_model_option_is_named_as_its_flag(tmp_path):
+  result = run_module('trainer.task', f'--job-dir={tmp_path}',
+                      '--model=resnet', '--resnet-depth=21',
+                      '--train-steps=5', check=False)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1].startswith(
+      'task: error: --resnet-depth=21; a CIFAR ResNet has 6n+2 layers')

@@ -328,6 +328,19 @@ def _check_replaced_flags() -> None:
                              f'would be ignored; give one of them.')
 
 
+def in_flag_terms(message: str) -> str:
+  """A model_fn's error with `params['name']` spelt as the task's flag.
+
+  The model_fns name what they were given (`params['resnet_depth']`); a
+  command-line user set it as `--resnet-depth`.
+  """
+  for field in dataclasses.fields(TaskOptions):
+    if field.metadata['param']:
+      message = message.replace(f"params['{field.name}']",
+                                f'--{flag_name(field)}')
+  return message
+
+
 def from_saved(saved: Dict[str, Any]) -> TaskOptions:
   """Options from a saved trainer_config.json (unknown keys ignored)."""
   known = {f.name for f in dataclasses.fields(TaskOptions)}

@@ -39,7 +39,7 @@ def main(argv):
     # Errors that explain a bad input or model; their messages say the fix.
     # The traceback stays available with --verbosity=debug.
     logging.debug('Traceback of the error below:', exc_info=True)
-    raise cli.Failure(str(e)) from e
+    raise cli.Failure(options_lib.in_flag_terms(str(e))) from e
   except tf.errors.InvalidArgumentError as e:
     message = data_errors.cli_message(e)
     if message is None:
