@@ -97,7 +97,8 @@ def test_rejected_rerun_leaves_the_saved_config_alone(tmp_path, csv_files):
   saved = config.read_text()
   rejected = run_module('trainer.task', *args, '--train-steps=80',
                         '--learning-rate=0', check=False)
-  assert rejected.returncode == 1 and 'task: error: --learning-rate=0.0;' in rejected.stderr
+  assert rejected.returncode == 1
+  assert 'task: error: --learning-rate=0.0;' in rejected.stderr
   assert config.read_text() == saved
   # The job still predicts with the config it was trained with.
   assert json.loads(saved)['learning_rate'] == 0.05
