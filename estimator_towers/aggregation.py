@@ -49,6 +49,34 @@ def check(aggregation: str, variables_device: Optional[str]) -> None:
         "tower devices itself; use aggregation='global_loss' to pin them.")
 
 
+def check_tasks(aggregation: str, config) -> None:
+  """Fails when 'all_reduce' would train in a cluster of several tasks.
+
+  Its per-device copies and collective ops span the towers of one task:
+  across tasks, each task's copies would miss the others' updates of the
+  shared variables, and the tasks' collectives wait for one another forever.
+
+  Args:
+    aggregation: The `aggregation` argument of replicate_model_fn.
+    config: The Estimator's RunConfig (its TF_CONFIG cluster).
+
+  Raises:
+    ValueError: 'all_reduce' with workers or parameter servers besides this
+      task.
+  """
+  if aggregation != 'all_reduce':
+    return
+  workers = getattr(config, 'num_worker_replicas', 1) or 1
+  ps = getattr(config, 'num_ps_replicas', 0) or 0
+  if workers > 1 or ps > 0:
+    raise ValueError(
+        "aggregation='all_reduce' keeps one copy of the variables per device "
+        'of one task, but TF_CONFIG names a cluster of several tasks '
+        f'({workers} worker(s) with the chief, {ps} parameter server(s)); use '
+        "aggregation='global_loss' or 'round_robin', which share the "
+        "cluster's variables.")
+
+
 class Placement:
   """Decides the device of variable ops; base of the strategies.
 

@@ -123,8 +123,9 @@ def replicate_model_fn(model_fn: ModelFn,
     ValueError: `devices` is empty or repeats a device, `loss_reduction` or
       `aggregation` is unknown, or `variables_device` is given with an
       `aggregation` other than 'global_loss'. Devices the session lacks,
-      and a `loss_reduction` the loss contradicts, are reported when the
-      Estimator calls the model_fn.
+      a `loss_reduction` the loss contradicts, and 'all_reduce' in a
+      TF_CONFIG cluster of several tasks, are reported when the Estimator
+      calls the model_fn.
   """
   if not callable(model_fn):
     raise TypeError(f'model_fn must be callable, got {model_fn!r}.')
@@ -150,6 +151,8 @@ def replicate_model_fn(model_fn: ModelFn,
 
   def replicated_model_fn(features, labels, mode, params, config):
     tower_devices = _tower_devices(devices, config)
+    if mode == ModeKeys.TRAIN:
+      aggregation_lib.check_tasks(aggregation, config)
     if variables_device is not None:
       _check_variables_device(variables_device, config)
     kwargs = {'mode': mode, 'params': params, 'config': config}

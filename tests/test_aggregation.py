@@ -7,6 +7,8 @@ not divide by the tower count, and its checkpoints must carry exactly the
 one-device names and resume under every other strategy.
 """
 
+import json
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -405,3 +407,30 @@ def test_variable_constraints_apply_to_every_copy(tmp_path, data,
   # The constraint binds, so a copy that ignored it would differ.
   norms = np.linalg.norm(runs[1]['dense/kernel'], axis=0)
   np.testing.assert_allclose(norms, 0.3, rtol=1e-4)
+
+
+@pytest.mark.parametrize('cluster', [
+    {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
+    {'chief': ['127.0.0.1:1'], 'ps': ['127.0.0.1:3']},
+])
+def test_all_reduce_in_a_cluster_of_several_tasks_is_refused(monkeypatch,
+                                                             cluster):
+  # Each task would all-reduce only its own towers, its copies blind to the
+  # other tasks' updates; the collectives waited forever for each other.
+  monkeypatch.setenv('TF_CONFIG', json.dumps(
+      {'cluster': cluster, 'task': {'type': 'chief', 'index': 0}}))
+  with pytest.raises(ValueError, match=r"aggregation='all_reduce' keeps .* "
+                     r"one task.*global_loss.*round_robin"):
+    build_replicated(classifier_model_fn, 2, aggregation='all_reduce')
+
+
+def test_all_reduce_on_a_lone_chief_and_other_strategies_in_clusters_build(
+    monkeypatch):
+  monkeypatch.setenv('TF_CONFIG', json.dumps(
+      {'cluster': {'chief': ['127.0.0.1:1']},
+       'task': {'type': 'chief', 'index': 0}}))
+  build_replicated(classifier_model_fn, 2, aggregation='all_reduce')
+  monkeypatch.setenv('TF_CONFIG', json.dumps(
+      {'cluster': {'chief': ['127.0.0.1:1'], 'ps': ['127.0.0.1:3']},
+       'task': {'type': 'chief', 'index': 0}}))
+  build_replicated(classifier_model_fn, 2, aggregation='round_robin')
