@@ -17,13 +17,13 @@ import tensorflow as tf
 
 from estimator_towers import aggregation as aggregation_lib
 from estimator_towers import loss_reduction as reduction_lib
+from estimator_towers import moving_statistics
 from estimator_towers import one_update
 from estimator_towers import replicas as replicas_lib
 from estimator_towers import sharding
 from estimator_towers import spec_merge
 from estimator_towers import tower as tower_lib
 from estimator_towers import tower_effects
-from estimator_towers import update_chain
 from estimator_towers import variable_sharing
 from estimator_towers.run_config import session_device_counts
 
@@ -80,9 +80,11 @@ def replicate_model_fn(model_fn: ModelFn,
   towers beyond a small batch are idle and contribute nothing.
 
   Inside the model_fn, `trainer.tower_context()` tells the tower index and
-  count. Batch-norm statistics are computed per tower (as with any
-  in-graph replication); hooks and summaries come from tower 0, the
-  training scaffold from the last tower (its Saver sees the slots).
+  count. Batch norm normalises each tower's shard with the shard's
+  statistics (as with any in-graph replication), but its moving mean and
+  variance get one update per step from the global batch (see
+  moving_statistics); hooks and summaries come from tower 0, the training
+  scaffold from the last tower (its Saver sees the slots).
 
   Args:
     model_fn: A model_fn written for one device, taking some of `features`,
@@ -192,6 +194,7 @@ class _TowerBuilder:
     self._mode = mode
     self._sharing = variable_sharing.VariableSharing()
     self._update = None
+    self._statistics = None
     self._placement = aggregation_lib.make(aggregation, devices,
                                            variables_device)
     self._replicas = None
@@ -222,6 +225,8 @@ class _TowerBuilder:
         first_ids)
     self._update = one_update.OneUpdate(num_towers, weigh,
                                         self._sharing.unshared, self._replicas)
+    if self._mode == ModeKeys.TRAIN:
+      self._statistics = moving_statistics.MovingStatistics(num_towers, sizes)
     specs, update_ops = [], []
     graph = tf1.get_default_graph()
     with self._update.routing():
@@ -232,7 +237,7 @@ class _TowerBuilder:
         specs.append(spec)
         update_ops.append(added[tf1.GraphKeys.UPDATE_OPS])
     if self._mode == ModeKeys.TRAIN:
-      update_chain.chain_towers(update_ops)
+      moving_statistics.check_single_writers(update_ops)
       effects = []
       for i, spec in enumerate(specs[:-1]):
         effects.extend(tower_effects.earlier_tower_effects(
@@ -266,6 +271,8 @@ class _TowerBuilder:
       stack.enter_context(graph.device(self._device_fn(index, device)))
       stack.enter_context(self._sharing.tower(index))
       stack.enter_context(self._update.tower(index, name_scope))
+      if self._statistics is not None:
+        stack.enter_context(self._statistics.tower(index))
       added = stack.enter_context(_per_tower_collections(graph, index))
       # As the Estimator calls it: features by keyword, so that any order
       # of the arguments works.

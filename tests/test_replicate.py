@@ -198,13 +198,12 @@ def test_keras_layers_unnamed_are_shared_not_duplicated(tmp_path, data):
   assert_same_variables(runs[1], runs[3])
 
 
-def test_batch_norm_updates_of_every_tower_run(tmp_path, data):
+def test_batch_norm_statistics_move_once_per_step(tmp_path, data):
   x, y = data
 
   def model_fn(features, labels, mode):
     training = mode == tf.estimator.ModeKeys.TRAIN
-    # A constant input: every shard's batch mean is 2 and its variance 0,
-    # whatever order the towers' updates run in.
+    # A constant input: every shard's batch mean is 2 and its variance 0.
     constant = tf.zeros_like(features['x'][:, :2]) + 2.0
     net = tf1.layers.batch_normalization(constant, training=training,
                                          momentum=0.5)
@@ -218,14 +217,14 @@ def test_batch_norm_updates_of_every_tower_run(tmp_path, data):
 
   estimator = make_estimator(model_fn, tmp_path, 4)
   estimator.train(dataset_input_fn({'x': x}, y, 12), steps=4)
-  # 4 steps x 4 towers = 16 updates of momentum 0.5 from 0 (mean) and 1
-  # (variance). Tower 0's alone would leave the mean at 2 * (1 - 0.5**4).
+  # 4 steps = 4 updates of momentum 0.5 from 0 (mean) and 1 (variance), as
+  # on one device; one update per tower would make it 16.
   moving_mean = estimator.get_variable_value(
       'batch_normalization/moving_mean')
-  np.testing.assert_allclose(moving_mean, 2 * (1 - 0.5**16), atol=1e-5)
+  np.testing.assert_allclose(moving_mean, 2 * (1 - 0.5**4), atol=1e-5)
   moving_variance = estimator.get_variable_value(
       'batch_normalization/moving_variance')
-  np.testing.assert_allclose(moving_variance, 0.5**16, atol=1e-6)
+  np.testing.assert_allclose(moving_variance, 0.5**4, atol=1e-6)
   assert estimator.get_variable_value('global_step') == 4
 
 

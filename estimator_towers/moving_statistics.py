@@ -1,0 +1,270 @@
+"""One update of the batch-norm moving statistics per step, from the batch.
+
+Each tower's batch-norm layer would move its moving mean and variance
+towards its own shard's statistics, so N towers would apply N updates per
+step. While the towers are built, the moving-average update of Keras'
+batch normalization (`tf.keras.layers.BatchNormalization`, its legacy v1
+class and `tf.compat.v1.layers.batch_normalization`, which the canned
+Estimators use) is intercepted: every tower records its shard's statistics,
+earlier towers get a read of the variable in place of an update, and the
+last tower applies ONE update with the global batch's statistics, rebuilt
+from the shards':
+
+  mean = sum_i n_i mean_i / N
+  biased variance = sum_i n_i (var_i + (mean_i - mean)^2) / N
+
+where n_i counts the values a shard contributes to one channel (examples
+times spatial positions) and idle towers weigh zero. The fused kernel's
+batch variance carries Bessel's correction m / (m - 1), which is undone per
+shard and reapplied for the whole batch, as one device's fused layer would.
+
+Anything else in UPDATE_OPS that several towers write to one variable would
+run once per tower; `check_single_writers` refuses it.
+"""
+
+import contextlib
+import dataclasses
+from typing import Dict, List, Optional, Sequence
+
+from keras.src.layers.normalization import batch_normalization as keras_bn
+import tensorflow as tf
+
+tf1 = tf.compat.v1
+_Base = keras_bn.BatchNormalizationBase
+_READS = frozenset(['ReadVariableOp', 'Identity'])
+
+
+@dataclasses.dataclass
+class _Shard:
+  """What one tower's layer call contributes to one moving variable."""
+  value: Optional[tf.Tensor]  # The shard's batch mean or variance.
+  count: tf.Tensor  # Values per channel in the shard.
+  corrected: bool  # The variance carries Bessel's correction (fused kernel).
+  mean: Optional[tf.Tensor]  # For a variance: the same call's batch mean.
+
+
+class MovingStatistics:
+  """Intercepts batch-norm updates while the towers of a step are built.
+
+  Args:
+    num_towers: How many towers are built.
+    sizes: Each tower's number of real examples (int32 [num_towers]); an
+      idle tower (0) trains on a padding copy and must weigh nothing.
+  """
+
+  def __init__(self, num_towers: int, sizes: tf.Tensor):
+    self._num_towers = num_towers
+    self._sizes = sizes
+    self._graph = tf1.get_default_graph()
+    self._tower = None
+    # The layer call being built, by id(layer): its count and mean so far.
+    self._calls: Dict[int, _Shard] = {}
+    # Per tower: moving variable name -> its updates in call order.
+    self._shards: List[Dict[str, List[_Shard]]] = [
+        {} for _ in range(num_towers)]
+
+  @contextlib.contextmanager
+  def tower(self, index: int):
+    """Intercepts the batch-norm updates built in tower `index`."""
+    originals = {name: getattr(_Base, name) for name in
+                 ('_moments', '_fused_batch_norm', '_assign_moving_average')}
+    statistics = self
+
+    def moments(layer, inputs, reduction_axes, keep_dims, mask=None):
+      if mask is not None:
+        raise ValueError(
+            f'Batch-norm layer {layer.name!r} is called with a mask; its '
+            'moving statistics cannot be combined over towers exactly. Call '
+            'it without a mask (or with fused=True, which ignores masks).')
+      statistics._note_call(layer, inputs, corrected=False)
+      return originals['_moments'](layer, inputs, reduction_axes, keep_dims)
+
+    def fused_batch_norm(layer, inputs, mask, training):
+      # Keras 2.15 leaves the kernel's Bessel's correction in the variance
+      # its fused path averages (this flag is always True there).
+      corrected = getattr(layer, '_bessels_correction_test_only', True)
+      statistics._note_call(layer, inputs, corrected)
+      return originals['_fused_batch_norm'](layer, inputs, mask, training)
+
+    def assign_moving_average(layer, variable, value, momentum, inputs_size):
+      return statistics._assign(originals['_assign_moving_average'], layer,
+                                variable, value, momentum, inputs_size)
+
+    self._tower = index
+    try:
+      _Base._moments = moments
+      _Base._fused_batch_norm = fused_batch_norm
+      _Base._assign_moving_average = assign_moving_average
+      yield
+    finally:
+      for name, method in originals.items():
+        setattr(_Base, name, method)
+      self._tower = None
+
+  def _note_call(self, layer, inputs, corrected: bool) -> None:
+    """Starts a layer call: how many values per channel it normalises."""
+    channels = layer.moving_mean.shape.num_elements()
+    self._calls[id(layer)] = _Shard(None, tf.size(inputs) // channels,
+                                    corrected, None)
+
+  def _assign(self, original, layer, variable, value, momentum, inputs_size):
+    """Records the shard's statistic; the last tower applies the global one."""
+    _check_supported(layer)
+    call = self._calls.get(id(layer))
+    if call is None or (variable is layer.moving_variance and
+                        call.mean is None):
+      raise ValueError(
+          f'Batch-norm layer {layer.name!r} updates {variable.name} without '
+          'computing batch statistics the usual Keras way, so '
+          'replicate_model_fn cannot combine them over towers.')
+    if variable is layer.moving_mean:
+      mean = None
+    elif variable is layer.moving_variance:
+      mean = call.mean
+    else:
+      raise ValueError(
+          f'Batch-norm layer {layer.name!r} updates {variable.name}, which '
+          'replicate_model_fn cannot combine over towers.')
+    shard = _Shard(self._outside(value, layer), call.count, call.corrected,
+                   mean)
+    if mean is None:
+      call.mean = shard.value
+    calls = self._shards[self._tower].setdefault(variable.name, [])
+    calls.append(shard)
+    if self._tower < self._num_towers - 1:
+      # Not an update: the last tower applies the step's one update.
+      return tf.identity(variable, name='AssignMovingAvgInLastTower')
+    shards = self._matching(variable.name, len(calls) - 1)
+    if mean is None:
+      global_value = self._mean(shards)
+    else:
+      global_value = self._variance(shards)
+    return original(layer, variable, global_value, momentum, inputs_size)
+
+  def _matching(self, name: str, position: int) -> List[_Shard]:
+    """Every tower's `position`-th update of variable `name`."""
+    shards = []
+    for i, per_variable in enumerate(self._shards):
+      calls = per_variable.get(name, [])
+      if len(calls) <= position:
+        raise ValueError(
+            f'Tower {i} updates {name} {len(calls)} times, the last tower '
+            f'{position + 1} times. Every tower must build the same model.')
+      shards.append(calls[position])
+    return shards
+
+  def _weights(self, shards: Sequence[_Shard], dtype) -> List[tf.Tensor]:
+    """Each shard's values per channel; zero for an idle tower's padding."""
+    return [tf.where(self._sizes[i] > 0, tf.cast(shard.count, dtype),
+                     tf.zeros([], dtype))
+            for i, shard in enumerate(shards)]
+
+  def _mean(self, shards: Sequence[_Shard]) -> tf.Tensor:
+    with tf.name_scope('global_batch_mean'):
+      dtype = shards[0].value.dtype
+      weights = self._weights(shards, dtype)
+      return _weighted_mean([s.value for s in shards], weights)
+
+  def _variance(self, shards: Sequence[_Shard]) -> tf.Tensor:
+    with tf.name_scope('global_batch_variance'):
+      dtype = shards[0].value.dtype
+      weights = self._weights(shards, dtype)
+      means = [s.mean for s in shards]
+      mean = _weighted_mean(means, weights)
+      terms = []
+      for shard, shard_mean in zip(shards, means):
+        variance = shard.value
+        if shard.corrected:
+          count = tf.cast(shard.count, dtype)
+          variance = variance * (count - 1) / count
+        terms.append(variance + tf.square(shard_mean - mean))
+      variance = _weighted_mean(terms, weights)
+      if shards[0].corrected:
+        total = tf.add_n(weights)
+        variance = variance * total / (total - 1)
+      return variance
+
+  def _outside(self, value: tf.Tensor, layer) -> tf.Tensor:
+    """`value` as a tensor of the towers' graph.
+
+    A layer called with a `training` tensor updates inside a conditional,
+    whose branch captures the statistic from the towers' graph.
+    """
+    value = tf.convert_to_tensor(value)
+    while value.graph is not self._graph:
+      inner = value.graph
+      outer = {id(internal): external for internal, external in zip(
+          getattr(inner, 'internal_captures', ()),
+          getattr(inner, 'external_captures', ()))}.get(id(value))
+      if outer is None:
+        raise ValueError(
+            f'Batch-norm layer {layer.name!r} computes its update inside a '
+            'function or loop, where replicate_model_fn cannot combine it '
+            'over towers. Call the layer outside tf.function and loops.')
+      value = outer
+    return value
+
+
+def _check_supported(layer) -> None:
+  if layer.renorm:
+    raise ValueError(
+        f'Batch-norm layer {layer.name!r} uses renorm=True, whose moving '
+        'statistics replicate_model_fn cannot combine over towers exactly. '
+        'Use renorm=False, or train on one device.')
+  if layer.virtual_batch_size is not None:
+    raise ValueError(
+        f'Batch-norm layer {layer.name!r} sets virtual_batch_size: its ghost '
+        'batches would straddle towers, so the moving statistics cannot '
+        'match one device. Leave virtual_batch_size=None, or train on one '
+        'device.')
+
+
+def _weighted_mean(values: Sequence[tf.Tensor],
+                   weights: Sequence[tf.Tensor]) -> tf.Tensor:
+  """sum_i w_i v_i / sum_i w_i; a zero weight drops a NaN value."""
+  terms = [tf.where(w > 0, w * v, tf.zeros_like(v))
+           for v, w in zip(values, weights)]
+  return tf.add_n(terms) / tf.add_n(weights)
+
+
+def _target(op: tf.Operation):
+  """The variable (handle or ref) an update op writes, or None."""
+  if op.type in _READS or not op.inputs:
+    return None
+  first = op.inputs[0]
+  if first.dtype == tf.resource or first.dtype._is_ref_dtype:  # pylint: disable=protected-access
+    return first
+  return None
+
+
+def check_single_writers(updates_per_tower: Sequence[Sequence]) -> None:
+  """Refuses UPDATE_OPS that several towers write to the same variable.
+
+  Batch-norm statistics are written by the last tower only (see
+  MovingStatistics). Any other write every tower makes, such as a moving
+  average of the user's own, would run once per tower per step.
+
+  Args:
+    updates_per_tower: Each tower's UPDATE_OPS, in tower order.
+
+  Raises:
+    ValueError: two towers' UPDATE_OPS write one variable.
+  """
+  writers: Dict[str, int] = {}
+  for index, updates in enumerate(updates_per_tower):
+    for update in updates:
+      op = update if isinstance(update, tf.Operation) else update.op
+      target = _target(op)
+      if target is None:
+        continue
+      name = target.op.name
+      if writers.setdefault(name, index) != index:
+        raise ValueError(
+            f'UPDATE_OPS of towers {writers[name]} and {index} both write '
+            f'{name} (op {op.name}): it would change once per tower, '
+            'not once per step as on one device. replicate_model_fn combines '
+            'only the moving statistics of tf.keras.layers.'
+            'BatchNormalization and tf.compat.v1.layers.batch_normalization. '
+            'Use one of those for batch norm. Add any other update in one '
+            'tower only (if trainer.tower_context().index == 0), where it '
+            "sees that tower's shard, or train on one device.")
