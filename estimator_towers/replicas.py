@@ -242,8 +242,8 @@ class Replicas:
         found.append((primary, copy))
         for opt in self._optimizers:
           for slot in opt.get_slot_names():
-            primary_slot = opt.get_slot(primary, slot)
-            copy_slot = opt.get_slot(copy, slot)
+            primary_slot = _slot(opt, primary, slot)
+            copy_slot = _slot(opt, copy, slot)
             if (primary_slot is None) != (copy_slot is None):
               raise ValueError(
                   f'The optimizer made slot {slot!r} for only one of '
@@ -326,3 +326,16 @@ def _full_name(kwargs) -> str:
   name = kwargs.get('name') or ''
   scope = tf1.get_default_graph().get_name_scope()
   return f'{scope}/{name}' if scope else str(name)
+
+
+def _slot(optimizer, variable, name: str):
+  """The slot `name` of `variable`, or None when the optimizer has none.
+
+  A Keras legacy optimizer raises KeyError for a variable it does not
+  update (DNNLinearCombined's two optimizers each update half the model),
+  where a tf.compat.v1 one returns None.
+  """
+  try:
+    return optimizer.get_slot(variable, name)
+  except KeyError:
+    return None

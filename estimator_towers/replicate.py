@@ -18,6 +18,7 @@ import tensorflow as tf
 from estimator_towers import aggregation as aggregation_lib
 from estimator_towers import loss_reduction as reduction_lib
 from estimator_towers import one_update
+from estimator_towers import optimizer_iterations
 from estimator_towers import replicas as replicas_lib
 from estimator_towers import sharding
 from estimator_towers import spec_merge
@@ -224,7 +225,8 @@ class _TowerBuilder:
                                         self._sharing.unshared, self._replicas)
     specs, update_ops = [], []
     graph = tf1.get_default_graph()
-    with self._update.routing():
+    with self._update.routing(), (
+        optimizer_iterations.same_iterations_accepted()):
       for i in range(num_towers):
         first_ids.append(_next_op_id(graph))
         spec, added = self._build_tower(i, feature_shards[i], label_shards[i],
