@@ -22,6 +22,7 @@ from estimator_towers import optimizer_iterations
 from estimator_towers import replicas as replicas_lib
 from estimator_towers import sharding
 from estimator_towers import spec_merge
+from estimator_towers import table_sharing
 from estimator_towers import tower as tower_lib
 from estimator_towers import tower_effects
 from estimator_towers import update_chain
@@ -192,6 +193,7 @@ class _TowerBuilder:
     self._reduction = loss_reduction
     self._mode = mode
     self._sharing = variable_sharing.VariableSharing()
+    self._tables = table_sharing.TableSharing()
     self._update = None
     self._placement = aggregation_lib.make(aggregation, devices,
                                            variables_device)
@@ -233,6 +235,7 @@ class _TowerBuilder:
                                         kwargs)
         specs.append(spec)
         update_ops.append(added[tf1.GraphKeys.UPDATE_OPS])
+    self._tables.order_accesses(first_ids[0])
     if self._mode == ModeKeys.TRAIN:
       update_chain.chain_towers(update_ops)
       effects = []
@@ -267,6 +270,7 @@ class _TowerBuilder:
         stack.enter_context(graph.name_scope(name_scope))
       stack.enter_context(graph.device(self._device_fn(index, device)))
       stack.enter_context(self._sharing.tower(index))
+      stack.enter_context(self._tables.tower(index))
       stack.enter_context(self._update.tower(index, name_scope))
       added = stack.enter_context(_per_tower_collections(graph, index))
       # As the Estimator calls it: features by keyword, so that any order
