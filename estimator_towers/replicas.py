@@ -69,6 +69,9 @@ class Replicas:
     self._used = set()  # ids of the sums some copy's update consumes.
     self._optimizers = []
     self._apply_ids: List[tuple] = []  # [first, last) op ids of updates
+    # Primaries' initializers as made: `init_from_checkpoint` (e.g. in a
+    # TPUEstimatorSpec's scaffold_fn) replaces one, leaving the old unused.
+    self._first_initializers = set()
 
   # ----------------------------------------------------------------------
   # Copies.
@@ -79,6 +82,8 @@ class Replicas:
       return self._partitioned(primary, tower)
     if not tower or not self._is_trainable(primary):
       return primary
+    if id(primary) not in self._copies:
+      self._first_initializers.add(primary.initializer.name)
     copies = self._copies.setdefault(id(primary), [primary])
     while len(copies) <= tower:
       copies.append(self._make_copy(primary, len(copies)))
@@ -264,7 +269,7 @@ class Replicas:
         handles[v.handle.name if hasattr(v, 'handle') else v.name] = v
     graph = tf1.get_default_graph()
     initializers = {v.initializer.name for vs in self._copies.values()
-                    for v in vs}
+                    for v in vs} | self._first_initializers
     for op in graph.get_operations():
       op_id = op._id  # pylint: disable=protected-access
       if (op_id < first_op_id or op.type not in _WRITES or

@@ -25,6 +25,7 @@ from estimator_towers import spec_merge
 from estimator_towers import table_sharing
 from estimator_towers import tower as tower_lib
 from estimator_towers import tower_effects
+from estimator_towers import tpu_spec
 from estimator_towers import update_chain
 from estimator_towers import variable_sharing
 from estimator_towers.run_config import session_device_counts
@@ -167,15 +168,17 @@ def replicate_model_fn(model_fn: ModelFn,
       kwargs['labels'] = labels
     if mode == ModeKeys.PREDICT and not replicate_serving and (
         _is_serving_graph(features)):
-      return model_fn(features=features, **kwargs)
+      return tpu_spec.as_estimator_spec(model_fn(features=features, **kwargs))
     if len(tower_devices) == 1:
       if devices is None:  # One device of the session: as if unwrapped.
-        return model_fn(features=features, **kwargs)
+        return tpu_spec.as_estimator_spec(
+            model_fn(features=features, **kwargs))
       placement = aggregation_lib.make(aggregation, tower_devices,
                                        variables_device)
       with tf1.get_default_graph().device(
           _placer(0, tower_devices[0], placement, lambda: False)):
-        return model_fn(features=features, **kwargs)
+        return tpu_spec.as_estimator_spec(
+            model_fn(features=features, **kwargs))
     builder = _TowerBuilder(model_fn, tower_devices, variables_device,
                             loss_reduction, mode, aggregation)
     return builder.build(features, labels, kwargs)
@@ -194,6 +197,7 @@ class _TowerBuilder:
     self._mode = mode
     self._sharing = variable_sharing.VariableSharing()
     self._tables = table_sharing.TableSharing()
+    self._tpu_parts = []  # Of towers that return a TPUEstimatorSpec.
     self._update = None
     self._placement = aggregation_lib.make(aggregation, devices,
                                            variables_device)
@@ -248,13 +252,31 @@ class _TowerBuilder:
       spec = spec_merge.merge_train(specs, weigh, sizes,
                                     [op for ops in update_ops for op in ops],
                                     effects)
+      spec = self._finish_tpu_spec(spec, sizes)
       if self._replicas is not None:
         self._replicas.check_no_other_writes(first_ids[0])
         spec = spec._replace(scaffold=self._replicas.scaffold(spec.scaffold))
       return spec
     if self._mode == ModeKeys.EVAL:
-      return spec_merge.merge_eval(specs, weigh, sizes)
-    return spec_merge.merge_predict(specs, sizes)
+      return self._finish_tpu_spec(
+          spec_merge.merge_eval(specs, weigh, sizes), sizes)
+    return self._finish_tpu_spec(spec_merge.merge_predict(specs, sizes),
+                                 sizes)
+
+  def _finish_tpu_spec(self, spec, sizes):
+    """`spec` with the towers' TPUEstimatorSpec parts, if they gave any."""
+    if not self._tpu_parts:
+      return spec
+    if len(self._tpu_parts) != len(self._devices):
+      raise ValueError(
+          f'Only {len(self._tpu_parts)} of {len(self._devices)} towers '
+          f'returned a TPUEstimatorSpec; every tower must build the same '
+          'model.')
+    padded = self._mode != ModeKeys.EVAL  # As the shards were split.
+    return tpu_spec.finish(
+        spec, self._tpu_parts,
+        lambda name, tensors: spec_merge.concat_rows(
+            name, tensors, sizes, padded, kind='TPUEstimatorSpec'))
 
   def _build_tower(self, index, features, labels, kwargs):
     device = self._devices[index]
@@ -276,9 +298,13 @@ class _TowerBuilder:
       # As the Estimator calls it: features by keyword, so that any order
       # of the arguments works.
       spec = self._model_fn(features=features, **tower_kwargs)
-    if not isinstance(spec, tf.estimator.EstimatorSpec):
+    if tpu_spec.is_tpu_spec(spec):
+      spec, parts = tpu_spec.split(spec)
+      self._tpu_parts.append(parts)
+    elif not isinstance(spec, tf.estimator.EstimatorSpec):
       raise TypeError(f'{_name(self._model_fn)} returned {type(spec).__name__}'
-                      '; a model_fn must return a tf.estimator.EstimatorSpec.')
+                      '; a model_fn must return a tf.estimator.EstimatorSpec '
+                      'or a TPUEstimatorSpec.')
     if self._mode == ModeKeys.TRAIN:
       self._update.check_tower(index)
     return spec, added
