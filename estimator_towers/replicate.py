@@ -252,18 +252,18 @@ class _TowerBuilder:
       spec = spec_merge.merge_train(specs, weigh, sizes,
                                     [op for ops in update_ops for op in ops],
                                     effects)
-      spec = self._finish_tpu_spec(spec, sizes)
+      spec = self._finish_tpu_spec(spec, sizes, feature_shards)
       if self._replicas is not None:
         self._replicas.check_no_other_writes(first_ids[0])
         spec = spec._replace(scaffold=self._replicas.scaffold(spec.scaffold))
       return spec
     if self._mode == ModeKeys.EVAL:
       return self._finish_tpu_spec(
-          spec_merge.merge_eval(specs, weigh, sizes), sizes)
+          spec_merge.merge_eval(specs, weigh, sizes), sizes, feature_shards)
     return self._finish_tpu_spec(spec_merge.merge_predict(specs, sizes),
-                                 sizes)
+                                 sizes, feature_shards)
 
-  def _finish_tpu_spec(self, spec, sizes):
+  def _finish_tpu_spec(self, spec, sizes, shards):
     """`spec` with the towers' TPUEstimatorSpec parts, if they gave any."""
     if not self._tpu_parts:
       return spec
@@ -276,7 +276,8 @@ class _TowerBuilder:
     return tpu_spec.finish(
         spec, self._tpu_parts,
         lambda name, tensors: spec_merge.concat_rows(
-            name, tensors, sizes, padded, kind='TPUEstimatorSpec'))
+            name, tensors, sizes, padded, kind='TPUEstimatorSpec'),
+        [sharding.static_rows(shard) for shard in shards])
 
   def _build_tower(self, index, features, labels, kwargs):
     device = self._devices[index]

@@ -72,7 +72,8 @@ def split(spec) -> tuple:
 
 
 def finish(merged: tf.estimator.EstimatorSpec, parts: Sequence[TpuParts],
-           concat: Concat) -> tf.estimator.EstimatorSpec:
+           concat: Concat, shard_rows: Sequence[Optional[int]]
+           ) -> tf.estimator.EstimatorSpec:
   """The merged spec with the towers' TPU parts, converted off-TPU.
 
   Args:
@@ -80,6 +81,7 @@ def finish(merged: tf.estimator.EstimatorSpec, parts: Sequence[TpuParts],
     parts: Each tower's TpuParts.
     concat: Puts the towers' tensors of one name in input order, keeping
       only each tower's real examples.
+    shard_rows: Each tower's static number of input rows, None if unknown.
 
   Returns:
     The EstimatorSpec TPUEstimator(use_tpu=False) would make of one device's
@@ -89,6 +91,7 @@ def finish(merged: tf.estimator.EstimatorSpec, parts: Sequence[TpuParts],
     ValueError: The towers disagree on eval_metrics or host_call, or one of
       their tensors has no batch dimension.
   """
+  concat = _checking_rows(concat, shard_rows)
   tpu_spec = TPUEstimatorSpec(
       mode=merged.mode, predictions=merged.predictions, loss=merged.loss,
       train_op=merged.train_op,
@@ -106,6 +109,32 @@ def finish(merged: tf.estimator.EstimatorSpec, parts: Sequence[TpuParts],
     # The predictions are already concatenated; keep the merged ones.
     return spec._replace(predictions=merged.predictions)
   return spec
+
+
+def _checking_rows(concat: Concat, shard_rows) -> Concat:
+  """`concat`, refusing tensors whose static rows are not the shard's.
+
+  A TPU model_fn often passes per-step values shaped [1] (`tf.reshape(loss,
+  [1])`) to host_call. Their rows are not examples: concatenated, `fn`
+  would read one tower's value where one device has the whole batch's. A
+  tower of one example would let them through the run-time row check.
+  """
+
+  def checked(name: str, tensors: List[tf.Tensor]) -> tf.Tensor:
+    for i, tensor in enumerate(tensors):
+      rows = tensor.shape[0] if tensor.shape.rank else None
+      if rows is not None and rows != shard_rows[i]:
+        raise ValueError(
+            f'TPUEstimatorSpec {name} has {rows} row(s) in tower {i}, whose '
+            f'shard has {shard_rows[i] or "a varying number of"} examples. '
+            'Under replicate_model_fn, as on a TPU, these tensors are '
+            'concatenated across towers: give one row per example and '
+            'reduce in the function. A per-step value such as '
+            'tf.reshape(loss, [1]) would be one tower\'s; write it as a '
+            'summary in the model_fn instead.')
+    return concat(name, tensors)
+
+  return checked
 
 
 def _merged_call(what: str, calls: Sequence[Optional[tuple]],

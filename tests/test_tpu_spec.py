@@ -168,3 +168,25 @@ def test_scalar_eval_metrics_tensor_is_refused(tmp_path, data,
       config=trainer.make_run_config(str(tmp_path), cpu_devices=2))
   with pytest.raises(ValueError, match=r'eval_metrics tensor 0 is a scalar'):
     estimator.evaluate(_input_fn(data, repeat=False))
+
+
+def test_per_step_host_call_tensor_is_refused(tmp_path, data):
+  # TPU model_fns pass e.g. tf.reshape(loss, [1]): one row per tower, not
+  # per example; fn would read one tower's loss as the batch's.
+  def model_fn(features, labels, mode, params):
+    del params
+    logits = tf1.layers.dense(features['x'], 1)
+    loss = tf1.losses.sigmoid_cross_entropy(labels, logits)
+    train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf1.estimator.tpu.TPUEstimatorSpec(
+        mode, loss=loss, train_op=train_op,
+        host_call=(lambda loss: tf.identity(loss[0]),
+                   [tf.reshape(loss, [1])]))
+
+  estimator = tf.estimator.Estimator(
+      trainer.replicate_model_fn(model_fn), params={'batch_size': BATCH},
+      config=trainer.make_run_config(str(tmp_path), cpu_devices=2))
+  with pytest.raises(ValueError, match=r'host_call\[0\] has 1 row\(s\) in '
+                     'tower 0'):
+    estimator.train(_input_fn(data), steps=1)
