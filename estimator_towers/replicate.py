@@ -224,6 +224,7 @@ class _TowerBuilder:
       feature_shards = sharding.split_batch(features, sizes, num_towers, pad)
       label_shards = sharding.split_batch(labels, sizes, num_towers, pad)
     first_ids = []
+    self._tables.sizes = sizes
     weigh = reduction_lib.TowerWeights(
         self._reduction, sizes, list(zip(feature_shards, label_shards)),
         first_ids)

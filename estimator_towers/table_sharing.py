@@ -16,13 +16,17 @@ insert sees the table as it was before the step, in every tower). A read
 that waits for a write of the same step, in a table more than one tower
 writes, would see only the earlier towers' writes: it is refused.
 
+A tower left idle by a batch smaller than the tower count trains on a copy
+of the first example at weight zero (see sharding); its writes are dropped,
+or that copy would overwrite a later tower's value of the same key.
+
 Read-only tables (`StaticHashTable`, feature-column vocabularies) are left
 per tower: their copies hold the same contents.
 """
 
 import contextlib
 import threading
-from typing import Iterator, List
+from typing import Callable, Iterator, List, Optional
 
 import tensorflow as tf
 
@@ -32,6 +36,9 @@ _TABLE_CLASSES = (tf.lookup.experimental.MutableHashTable,
 _WRITES = frozenset(['LookupTableInsert', 'LookupTableInsertV2',
                      'LookupTableRemoveV2', 'LookupTableImport',
                      'LookupTableImportV2'])
+# Methods that write keys; the first argument is the keys, the second (if
+# any) the values.
+_WRITE_METHODS = ('insert', 'insert_or_assign', 'remove', 'erase')
 # A checkpoint's export reads the table when the Saver runs, not in a step.
 _EXPORTS = frozenset(['LookupTableExport', 'LookupTableExportV2'])
 
@@ -41,6 +48,9 @@ class TableSharing:
 
   def __init__(self):
     self._created: List = []
+    # Each tower's number of real examples (a Tensor), set before the towers
+    # are built; None leaves every tower's writes as they are.
+    self.sizes: Optional[tf.Tensor] = None
 
   @contextlib.contextmanager
   def tower(self, index: int) -> Iterator[None]:
@@ -79,15 +89,23 @@ class TableSharing:
         return first.resource_handle
       return create_resource
 
-    originals = {cls: cls.__dict__['_create_resource']
-                 for cls in _TABLE_CLASSES}
-    for cls, original in originals.items():
-      cls._create_resource = creator(original)  # pylint: disable=protected-access
+    patches = {(cls, '_create_resource'): creator(
+        cls.__dict__['_create_resource']) for cls in _TABLE_CLASSES}
+    if index and self.sizes is not None:
+      real = self.sizes[index]
+      for cls in _TABLE_CLASSES:
+        for name in _WRITE_METHODS:
+          if name in cls.__dict__:
+            patches[(cls, name)] = _unless_idle(cls.__dict__[name], real,
+                                                owns)
+    originals = {key: key[0].__dict__[key[1]] for key in patches}
+    for (cls, name), method in patches.items():
+      setattr(cls, name, method)
     try:
       yield
     finally:
-      for cls, original in originals.items():
-        cls._create_resource = original  # pylint: disable=protected-access
+      for (cls, name), method in originals.items():
+        setattr(cls, name, method)
     if index:
       _drop_saveables(graph, redirected)
       if cursor[0] != len(self._created):
@@ -153,6 +171,29 @@ class TableSharing:
       for write in writes:
         write._add_control_inputs(  # pylint: disable=protected-access
             [r for r in reads if r not in write.control_inputs])
+
+
+def _unless_idle(method: Callable, real: tf.Tensor,
+                 owns: Callable[[], bool]) -> Callable:
+  """`method` writing no key when the tower has no real example."""
+
+  def write(table, keys, *args, **kwargs):
+    if not owns():
+      return method(table, keys, *args, **kwargs)
+    keys = tf.convert_to_tensor(keys, table.key_dtype)
+    if not keys.shape.rank:
+      return method(table, keys, *args, **kwargs)
+    with tf.name_scope('unless_idle'):
+      count = tf.where(real > 0, tf.shape(keys)[0], 0)
+      args = list(args)
+      if args:  # The values, one row per key.
+        args[0] = tf.convert_to_tensor(args[0], table.value_dtype)[:count]
+      elif 'values' in kwargs:
+        kwargs['values'] = tf.convert_to_tensor(
+            kwargs['values'], table.value_dtype)[:count]
+      return method(table, keys[:count], *args, **kwargs)
+
+  return write
 
 
 def _waits_for(op: tf.Operation, names, first_id: int) -> bool:
