@@ -69,6 +69,9 @@ class Replicas:
     self._used = set()  # ids of the sums some copy's update consumes.
     self._optimizers = []
     self._apply_ids: List[tuple] = []  # [first, last) op ids of updates
+    # Primaries' initializers as made: `init_from_checkpoint` (e.g. in a
+    # TPUEstimatorSpec's scaffold_fn) replaces one, leaving the old unused.
+    self._first_initializers = set()
 
   # ----------------------------------------------------------------------
   # Copies.
@@ -79,6 +82,8 @@ class Replicas:
       return self._partitioned(primary, tower)
     if not tower or not self._is_trainable(primary):
       return primary
+    if id(primary) not in self._copies:
+      self._first_initializers.add(primary.initializer.name)
     copies = self._copies.setdefault(id(primary), [primary])
     while len(copies) <= tower:
       copies.append(self._make_copy(primary, len(copies)))
@@ -242,8 +247,8 @@ class Replicas:
         found.append((primary, copy))
         for opt in self._optimizers:
           for slot in opt.get_slot_names():
-            primary_slot = opt.get_slot(primary, slot)
-            copy_slot = opt.get_slot(copy, slot)
+            primary_slot = _slot(opt, primary, slot)
+            copy_slot = _slot(opt, copy, slot)
             if (primary_slot is None) != (copy_slot is None):
               raise ValueError(
                   f'The optimizer made slot {slot!r} for only one of '
@@ -264,7 +269,7 @@ class Replicas:
         handles[v.handle.name if hasattr(v, 'handle') else v.name] = v
     graph = tf1.get_default_graph()
     initializers = {v.initializer.name for vs in self._copies.values()
-                    for v in vs}
+                    for v in vs} | self._first_initializers
     for op in graph.get_operations():
       op_id = op._id  # pylint: disable=protected-access
       if (op_id < first_op_id or op.type not in _WRITES or
@@ -326,3 +331,16 @@ def _full_name(kwargs) -> str:
   name = kwargs.get('name') or ''
   scope = tf1.get_default_graph().get_name_scope()
   return f'{scope}/{name}' if scope else str(name)
+
+
+def _slot(optimizer, variable, name: str):
+  """The slot `name` of `variable`, or None when the optimizer has none.
+
+  A Keras legacy optimizer raises KeyError for a variable it does not
+  update (DNNLinearCombined's two optimizers each update half the model),
+  where a tf.compat.v1 one returns None.
+  """
+  try:
+    return optimizer.get_slot(variable, name)
+  except KeyError:
+    return None

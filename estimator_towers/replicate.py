@@ -19,11 +19,14 @@ from estimator_towers import aggregation as aggregation_lib
 from estimator_towers import loss_reduction as reduction_lib
 from estimator_towers import moving_statistics
 from estimator_towers import one_update
+from estimator_towers import optimizer_iterations
 from estimator_towers import replicas as replicas_lib
 from estimator_towers import sharding
 from estimator_towers import spec_merge
+from estimator_towers import table_sharing
 from estimator_towers import tower as tower_lib
 from estimator_towers import tower_effects
+from estimator_towers import tpu_spec
 from estimator_towers import variable_sharing
 from estimator_towers.run_config import session_device_counts
 
@@ -167,15 +170,17 @@ def replicate_model_fn(model_fn: ModelFn,
       kwargs['labels'] = labels
     if mode == ModeKeys.PREDICT and not replicate_serving and (
         _is_serving_graph(features)):
-      return model_fn(features=features, **kwargs)
+      return tpu_spec.as_estimator_spec(model_fn(features=features, **kwargs))
     if len(tower_devices) == 1:
       if devices is None:  # One device of the session: as if unwrapped.
-        return model_fn(features=features, **kwargs)
+        return tpu_spec.as_estimator_spec(
+            model_fn(features=features, **kwargs))
       placement = aggregation_lib.make(aggregation, tower_devices,
                                        variables_device)
       with tf1.get_default_graph().device(
           _placer(0, tower_devices[0], placement, lambda: False)):
-        return model_fn(features=features, **kwargs)
+        return tpu_spec.as_estimator_spec(
+            model_fn(features=features, **kwargs))
     builder = _TowerBuilder(model_fn, tower_devices, variables_device,
                             loss_reduction, mode, aggregation)
     return builder.build(features, labels, kwargs)
@@ -193,6 +198,8 @@ class _TowerBuilder:
     self._reduction = loss_reduction
     self._mode = mode
     self._sharing = variable_sharing.VariableSharing()
+    self._tables = table_sharing.TableSharing()
+    self._tpu_parts = []  # Of towers that return a TPUEstimatorSpec.
     self._update = None
     self._statistics = None
     self._placement = aggregation_lib.make(aggregation, devices,
@@ -220,6 +227,7 @@ class _TowerBuilder:
       feature_shards = sharding.split_batch(features, sizes, num_towers, pad)
       label_shards = sharding.split_batch(labels, sizes, num_towers, pad)
     first_ids = []
+    self._tables.sizes = sizes
     weigh = reduction_lib.TowerWeights(
         self._reduction, sizes, list(zip(feature_shards, label_shards)),
         first_ids)
@@ -229,13 +237,15 @@ class _TowerBuilder:
       self._statistics = moving_statistics.MovingStatistics(num_towers, sizes)
     specs, update_ops = [], []
     graph = tf1.get_default_graph()
-    with self._update.routing():
+    with self._update.routing(), (
+        optimizer_iterations.same_iterations_accepted()):
       for i in range(num_towers):
         first_ids.append(_next_op_id(graph))
         spec, added = self._build_tower(i, feature_shards[i], label_shards[i],
                                         kwargs)
         specs.append(spec)
         update_ops.append(added[tf1.GraphKeys.UPDATE_OPS])
+    self._tables.order_accesses(first_ids[0])
     if self._mode == ModeKeys.TRAIN:
       moving_statistics.check_single_writers(update_ops)
       effects = []
@@ -248,13 +258,32 @@ class _TowerBuilder:
       spec = spec_merge.merge_train(specs, weigh, sizes,
                                     [op for ops in update_ops for op in ops],
                                     effects)
+      spec = self._finish_tpu_spec(spec, sizes, feature_shards)
       if self._replicas is not None:
         self._replicas.check_no_other_writes(first_ids[0])
         spec = spec._replace(scaffold=self._replicas.scaffold(spec.scaffold))
       return spec
     if self._mode == ModeKeys.EVAL:
-      return spec_merge.merge_eval(specs, weigh, sizes)
-    return spec_merge.merge_predict(specs, sizes)
+      return self._finish_tpu_spec(
+          spec_merge.merge_eval(specs, weigh, sizes), sizes, feature_shards)
+    return self._finish_tpu_spec(spec_merge.merge_predict(specs, sizes),
+                                 sizes, feature_shards)
+
+  def _finish_tpu_spec(self, spec, sizes, shards):
+    """`spec` with the towers' TPUEstimatorSpec parts, if they gave any."""
+    if not self._tpu_parts:
+      return spec
+    if len(self._tpu_parts) != len(self._devices):
+      raise ValueError(
+          f'Only {len(self._tpu_parts)} of {len(self._devices)} towers '
+          f'returned a TPUEstimatorSpec; every tower must build the same '
+          'model.')
+    padded = self._mode != ModeKeys.EVAL  # As the shards were split.
+    return tpu_spec.finish(
+        spec, self._tpu_parts,
+        lambda name, tensors: spec_merge.concat_rows(
+            name, tensors, sizes, padded, kind='TPUEstimatorSpec'),
+        [sharding.static_rows(shard) for shard in shards])
 
   def _build_tower(self, index, features, labels, kwargs):
     device = self._devices[index]
@@ -270,6 +299,7 @@ class _TowerBuilder:
         stack.enter_context(graph.name_scope(name_scope))
       stack.enter_context(graph.device(self._device_fn(index, device)))
       stack.enter_context(self._sharing.tower(index))
+      stack.enter_context(self._tables.tower(index))
       stack.enter_context(self._update.tower(index, name_scope))
       if self._statistics is not None:
         stack.enter_context(self._statistics.tower(index))
@@ -277,9 +307,13 @@ class _TowerBuilder:
       # As the Estimator calls it: features by keyword, so that any order
       # of the arguments works.
       spec = self._model_fn(features=features, **tower_kwargs)
-    if not isinstance(spec, tf.estimator.EstimatorSpec):
+    if tpu_spec.is_tpu_spec(spec):
+      spec, parts = tpu_spec.split(spec)
+      self._tpu_parts.append(parts)
+    elif not isinstance(spec, tf.estimator.EstimatorSpec):
       raise TypeError(f'{_name(self._model_fn)} returned {type(spec).__name__}'
-                      '; a model_fn must return a tf.estimator.EstimatorSpec.')
+                      '; a model_fn must return a tf.estimator.EstimatorSpec '
+                      'or a TPUEstimatorSpec.')
     if self._mode == ModeKeys.TRAIN:
       self._update.check_tower(index)
     return spec, added

@@ -5,7 +5,7 @@ last batch of an epoch and a serving request of one example work: shard sizes
 differ by at most one, and towers beyond the batch size get empty shards.
 """
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -153,3 +153,12 @@ def named_leaves(features: Any, labels: Any) -> List[Tuple[str, Any]]:
   if labels is not None:
     out.extend(_leaves_with_paths(labels, 'labels'))
   return out
+
+
+def static_rows(shard: Any) -> Optional[int]:
+  """A shard's number of examples if its first leaf's shape tells it."""
+  for leaf in tf.nest.flatten(shard):
+    shape = getattr(leaf, 'shape', None)
+    if shape is not None and shape.rank:
+      return tf.compat.dimension_value(shape[0])
+  return None

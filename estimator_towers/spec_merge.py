@@ -95,21 +95,36 @@ def merge_eval(specs, weigh, sizes) -> tf.estimator.EstimatorSpec:
                            eval_metric_ops=metrics)
 
 
-def _concat(name: str, tensors: List[tf.Tensor], sizes) -> tf.Tensor:
-  """Towers' outputs in input order, each cut to the tower's real examples."""
+def concat_rows(name: str, tensors: List[tf.Tensor], sizes,
+                padded: bool = True, kind: str = 'Prediction') -> tf.Tensor:
+  """Towers' outputs in input order, each cut to the tower's real examples.
+
+  Args:
+    name: The tensors' name, for errors, e.g. "predictions['logits']".
+    tensors: One per tower, with one row per example of its shard.
+    sizes: Each tower's number of real examples.
+    padded: Whether an idle tower got one padding example (TRAIN, PREDICT)
+      or an empty shard (EVAL).
+    kind: What the tensors are, for errors.
+
+  Returns:
+    The towers' real rows, concatenated.
+  """
+  name = f'{kind} {name}'
   if tensors[0].shape.rank == 0:
     raise ValueError(
-        f'Prediction {name} is a scalar; predictions need the batch as their '
+        f'{name} is a scalar; it needs the batch as its '
         'first dimension so that the towers\' outputs can be put back in '
         'input order.')
   rows = []
   for i, tensor in enumerate(tensors):
-    fed = tf.maximum(sizes[i], 1)  # An idle tower got one padding example.
+    # An idle tower got one padding example, unless shards are unpadded.
+    fed = tf.maximum(sizes[i], 1) if padded else sizes[i]
     check = tf.debugging.assert_equal(
         tf.shape(tensor, out_type=tf.int32)[0], fed, message=(
-            f'Prediction {name} of tower {i} does not have one row per '
-            'example of its shard. A '
-            'prediction must keep the batch as its first dimension: one row '
+            f'{name} of tower {i} does not have one row per '
+            'example of its shard. It '
+            'must keep the batch as its first dimension: one row '
             'per input example.'))
     with tf.control_dependencies([check]):
       rows.append(tf.identity(tensor[:sizes[i]]))
@@ -118,7 +133,7 @@ def _concat(name: str, tensors: List[tf.Tensor], sizes) -> tf.Tensor:
 
 def _concat_dict(what: str, dicts: Sequence[Dict], sizes) -> Dict:
   _check_same_keys(what, dicts)
-  return {k: _concat(f'{what}[{k!r}]', [d[k] for d in dicts], sizes)
+  return {k: concat_rows(f'{what}[{k!r}]', [d[k] for d in dicts], sizes)
           for k in dicts[0]}
 
 
@@ -132,16 +147,16 @@ def _merge_export_output(name: str, outputs: Sequence, sizes):
     return kind(_concat_dict(f'export_outputs[{name!r}]',
                              [o.outputs for o in outputs], sizes))
   if kind is _export.RegressionOutput:
-    return kind(_concat(f'export_outputs[{name!r}]',
-                        [o.value for o in outputs], sizes))
+    return kind(concat_rows(f'export_outputs[{name!r}]',
+                            [o.value for o in outputs], sizes))
   if kind is _export.ClassificationOutput:
     scores = classes = None
     if outputs[0].scores is not None:
-      scores = _concat(f'{name} scores', [o.scores for o in outputs],
-                       sizes)
+      scores = concat_rows(f'{name} scores', [o.scores for o in outputs],
+                           sizes)
     if outputs[0].classes is not None:
-      classes = _concat(f'{name} classes', [o.classes for o in outputs],
-                        sizes)
+      classes = concat_rows(f'{name} classes', [o.classes for o in outputs],
+                            sizes)
     return kind(scores=scores, classes=classes)
   raise TypeError(
       f'export_outputs[{name!r}] is a {kind.__name__}; replicate_model_fn '
@@ -161,7 +176,7 @@ def merge_predict(specs, sizes: tf.Tensor) -> tf.estimator.EstimatorSpec:
     predictions = _concat_dict('predictions', [s.predictions for s in specs],
                                sizes)
   else:
-    predictions = _concat('predictions', [s.predictions for s in specs],
+    predictions = concat_rows('predictions', [s.predictions for s in specs],
                           sizes)
   export_outputs = None
   if first.export_outputs:

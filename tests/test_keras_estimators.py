@@ -17,25 +17,32 @@ BATCH = 7
 COLUMNS = [tf.feature_column.numeric_column('x', shape=(5,))]
 
 
-def _pair(tmp_path, model_fn, towers, input_fn, params=None):
-  """(one-device, replicated) Estimators that start from one checkpoint."""
+def _pair(tmp_path, model_fn, towers, input_fn, params=None,
+          **wrapper_kwargs):
+  """(one-device, replicated) Estimators that start from one checkpoint.
+
+  `model_fn` may be a list of three model_fns (start checkpoint, one
+  device, replicated) when each must have its own optimizer instance.
+  """
+  fns = model_fn if isinstance(model_fn, list) else [model_fn] * 3
   dirs = [tmp_path / 'one', tmp_path / 'many']
-  save_start_checkpoint(model_fn, input_fn, dirs, params)
+  save_start_checkpoint(fns[0], input_fn, dirs, params)
   one = tf.estimator.Estimator(
-      model_fn, params=params,
+      fns[1], params=params,
       config=trainer.make_run_config(str(dirs[0]), cpu_devices=1))
   many = tf.estimator.Estimator(
-      trainer.replicate_model_fn(model_fn), params=params,
+      trainer.replicate_model_fn(fns[2], **wrapper_kwargs), params=params,
       config=trainer.make_run_config(str(dirs[1]), cpu_devices=towers))
   return one, many
 
 
 def _train_and_compare(tmp_path, data, model_fn, towers, params=None,
-                       float_labels=False):
+                       float_labels=False, **wrapper_kwargs):
   x, y = data
   labels = y[:, None].astype(np.float32 if float_labels else np.int32)
   input_fn = dataset_input_fn({'x': x}, labels, BATCH)
-  one, many = _pair(tmp_path, model_fn, towers, input_fn, params)
+  one, many = _pair(tmp_path, model_fn, towers, input_fn, params,
+                    **wrapper_kwargs)
   one.train(input_fn, steps=STEPS)
   many.train(input_fn, steps=STEPS)
   assert _global_step(many) == STEPS
@@ -65,6 +72,46 @@ def test_tf2_canned_linear_regressor_with_adam_equals_one_device(tmp_path,
       feature_columns=COLUMNS,
       optimizer=lambda: tf.keras.optimizers.legacy.Adam(0.05))
   _train_and_compare(tmp_path, data, estimator.model_fn, 3, float_labels=True)
+
+
+def _canned_with_instance(kind, task):
+  """A TF2 canned Estimator's model_fn, given fresh optimizer INSTANCES.
+
+  Each instance serves one Estimator: Keras refuses to count a second
+  graph's global_step, so even one device cannot reuse it.
+  """
+  legacy = tf.keras.optimizers.legacy
+  dnn = dict(hidden_units=[4], feature_columns=COLUMNS,
+             optimizer=legacy.Adagrad(0.3))
+  linear = dict(feature_columns=COLUMNS, optimizer=legacy.Ftrl(0.2))
+  combined = dict(linear_feature_columns=COLUMNS,
+                  linear_optimizer=legacy.Ftrl(0.2),
+                  dnn_feature_columns=COLUMNS, dnn_hidden_units=[4],
+                  dnn_optimizer=legacy.Adam(0.05))
+  baseline = dict(optimizer=legacy.Adam(0.05))
+  kwargs = {'dnn': dnn, 'linear': linear, 'combined': combined,
+            'baseline': baseline}[kind]
+  name = {'dnn': 'DNN', 'linear': 'Linear', 'combined': 'DNNLinearCombined',
+          'baseline': 'Baseline'}[kind] + task.capitalize()
+  return getattr(tf.estimator, name)(**kwargs).model_fn
+
+
+@pytest.mark.parametrize('kind,task,towers,aggregation', [
+    ('dnn', 'classifier', 2, 'global_loss'),
+    ('dnn', 'regressor', 3, 'all_reduce'),
+    ('linear', 'regressor', 3, 'global_loss'),
+    ('linear', 'classifier', 2, 'round_robin'),
+    ('combined', 'classifier', 3, 'all_reduce'),
+    ('baseline', 'regressor', 2, 'global_loss'),
+])
+def test_tf2_canned_with_an_optimizer_instance_equals_one_device(
+    tmp_path, data, kind, task, towers, aggregation):
+  # The canned model_fn sets `optimizer.iterations = global_step` on the
+  # user's instance in every tower's call.
+  fns = [_canned_with_instance(kind, task) for _ in range(3)]
+  _train_and_compare(tmp_path, data, fns, towers,
+                     float_labels=task == 'regressor',
+                     aggregation=aggregation)
 
 
 def head_model_fn(features, labels, mode, params):
