@@ -14,7 +14,9 @@ so the last of repeated keys wins as in one insert of the whole batch, and
 after every read that does not itself wait for a write (a lookup before an
 insert sees the table as it was before the step, in every tower). A read
 that waits for a write of the same step, in a table more than one tower
-writes, would see only the earlier towers' writes: it is refused.
+writes, would see only the earlier towers' writes: it is refused. So is a
+table used inside control flow v2 (`tf.cond`, `tf.while_loop`) or a
+`tf.function`, whose accesses cannot be ordered from outside.
 
 A tower left idle by a batch smaller than the tower count trains on a copy
 of the first example at weight zero (see sharding); its writes are dropped,
@@ -39,6 +41,10 @@ _WRITES = frozenset(['LookupTableInsert', 'LookupTableInsertV2',
 # Methods that write keys; the first argument is the keys, the second (if
 # any) the values.
 _WRITE_METHODS = ('insert', 'insert_or_assign', 'remove', 'erase')
+# Ops that run a function: what it does with the table is not visible here.
+_FUNCTIONAL = frozenset(['If', 'StatelessIf', 'While', 'StatelessWhile',
+                         'Case', 'StatelessCase', 'PartitionedCall',
+                         'StatefulPartitionedCall'])
 # A checkpoint's export reads the table when the Saver runs, not in a step.
 _EXPORTS = frozenset(['LookupTableExport', 'LookupTableExportV2'])
 
@@ -145,13 +151,21 @@ class TableSharing:
 
     Raises:
       ValueError: A read waits for a write of the same step to a table that
-        several towers write.
+        several towers write, or a function uses a shared table.
     """
     for table in self._created:
       users = sorted(
           (op for op in table.resource_handle.consumers()
            if op._id >= first_id and op.type not in _EXPORTS),  # pylint: disable=protected-access
           key=lambda op: op._id)  # pylint: disable=protected-access
+      for op in users:
+        if op.type in _FUNCTIONAL:
+          raise ValueError(
+              f'Lookup table {table.name!r} is used inside {op.type} '
+              f'{op.name} (tf.cond, tf.while_loop or a tf.function); the '
+              'towers share one table and cannot order accesses made '
+              'inside a function. Use the table outside control flow, or '
+              'keep it out of replicate_model_fn.')
       writes = [op for op in users if op.type in _WRITES]
       if len(writes) < 2:
         continue

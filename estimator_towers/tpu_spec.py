@@ -104,11 +104,7 @@ def finish(merged: tf.estimator.EstimatorSpec, parts: Sequence[TpuParts],
       training_hooks=merged.training_hooks,
       evaluation_hooks=merged.evaluation_hooks,
       prediction_hooks=merged.prediction_hooks)
-  spec = tpu_spec.as_estimator_spec()
-  if merged.mode == tf.estimator.ModeKeys.PREDICT:
-    # The predictions are already concatenated; keep the merged ones.
-    return spec._replace(predictions=merged.predictions)
-  return spec
+  return tpu_spec.as_estimator_spec()
 
 
 def _checking_rows(concat: Concat, shard_rows) -> Concat:

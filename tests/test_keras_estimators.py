@@ -98,7 +98,6 @@ def _canned_with_instance(kind, task):
 
 @pytest.mark.parametrize('kind,task,towers,aggregation', [
     ('dnn', 'classifier', 2, 'global_loss'),
-    ('dnn', 'regressor', 3, 'all_reduce'),
     ('linear', 'regressor', 3, 'global_loss'),
     ('linear', 'classifier', 2, 'round_robin'),
     ('combined', 'classifier', 3, 'all_reduce'),

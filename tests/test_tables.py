@@ -121,3 +121,21 @@ def test_read_after_write_of_a_shared_table_is_refused(tmp_path, data):
   with pytest.raises(ValueError, match="table 'ids' is read by .* after a "
                      'write of the same step'):
     many.train(_input_fn(data), steps=1)
+
+
+def test_table_inside_a_cond_is_refused(tmp_path, data):
+  def model_fn(features, labels, mode):
+    logits = tf1.layers.dense(features['x'], 1)
+    loss = tf1.losses.sigmoid_cross_entropy(labels, logits)
+    table = _table('mutable', 'ids')
+    record = tf.cond(tf.reduce_sum(features['row']) > 0,
+                     lambda: table.insert(features['id'], features['row']),
+                     tf.no_op)
+    train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                      train_op=tf.group(train_op, record))
+
+  many = make_estimator(model_fn, tmp_path, 2)
+  with pytest.raises(ValueError, match="table 'ids' is used inside If"):
+    many.train(_input_fn(data), steps=1)
