@@ -47,11 +47,9 @@ LAYERS = {
               [NUM_FEATURES], False),
     'keras_fused': (_keras_layer(tf.keras.layers.BatchNormalization,
                                  fused=True), [2, 2, 3], True),
-    'keras_unfused_4d': (_keras_layer(tf.keras.layers.BatchNormalization,
-                                      fused=False), [2, 2, 3], False),
-    'keras_training_tensor': (
-        _keras_layer(tf.keras.layers.BatchNormalization,
-                     training_tensor=True), [NUM_FEATURES], False),
+    'keras_unfused_4d_training_tensor': (
+        _keras_layer(tf.keras.layers.BatchNormalization, fused=False,
+                     training_tensor=True), [2, 2, 3], False),
     'keras_masked': (_keras_layer(tf.keras.layers.BatchNormalization,
                                   masked=True), [4, 3], False),
     'keras_legacy_fused': (
