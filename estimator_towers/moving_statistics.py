@@ -14,7 +14,7 @@ from the shards':
   biased variance = sum_i n_i (var_i + (mean_i - mean)^2) / N
 
 where n_i counts the values a shard contributes to one channel (examples
-times spatial positions) and idle towers weigh zero. The fused kernel's
+times spatial positions, or the mask's weights) and idle towers weigh zero. The fused kernel's
 batch variance carries Bessel's correction m / (m - 1), which is undone per
 shard and reapplied for the whole batch, as one device's fused layer would.
 
@@ -71,13 +71,9 @@ class MovingStatistics:
     statistics = self
 
     def moments(layer, inputs, reduction_axes, keep_dims, mask=None):
-      if mask is not None:
-        raise ValueError(
-            f'Batch-norm layer {layer.name!r} is called with a mask; its '
-            'moving statistics cannot be combined over towers exactly. Call '
-            'it without a mask (or with fused=True, which ignores masks).')
-      statistics._note_call(layer, inputs, corrected=False)
-      return originals['_moments'](layer, inputs, reduction_axes, keep_dims)
+      statistics._note_call(layer, inputs, corrected=False, mask=mask)
+      return originals['_moments'](layer, inputs, reduction_axes, keep_dims,
+                                   mask=mask)
 
     def fused_batch_norm(layer, inputs, mask, training):
       # Keras 2.15 leaves the kernel's Bessel's correction in the variance
@@ -101,11 +97,20 @@ class MovingStatistics:
         setattr(_Base, name, method)
       self._tower = None
 
-  def _note_call(self, layer, inputs, corrected: bool) -> None:
-    """Starts a layer call: how many values per channel it normalises."""
+  def _note_call(self, layer, inputs, corrected: bool, mask=None) -> None:
+    """Starts a layer call: how many values per channel it normalises.
+
+    A mask (non-fused path) weighs each example's values, as Keras'
+    weighted moments do: the count is then the sum of those weights.
+    """
     channels = layer.moving_mean.shape.num_elements()
-    self._calls[id(layer)] = _Shard(None, tf.size(inputs) // channels,
-                                    corrected, None)
+    if mask is None:
+      count = tf.size(inputs) // channels
+    else:
+      weights = tf.expand_dims(tf.cast(mask, inputs.dtype), -1)
+      count = tf.reduce_sum(tf.broadcast_to(weights, tf.shape(inputs)))
+      count = count / channels
+    self._calls[id(layer)] = _Shard(None, count, corrected, None)
 
   def _assign(self, original, layer, variable, value, momentum, inputs_size):
     """Records the shard's statistic; the last tower applies the global one."""

@@ -21,12 +21,14 @@ ISSUE_BATCH = np.array([1, 3, 4, 8, 2, 7], np.float32)
 NUM_FEATURES = 12  # Reshaped to [2, 2, 3] images for the fused layers.
 
 
-def _keras_layer(cls, training_tensor=False, **kwargs):
+def _keras_layer(cls, training_tensor=False, masked=False, **kwargs):
   def build(x, training):
     layer = cls(momentum=0.5, **kwargs)
     if training_tensor:  # The update then sits in a conditional's branch.
       training = tf1.placeholder_with_default(training, [])
-    out = layer(x, training=training)
+    # A mask weighs the values of the statistics (here per time step).
+    mask = x[..., 0] > 0 if masked else None
+    out = layer(x, training=training, mask=mask)
     for update in layer.updates:  # Keras keeps them out of UPDATE_OPS.
       tf1.add_to_collection(tf1.GraphKeys.UPDATE_OPS, update)
     return out
@@ -45,11 +47,11 @@ LAYERS = {
               [NUM_FEATURES], False),
     'keras_fused': (_keras_layer(tf.keras.layers.BatchNormalization,
                                  fused=True), [2, 2, 3], True),
-    'keras_unfused_4d': (_keras_layer(tf.keras.layers.BatchNormalization,
-                                      fused=False), [2, 2, 3], False),
-    'keras_training_tensor': (
-        _keras_layer(tf.keras.layers.BatchNormalization,
-                     training_tensor=True), [NUM_FEATURES], False),
+    'keras_unfused_4d_training_tensor': (
+        _keras_layer(tf.keras.layers.BatchNormalization, fused=False,
+                     training_tensor=True), [2, 2, 3], False),
+    'keras_masked': (_keras_layer(tf.keras.layers.BatchNormalization,
+                                  masked=True), [4, 3], False),
     'keras_legacy_fused': (
         _keras_layer(tf1.keras.layers.BatchNormalization), [2, 2, 3], True),
 }
