@@ -274,7 +274,7 @@ class _TowerBuilder:
       raise TypeError(f'{_name(self._model_fn)} returned {type(spec).__name__}'
                       '; a model_fn must return a tf.estimator.EstimatorSpec.')
     if self._mode == ModeKeys.TRAIN:
-      self._update.check_tower(index)
+      self._update.check_tower(index, spec)
     return spec, added
 
   def _device_fn(self, index: int, tower_device: str):
