@@ -1,40 +1,54 @@
 """One optimizer update from the gradients of every tower.
 
-The user's model_fn calls `optimizer.minimize(loss)` (or `compute_gradients`
-then `apply_gradients`) once per tower, on the tower's share of the batch.
-Wrapping the optimizer, as `TowerOptimizer` once required, is not needed:
-while the towers are built, the base-class gradient and apply methods of
-`tf.compat.v1.train.Optimizer` and of Keras's legacy optimizers (which the
-TF2 canned Estimators, heads and `model_to_estimator` use) are routed here.
+The user's model_fn turns its loss into an update once per tower, on the
+tower's share of the batch: `optimizer.minimize(loss)`, `compute_gradients`
+then `apply_gradients`, `tf.gradients(loss, variables)` then an optimizer's
+`apply_gradients`, Keras's `get_updates`, or an optimizer subclass that
+overrides any of these with its own code. Wrapping the optimizer is not
+needed: while the towers are built, those calls come here (see
+gradient_routing), and the OUTERMOST such call of each tower is routed:
 
-* Towers before the last record their loss. They get zero gradients back
-  (only their shapes matter: the update they feed is discarded) and a no-op
-  for `apply_gradients`.
-* The last tower's `compute_gradients` differentiates the weighted sum of all
-  towers' losses - the global-batch loss of one device - in one call, with
-  each gradient op colocated with its forward op, so every tower
-  differentiates on its own device. The user's code then transforms these
-  gradients (clipping, ...) as on one device, and its `apply_gradients`
-  performs the one real update, creating slots under one-device names and
-  advancing `global_step` once.
+* Towers before the last record their loss. A gradient call gets zeros back
+  (only their shapes matter: the update they feed is discarded), an update
+  call a no-op.
+* The last tower's call is made with the weighted sum of all towers' losses
+  - the global-batch loss of one device - in place of its own loss, or, for
+  `apply_gradients`, with the global-batch gradients an earlier routed call
+  returned. So a transformation between the calls (clipping by global norm)
+  sees one device's gradients, and an overriding `minimize` that checks its
+  loss sees one device's loss. Calls made inside it (a wrapper delegating to
+  the optimizer it wraps, the base methods an override calls) run with what
+  they are given, under the same rules: gradients are computed with each
+  gradient op colocated with its forward op, so every tower differentiates
+  on its own device, and `apply_gradients` performs the one real update,
+  creating slots under one-device names and advancing `global_step` once.
 
-A model_fn may call the optimizer several times (e.g. a GAN's two losses):
-calls are matched by their order within each tower.
+A model_fn may make several such calls (e.g. a GAN's two losses): calls are
+matched by their order within each tower. Gradients the routing returned
+must not feed back into a tower's loss or predictions (a penalty on the
+weights' gradient): earlier towers hold zeros there, so that is an error.
 
-With the 'all_reduce' aggregation (`replicas` given), the last tower's call
-instead differentiates each tower's weighted loss w.r.t. that tower's copies
-and all-reduces the gradients, and `apply_gradients` updates every copy; see
-replicas.py.
+With the 'all_reduce' aggregation (`replicas` given), a gradient call
+differentiates the global loss w.r.t. each tower's copies and all-reduces
+the gradients, and the base `apply_gradients` updates every copy; an
+overriding `apply_gradients` (or `minimize`) updates the primaries, after
+which each copy is set from its primary. See replicas.py.
 """
 
 import contextlib
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import tensorflow as tf
 
+from estimator_towers import gradient_routing as calls
+
 tf1 = tf.compat.v1
 _Optimizer = tf1.train.Optimizer
+# The optimizers' gradient methods: their gradients must be applied through
+# an optimizer (tf.gradients' may be used otherwise).
+_OPTIMIZER_GRADIENT_METHODS = ('compute_gradients', 'get_gradients',
+                               '_compute_gradients')
 
 
 class OneUpdate:
@@ -64,10 +78,17 @@ class OneUpdate:
     self._losses: Dict[int, Dict[int, tf.Tensor]] = {}
     self._scopes: Dict[tuple, str] = {}
     self._tower: Optional[int] = None
-    self._tower_name_scope = ''
-    self._counts = {'compute': [0] * num_towers, 'apply': [0] * num_towers}
+    # Per tower: loss-taking calls, applies, optimizer gradient calls.
+    self._counts = {key: [0] * num_towers
+                    for key in ('losses', 'apply', 'optimizer_gradients')}
+    self._routed_outputs: List[List[tf.Operation]] = [
+        [] for _ in range(num_towers)]
     self._graph = None
     self._thread = None
+    self._syncing = False  # Inside an overriding update under all_reduce.
+    # The global loss of the call being made, and its per-tower terms.
+    self._total: Optional[tf.Tensor] = None
+    self._terms: List[tf.Tensor] = []
     self.applying = False
 
   @contextlib.contextmanager
@@ -75,188 +96,209 @@ class OneUpdate:
     """Routes optimizer calls made in this graph and thread to this object."""
     self._graph = tf1.get_default_graph()
     self._thread = threading.get_ident()
-    compute, apply = _Optimizer.compute_gradients, _Optimizer.apply_gradients
-    outer = self
-
-    def routed_compute(opt, loss, *args, **kwargs):
-      if not outer._owns_call():
-        return compute(opt, loss, *args, **kwargs)
-      return outer._compute(compute, opt, loss, *args, **kwargs)
-
-    def routed_apply(opt, grads_and_vars, *args, **kwargs):
-      if not outer._owns_call():
-        return apply(opt, grads_and_vars, *args, **kwargs)
-      return outer._apply(apply, opt, grads_and_vars, *args, **kwargs)
-
-    patches = {(_Optimizer, 'compute_gradients'): routed_compute,
-               (_Optimizer, 'apply_gradients'): routed_apply}
-    patches.update(self._keras_patches())
-    bases = [(_Optimizer, ('apply_gradients',))]
-    if _keras_legacy_optimizer() is not None:
-      bases.append((_keras_legacy_optimizer(),
-                    ('apply_gradients', 'get_gradients', '_compute_gradients')))
-    for base, names in bases:
-      for (cls, name), method in _overriding_subclasses(base, names).items():
-        patches[(cls, name)] = _refusing(cls, name, method, outer._owns_call)
-    originals = {key: key[0].__dict__[key[1]] for key in patches}
-    for (cls, name), method in patches.items():
-      setattr(cls, name, method)
-    try:
+    with calls.routed(self._handle):
       yield
-    finally:
-      for (cls, name), method in originals.items():
-        setattr(cls, name, method)
-
-  def _keras_patches(self) -> Dict[tuple, Callable]:
-    """Routes the legacy Keras optimizers the TF2 Estimators use.
-
-    Their graph-mode path is `get_updates` = `get_gradients` then
-    `apply_gradients`; `minimize` goes through `_compute_gradients`.
-    """
-    keras_optimizer = _keras_legacy_optimizer()
-    if keras_optimizer is None:
-      return {}
-    get_gradients = keras_optimizer.get_gradients
-    compute = keras_optimizer._compute_gradients  # pylint: disable=protected-access
-    apply = keras_optimizer.apply_gradients
-    outer = self
-
-    def routed_get_gradients(opt, loss, params):
-      if not outer._owns_call():
-        return get_gradients(opt, loss, params)
-      params = tf.nest.flatten(params)
-      return outer._gradients(
-          loss, lambda: [_zeros_like(v) for v in params],
-          lambda total: _keras_gradients(opt, total, params, None, True),
-          params, lambda l, vs: _keras_gradients(opt, l, vs, None, True),
-          lambda grads: grads)
-
-    def routed_compute(opt, loss, var_list, grad_loss=None, tape=None):
-      if not outer._owns_call():
-        return compute(opt, loss, var_list, grad_loss=grad_loss, tape=tape)
-      del tape  # Graph mode: tf.gradients sees every tower's ops.
-      loss = loss() if callable(loss) else loss
-      variables = tf.nest.flatten(var_list() if callable(var_list)
-                                  else var_list)
-      return outer._gradients(
-          loss, lambda: [(_zeros_like(v), v) for v in variables],
-          lambda total: list(zip(_keras_gradients(
-              opt, total, variables, grad_loss, False), variables)),
-          variables,
-          lambda l, vs: _keras_gradients(opt, l, vs, grad_loss, False),
-          lambda grads: list(zip(grads, variables)))
-
-    def routed_apply(opt, grads_and_vars, *args, **kwargs):
-      if not outer._owns_call():
-        return apply(opt, grads_and_vars, *args, **kwargs)
-      return outer._apply(apply, opt, grads_and_vars, *args, **kwargs)
-
-    return {(keras_optimizer, 'get_gradients'): routed_get_gradients,
-            (keras_optimizer, '_compute_gradients'): routed_compute,
-            (keras_optimizer, 'apply_gradients'): routed_apply}
 
   @contextlib.contextmanager
   def tower(self, index: int, name_scope: str) -> Iterator[None]:
     """Marks the optimizer calls made inside as tower `index`'s."""
-    self._tower, self._tower_name_scope = index, name_scope
+    del name_scope  # Tower 0's scope is recorded per call instead.
+    self._tower = index
     try:
       yield
     finally:
       self._tower = None
 
-  def _owns_call(self) -> bool:
-    return (self._tower is not None and not self.applying and
-            threading.get_ident() == self._thread and
-            tf1.get_default_graph() is self._graph)
+  def _handle(self, call: calls.Call) -> Any:
+    if (self._tower is None or threading.get_ident() != self._thread or
+        tf1.get_default_graph() is not self._graph):
+      return call.run()
+    if call.name == 'gradients':
+      variables = calls.variables_of_gradients_call(call)
+      if variables is None:
+        return call.run()  # Gradients w.r.t. tensors: the tower's own.
+    refused = calls.refusal(call)
+    if refused:
+      raise ValueError(refused)
+    if self.applying:
+      return self._inner(call)
+    if call.kind == calls.APPLY:
+      return self._outer_apply(call)
+    return self._outer_loss_call(call)
 
-  def _compute(self, compute, opt, loss, var_list=None,
-               gate_gradients=_Optimizer.GATE_OP, aggregation_method=None,
-               colocate_gradients_with_ops=False, grad_loss=None):
-    del colocate_gradients_with_ops  # Always colocated: see module doc.
-    if callable(loss):
-      raise TypeError(
-          'replicate_model_fn needs the loss as a Tensor in graph mode; '
-          f'compute_gradients got the callable {loss!r}.')
-    variables = _variables(var_list)
+  # --------------------------------------------------------------------------
+  # The outermost call of a tower.
 
-    def per_tower(tower_loss, tower_variables):
-      return [g for g, _ in compute(
-          opt, tower_loss, var_list=tower_variables,
-          gate_gradients=gate_gradients,
-          aggregation_method=aggregation_method,
-          colocate_gradients_with_ops=True, grad_loss=grad_loss)]
-
-    return self._gradients(
-        loss, lambda: [(_zeros_like(v), v) for v in variables],
-        lambda total: compute(
-            opt, total, var_list=var_list, gate_gradients=gate_gradients,
-            aggregation_method=aggregation_method,
-            colocate_gradients_with_ops=True, grad_loss=grad_loss),
-        variables, per_tower, lambda grads: list(zip(grads, variables)))
-
-  def _gradients(self, loss: tf.Tensor, placeholder: Callable[[], Any],
-                 differentiate: Callable[[tf.Tensor], Any],
-                 variables: List, per_tower: Callable[[tf.Tensor, List], List],
-                 pack: Callable[[List], Any]) -> Any:
-    """One tower's gradient call.
-
-    Args:
-      loss: The tower's loss.
-      placeholder: Returns what an earlier tower gets back: zeros shaped
-        like the gradients (the update they would feed is not made).
-      differentiate: Given the global-batch loss, returns the gradients in
-        the form the optimizer's method returns them.
-      variables: The variables the call differentiates with respect to.
-      per_tower: (loss, variables) -> a gradient (or None) per variable;
-        used by the all_reduce aggregation, once per tower.
-      pack: Puts such a list of gradients in the form the optimizer's method
-        returns.
-
-    Returns:
-      The placeholder for earlier towers; the global-batch gradients for
-      the last tower.
-    """
+  def _outer_loss_call(self, call: calls.Call) -> Any:
+    """minimize, get_updates or a gradient call, as the towers' one call."""
     tower = self._tower
-    call = self._counts['compute'][tower]
-    self._counts['compute'][tower] += 1
-    self._record_call(tower, ('compute', call))
-    self._losses.setdefault(call, {})[tower] = loss
+    loss = _loss_of(call)
+    index = self._counts['losses'][tower]
+    self._counts['losses'][tower] += 1
+    if call.kind == calls.UPDATE:
+      self._counts['apply'][tower] += 1
+    elif call.name in _OPTIMIZER_GRADIENT_METHODS:
+      self._counts['optimizer_gradients'][tower] += 1
+    key = ('loss', index)
+    self._record_call(tower, key)
+    self._losses.setdefault(index, {})[tower] = loss
     if tower < self._num_towers - 1:
-      return placeholder()
+      result = _placeholder(call)
+      if call.kind == calls.GRADIENTS:
+        self._routed_outputs[tower].extend(_ops_of(result))
+      return result
     missing = [t for t in range(self._num_towers)
-               if t not in self._losses[call]]
+               if t not in self._losses[index]]
     if missing:
       raise ValueError(
-          f'Optimizer call {call + 1} of the last tower has no counterpart in '
-          f'towers {missing}: every tower must call the optimizer the same '
-          'number of times.')
+          f'Optimizer call {index + 1} of the last tower has no counterpart '
+          f'in towers {missing}: every tower must call the optimizer the '
+          'same number of times.')
+    with self._global_phase(key):
+      total = self._global_loss(index)
+      if call.kind == calls.UPDATE:
+        return self._update(call, {0: total})
+      result = (call.run({0: total}) if call.overriding
+                else self._differentiate(call, total))
+      self._routed_outputs[tower].extend(_ops_of(result))
+      return result
+
+  def _outer_apply(self, call: calls.Call) -> Any:
+    tower = self._tower
+    index = self._counts['apply'][tower]
+    self._counts['apply'][tower] += 1
+    key = ('apply', index)
+    self._record_call(tower, key)
+    if self._counts['apply'][tower] > self._counts['losses'][tower]:
+      raise ValueError(
+          f'{call.qualified_name} was called with gradients that did not '
+          'come from a gradient call replicate_model_fn routes. Under '
+          'replicate_model_fn compute them with optimizer.compute_gradients'
+          '(loss) or tf.gradients(loss, variables) (Keras: '
+          'optimizer.get_gradients, or call minimize / get_updates), so that '
+          'they are the gradients of the whole batch.')
+    if tower < self._num_towers - 1:
+      return tf.no_op(name='update_in_last_tower')
+    with self._global_phase(key):
+      return self._update(call)
+
+  @contextlib.contextmanager
+  def _global_phase(self, key: tuple) -> Iterator[None]:
+    """The last tower's call: the one update, built once for every tower.
+
+    Under tower 0's name scope, the one-device one: the backward pass spans
+    every tower (each op on its tower's device), and slot and non-slot
+    variables get checkpoint-compatible names.
+    """
     self.applying = True
     try:
-      # Under tower 0's name scope, the one-device one: the backward pass
-      # spans every tower (each op on its tower's device).
-      with self._first_tower_scope(('compute', call)), self._unshared():
-        if self._replicas is not None:
-          return pack(self._replicas.gradients(
-              self._weighted_losses(call), variables, per_tower))
-        return differentiate(self._global_loss(call))
+      with self._first_tower_scope(key), self._unshared():
+        yield
     finally:
       self.applying = False
 
+  # --------------------------------------------------------------------------
+  # Calls made inside the last tower's outermost call, and the call itself.
+
+  def _inner(self, call: calls.Call) -> Any:
+    if call.kind == calls.GRADIENTS:
+      if call.overriding:
+        return call.run()
+      return self._differentiate(call, _loss_of(call))
+    return self._update(call)
+
+  def _differentiate(self, call: calls.Call, loss: tf.Tensor) -> Any:
+    """A base gradient method's result for `loss`, on the towers' devices."""
+    variables, per_tower, pack, direct = _gradient_parts(call)
+    if self._replicas is None:
+      return direct(loss)
+    return pack(self._replicas.gradients(self._tower_terms(loss), variables,
+                                         per_tower))
+
+  def _tower_terms(self, loss: tf.Tensor) -> List[tf.Tensor]:
+    """Per tower, a loss whose gradient w.r.t. the tower's copies is its
+    part of `loss`'s gradient (all_reduce).
+
+    Each tower's weighted loss is differentiated w.r.t. its own copies only,
+    as one device differentiates its loss once per variable. A loss derived
+    from the global one (scaled by a wrapper) weighs each term by its
+    derivative w.r.t. that term, which the chain rule asks for.
+    """
+    if loss is self._total:
+      return self._terms
+    slopes = calls.TF1_GRADIENTS(loss, self._terms)
+    if all(slope is None for slope in slopes):
+      return [loss] * self._num_towers  # Not of the towers' loss.
+    return self._replicas.on_tower_devices(
+        lambda t: self._terms[t] * tf.stop_gradient(slopes[t])
+        if slopes[t] is not None else tf.zeros_like(self._terms[t]))
+
+  def _update(self, call: calls.Call,
+              replace: Optional[Dict[int, Any]] = None) -> Any:
+    """An update call (minimize, get_updates, apply_gradients) made once."""
+    replace = dict(replace or {})
+    if self._replicas is None:
+      return call.run(replace)
+    if call.kind == calls.APPLY:
+      grads_and_vars = list(call.get(0))
+      if call.overriding or self._syncing:
+        replace[0] = [(g, self._replicas.primary_of(v))
+                      for g, v in grads_and_vars]
+      else:
+        return self._update_every_copy(call, grads_and_vars)
+    if call.overriding and not self._syncing:
+      return self._update_then_sync(call, replace)
+    return call.run(replace)
+
+  def _update_every_copy(self, call: calls.Call, grads_and_vars) -> Any:
+    """The base apply_gradients, once for a list holding every copy."""
+    graph = tf1.get_default_graph()
+    first = _next_op_id(graph)
+    with self._replicas.local_slots():
+      # One call for every copy: slots, Adam's powers, Keras's iterations
+      # and global_step advance once.
+      op = call.run({0: self._replicas.expand(grads_and_vars)})
+    unused = self._replicas.unused_sums()
+    if unused:
+      op = tf.group(op, *unused)
+    self._replicas.applied(call.optimizer, first, _next_op_id(graph))
+    return op
+
+  def _update_then_sync(self, call: calls.Call, replace: Dict) -> Any:
+    """An overriding update of the primaries, then copies set from them.
+
+    Its own code may create variables (slots) and write them in ways the
+    copies cannot mirror, so it updates only the primaries.
+    """
+    graph = tf1.get_default_graph()
+    first = _next_op_id(graph)
+    self._syncing = True
+    try:
+      result = call.run(replace)
+    finally:
+      self._syncing = False
+    synced = self._replicas.sync_written(result, first, call.qualified_name)
+    self._replicas.applied(None, first, _next_op_id(graph))
+    if isinstance(result, (list, tuple)):
+      return [synced]
+    return synced
+
+  # --------------------------------------------------------------------------
+  # Bookkeeping.
+
   def _global_loss(self, call: int) -> tf.Tensor:
+    """The weighted sum of the towers' losses of optimizer call `call`."""
     losses = [self._losses[call][t] for t in range(self._num_towers)]
     with tf.name_scope('global_loss'):
       weights = self._weigh(losses)
-      return tf.add_n([
-          loss * tf.cast(weight, loss.dtype)
-          for loss, weight in zip(losses, weights)])
-
-  def _weighted_losses(self, call: int) -> List[tf.Tensor]:
-    """Each tower's loss times its weight, on the tower's device."""
-    losses = [self._losses[call][t] for t in range(self._num_towers)]
-    with tf.name_scope('weighted_losses'):
-      weights = self._weigh(losses)
-      return self._replicas.on_tower_devices(
-          lambda t: losses[t] * tf.cast(weights[t], losses[t].dtype))
+      weighted = lambda t: losses[t] * tf.cast(weights[t], losses[t].dtype)  # pylint: disable=unnecessary-lambda-assignment
+      if self._replicas is not None:
+        # Each tower's term on its device: its copies' gradients start there.
+        self._terms = self._replicas.on_tower_devices(weighted)
+      else:
+        self._terms = [weighted(t) for t in range(self._num_towers)]
+      self._total = tf.add_n(self._terms)
+      return self._total
 
   def _record_call(self, tower: int, call: tuple) -> None:
     """Remembers the context of a tower's optimizer call.
@@ -277,111 +319,178 @@ class OneUpdate:
     scope = self._scopes.get(call, '')
     return tf1.get_default_graph().name_scope(scope + '/' if scope else '')
 
-  def _apply(self, apply, opt, grads_and_vars, *args, **kwargs):
-    tower = self._tower
-    call = self._counts['apply'][tower]
-    self._counts['apply'][tower] += 1
-    self._record_call(tower, ('apply', call))
-    if self._counts['apply'][tower] > self._counts['compute'][tower]:
-      raise ValueError(
-          'apply_gradients was called with gradients that did not come from '
-          'the optimizer\'s own gradient method. Under replicate_model_fn '
-          'compute them with optimizer.compute_gradients(loss) (Keras: '
-          'optimizer.get_gradients, or call minimize / get_updates), so that '
-          'they are the gradients of the whole batch.')
-    if tower < self._num_towers - 1:
-      return tf.no_op(name='update_in_last_tower')
-    self.applying = True
-    try:
-      # Under the name scope the one-device model_fn used, so slot and
-      # non-slot variables get checkpoint-compatible names.
-      with self._first_tower_scope(('apply', call)), self._unshared():
-        if self._replicas is None:
-          return apply(opt, grads_and_vars, *args, **kwargs)
-        graph = tf1.get_default_graph()
-        first = _next_op_id(graph)
-        with self._replicas.local_slots():
-          # One call for every copy: slots, Adam's powers, Keras's
-          # iterations and global_step advance once.
-          op = apply(opt, self._replicas.expand(grads_and_vars), *args,
-                     **kwargs)
-        unused = self._replicas.unused_sums()
-        if unused:
-          op = tf.group(op, *unused)
-        self._replicas.applied(opt, first, _next_op_id(graph))
-        return op
-    finally:
-      self.applying = False
+  def check_tower(self, index: int,
+                  spec: Optional[tf.estimator.EstimatorSpec] = None) -> None:
+    """Fails when tower `index` did not use the optimizer like tower 0.
 
-  def check_tower(self, index: int) -> None:
-    """Fails when tower `index` did not use the optimizer like tower 0."""
-    computed = self._counts['compute'][index]
+    Args:
+      index: The tower.
+      spec: Its EstimatorSpec, whose loss and predictions must not depend on
+        the gradients the routing returned.
+
+    Raises:
+      ValueError: The tower made no routed call, not as many as tower 0,
+        left an optimizer's gradients unapplied, or built its loss or
+        predictions from routed gradients.
+    """
+    losses = self._counts['losses'][index]
     applied = self._counts['apply'][index]
-    if index == 0 and computed == 0:
+    gradients = self._counts['optimizer_gradients'][index]
+    if index == 0 and losses == 0:
       raise ValueError(
           'In TRAIN mode, replicate_model_fn needs the train_op built by a '
-          'tf.compat.v1.train.Optimizer (minimize, or compute_gradients then '
-          'apply_gradients) or a tf.keras.optimizers.legacy optimizer '
-          '(get_updates, minimize, or get_gradients then apply_gradients). '
-          'The model_fn made no such call. The new tf.keras.optimizers '
-          '(non-legacy) do not run in graph mode: use '
+          'tf.compat.v1.train.Optimizer (minimize, or compute_gradients or '
+          'tf.gradients(loss, variables) then apply_gradients) or a '
+          'tf.keras.optimizers.legacy optimizer (get_updates, minimize, or '
+          'get_gradients then apply_gradients), or by a subclass of either '
+          'that overrides these methods. The model_fn made no such call (an '
+          'optimizer whose methods are replaced on the instance, such as a '
+          'mock, is not seen: subclass it instead). The new '
+          'tf.keras.optimizers (non-legacy) do not run in graph mode: use '
           'tf.keras.optimizers.legacy.')
-    if computed != self._counts['compute'][0]:
+    if (losses, applied) != (self._counts['losses'][0],
+                             self._counts['apply'][0]):
       raise ValueError(
-          f'Tower {index} called Optimizer.compute_gradients {computed} times '
-          f'but tower 0 called it {self._counts["compute"][0]} times; every '
-          'tower must build the same model.')
-    if applied != computed:
+          f'Tower {index} made {losses} gradient or minimize calls and '
+          f'{applied} updates, but tower 0 made '
+          f'{self._counts["losses"][0]} and {self._counts["apply"][0]}; '
+          'every tower must build the same model.')
+    if applied < gradients:
       raise ValueError(
-          f'Tower {index} called compute_gradients {computed} times but '
-          f'apply_gradients {applied} times. Apply the gradients through the '
-          'same optimizer (optimizer.apply_gradients) so that the towers make '
-          'one update.')
+          f'Tower {index} called the optimizer\'s compute_gradients (or '
+          f'get_gradients) {gradients} times but apply_gradients {applied} '
+          'times. Apply the gradients through the same optimizer '
+          '(optimizer.apply_gradients) so that the towers make one update.')
+    if spec is not None:
+      self._check_no_feedback(index, spec)
+
+  def _check_no_feedback(self, index: int, spec) -> None:
+    """Fails when routed gradients flow into the tower's loss or outputs."""
+    tainted, pending = set(), list(self._routed_outputs[index])
+    while pending:
+      op = pending.pop()
+      if op in tainted:
+        continue
+      tainted.add(op)
+      for output in op.outputs:
+        pending.extend(output.consumers())
+    if not tainted:
+      return
+    targets = [('the loss', spec.loss)]
+    targets += [('a prediction', t) for t in tf.nest.flatten(spec.predictions)]
+    targets += [('the loss given to an optimizer call', losses[index])
+                for losses in self._losses.values() if index in losses]
+    for what, tensor in targets:
+      if isinstance(tensor, tf.Tensor) and tensor.op in tainted:
+        raise ValueError(
+            f'In tower {index}, {what} ({tensor.name}) depends on gradients '
+            'of the loss with respect to variables (compute_gradients or '
+            'tf.gradients). Under replicate_model_fn those are the whole '
+            'batch\'s gradients, known only once every tower is built '
+            '(earlier towers get zeros), so a loss built from them (a '
+            'penalty on the weights\' gradient, a perturbation along it) '
+            'cannot be split over towers. Gradients with respect to inputs '
+            '(per example, as in a WGAN-GP penalty) are fine; train this '
+            'model_fn on one device.')
+
+
+def _loss_of(call: calls.Call) -> tf.Tensor:
+  loss = call.get(0)
+  if call.name == 'gradients':
+    return tf.nest.flatten(loss)[0]
+  if callable(loss):
+    if not call.keras:
+      raise TypeError(
+          'replicate_model_fn needs the loss as a Tensor in graph mode; '
+          f'{call.qualified_name} got the callable {loss!r}.')
+    loss = loss()
+  return loss
+
+
+def _gradient_variables(call: calls.Call) -> List:
+  """The variables a gradient call differentiates with respect to."""
+  var_list = call.get(1)
+  if callable(var_list):
+    var_list = var_list()
+  if call.name == 'compute_gradients':
+    return _variables(var_list)
+  return tf.nest.flatten(var_list)
+
+
+def _placeholder(call: calls.Call) -> Any:
+  """What an earlier tower's call returns: zeros shaped like the gradients,
+  or a no-op for an update (the update they would feed is not made)."""
+  if call.kind == calls.UPDATE:
+    op = tf.no_op(name='update_in_last_tower')
+    return [op] if call.name == 'get_updates' else op
+  variables = _gradient_variables(call)
+  if call.name in ('compute_gradients', '_compute_gradients'):
+    return [(_zeros_like(v), v) for v in variables]
+  return [_zeros_like(v) for v in variables]
+
+
+def _ops_of(result) -> List[tf.Operation]:
+  ops = []
+  for item in tf.nest.flatten(result, expand_composites=True):
+    if isinstance(item, tf.Tensor):
+      ops.append(item.op)
+  return ops
+
+
+def _gradient_parts(call: calls.Call):
+  """How a base gradient method computes the towers' gradients.
+
+  Returns:
+    (variables, per_tower, pack, direct): the variables; (loss, variables)
+    -> one gradient (or None) each, on the forward ops' devices; a list of
+    such gradients -> the method's result; loss -> the method's result for
+    one set of variables.
+  """
+  variables = _gradient_variables(call)
+  opt = call.optimizer
+  if call.name == 'compute_gradients':
+    options = dict(
+        gate_gradients=call.argument('gate_gradients'),
+        aggregation_method=call.argument('aggregation_method'),
+        colocate_gradients_with_ops=True,
+        grad_loss=call.argument('grad_loss'))
+    var_list = call.argument('var_list')
+
+    def compute(loss, var_list):
+      return call.run({0: loss, 'var_list': var_list, **options})
+
+    return (variables,
+            lambda loss, vs: [g for g, _ in compute(loss, vs)],
+            lambda grads: list(zip(grads, variables)),
+            lambda loss: compute(loss, var_list))
+  if call.name == 'gradients':
+    options = {'grad_ys': call.argument('grad_ys'),
+               'gate_gradients': call.argument('gate_gradients'),
+               'aggregation_method': call.argument('aggregation_method'),
+               'unconnected_gradients': call.argument(
+                   'unconnected_gradients')}
+
+    def differentiate(loss, vs):
+      return calls.TF1_GRADIENTS(loss, vs, colocate_gradients_with_ops=True,
+                                   **options)
+
+    return (variables, differentiate, list,
+            lambda loss: differentiate(loss, variables))
+  require_all = call.name == 'get_gradients'
+  grad_loss = None if require_all else call.argument('grad_loss')
+
+  def keras(loss, vs):
+    return _keras_gradients(opt, loss, vs, grad_loss, require_all)
+
+  if require_all:
+    return (variables, keras, list, lambda loss: keras(loss, variables))
+  pair = lambda grads: list(zip(grads, variables))  # pylint: disable=unnecessary-lambda-assignment
+  return variables, keras, pair, lambda loss: pair(keras(loss, variables))
 
 
 def _next_op_id(graph: tf.Graph) -> int:
   # Private, but the only way to tell the update's ops from the model_fn's.
   return max(graph._nodes_by_id, default=0) + 1  # pylint: disable=protected-access
-
-
-def _overriding_subclasses(base: type, names: Sequence[str]
-                           ) -> Dict[tuple, Callable]:
-  """Subclasses of `base` with their own version of a method in `names`.
-
-  Returns:
-    {(class, method name): the class's method}.
-
-  Such optimizers (SyncReplicasOptimizer, Keras's LossScaleOptimizer,
-  cross-shard wrappers) do their own aggregation or scaling around the
-  update; called once per tower they would wait for each other or scale
-  twice.
-  """
-  found, pending = {}, list(base.__subclasses__())
-  while pending:
-    cls = pending.pop()
-    pending.extend(cls.__subclasses__())
-    for name in names:
-      if name in cls.__dict__:
-        found[(cls, name)] = cls.__dict__[name]
-  return found
-
-
-def _refusing(cls: type, name: str, method: Callable,
-              owns_call: Callable[[], bool]):
-  """`method`, failing clearly when called while towers are built."""
-
-  def refusing(opt, *args, **kwargs):
-    if owns_call():
-      raise ValueError(
-          f'{cls.__name__} overrides {name} to aggregate, scale or transform '
-          'the update itself, which replicate_model_fn cannot make into one '
-          'update of the towers (SyncReplicasOptimizer would wait forever). '
-          'Use the optimizer it wraps directly: the towers already aggregate '
-          'the whole batch; for loss scaling, scale the loss in the model_fn. '
-          'Or use RunConfig(train_distribute=...).')
-    return method(opt, *args, **kwargs)
-
-  return refusing
 
 
 def _variables(var_list) -> List[tf.Variable]:
@@ -403,21 +512,13 @@ def _zeros_like(variable) -> tf.Tensor:
   return tf.zeros_like(variable)
 
 
-def _keras_legacy_optimizer():
-  """The base class of Keras's legacy optimizers, if Keras is installed."""
-  try:
-    return tf.keras.optimizers.legacy.Optimizer
-  except (AttributeError, ImportError):
-    return None
-
-
 def _keras_gradients(opt, total: tf.Tensor, variables: List, grad_loss,
                      require_all: bool) -> List[Optional[tf.Tensor]]:
   """Keras's gradients of `total`, each computed on its forward op's device."""
   # Private, but the name Keras gives its gradient scope.
   with tf.name_scope(opt._name + '/gradients'):  # pylint: disable=protected-access
-    grads = tf1.gradients(total, variables, grad_ys=grad_loss,
-                          colocate_gradients_with_ops=True)
+    grads = calls.TF1_GRADIENTS(total, variables, grad_ys=grad_loss,
+                                  colocate_gradients_with_ops=True)
   if require_all:
     for grad, variable in zip(grads, variables):
       if grad is None:

@@ -42,6 +42,11 @@ _WRITES = frozenset([
     'ScatterAdd', 'ScatterSub', 'ResourceScatterUpdate', 'ResourceScatterAdd',
     'ResourceScatterSub'])
 
+# Ops that only read a variable they take.
+_READS = frozenset(['ReadVariableOp', 'ResourceGather', 'ResourceGatherNd',
+                    'VariableShape', 'VarIsInitializedOp', 'Identity',
+                    'IsVariableInitialized'])
+
 
 class Replicas:
   """The copies of one TRAIN graph, their gradients and their update.
@@ -234,9 +239,56 @@ class Replicas:
             if id(t) not in self._used]
 
   def applied(self, optimizer, first_op_id: int, last_op_id: int) -> None:
-    """Records an update: its optimizer (for slots) and its ops."""
-    self._optimizers.append(optimizer)
+    """Records an update: its ops, and its optimizer if it made slots for
+    the copies (None if it updated only the primaries)."""
+    if optimizer is not None:
+      self._optimizers.append(optimizer)
     self._apply_ids.append((first_op_id, last_op_id))
+
+  def sync_written(self, update, first_op_id: int, what: str):
+    """After `update`, sets every copy of each primary it wrote.
+
+    For an update the copies cannot take themselves (an optimizer's own
+    apply_gradients with slots of its own): it updates the primaries, then
+    each copy is set from its primary.
+
+    Args:
+      update: The update's op (or a list of them).
+      first_op_id: The id of the update's first op.
+      what: The update's name, for errors.
+
+    Returns:
+      An op running the update, the copies' assignments and the all-reduce
+      results nothing consumes (see unused_sums).
+
+    Raises:
+      ValueError: The update wrote a copy rather than a primary.
+    """
+    primaries, copies = {}, {}
+    for variables in self._copies.values():
+      primaries[_handle_name(variables[0])] = variables[0]
+      for copy in variables[1:]:
+        copies[_handle_name(copy)] = copy
+    written = {}
+    graph = tf1.get_default_graph()
+    for op in graph.get_operations():
+      if op._id < first_op_id or op.type in _READS:  # pylint: disable=protected-access
+        continue
+      # Any other use of a variable may write it (ResourceApplyAdam, ...).
+      for target in (t.name for t in op.inputs):
+        if target in copies:
+          raise ValueError(
+              f"aggregation='all_reduce': {what} writes "
+              f'{copies[target].op.name}, a per-device copy, itself. Use '
+              "aggregation='global_loss' or 'round_robin'.")
+        if target in primaries:
+          written[target] = primaries[target]
+    updates = tf.nest.flatten(update)
+    with tf.name_scope('sync_replicas'), tf.control_dependencies(updates):
+      assigns = [copy.assign(primary.read_value()).op
+                 for primary in written.values()
+                 for copy in self._copies[id(primary)][1:]]
+    return tf.group(*updates, *assigns, *self.unused_sums())
 
   def pairs(self) -> List[tuple]:
     """(primary, copy) for every copy and every slot of a copy."""
@@ -266,7 +318,7 @@ class Replicas:
     handles = {}
     for copies in self._copies.values():
       for v in copies:
-        handles[v.handle.name if hasattr(v, 'handle') else v.name] = v
+        handles[_handle_name(v)] = v
     graph = tf1.get_default_graph()
     initializers = {v.initializer.name for vs in self._copies.values()
                     for v in vs} | self._first_initializers
@@ -320,6 +372,11 @@ class _SyncingScaffold(tf1.train.Scaffold):
             tf1.train.Scaffold.default_local_init_op)
       self._local_init_op = self._replicas.sync_op(base)
     return super().finalize()
+
+
+def _handle_name(variable) -> str:
+  """The name of the tensor a write to `variable` takes as its target."""
+  return variable.handle.name if hasattr(variable, 'handle') else variable.name
 
 
 def _remove_from(graph: tf.Graph, key: str, variable) -> None:

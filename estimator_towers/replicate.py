@@ -315,7 +315,7 @@ class _TowerBuilder:
                       '; a model_fn must return a tf.estimator.EstimatorSpec '
                       'or a TPUEstimatorSpec.')
     if self._mode == ModeKeys.TRAIN:
-      self._update.check_tower(index)
+      self._update.check_tower(index, spec)
     return spec, added
 
   def _device_fn(self, index: int, tower_device: str):

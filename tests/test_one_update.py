@@ -79,17 +79,20 @@ def test_model_fn_without_optimizer_is_a_clear_error():
     build_replicated(model_fn, 2)
 
 
-def test_gradients_not_from_compute_gradients_are_a_clear_error():
+def test_gradients_not_from_a_routed_call_are_a_clear_error():
+  # A GradientTape's gradients are the tower's own: each tower would apply
+  # only its shard's.
 
   def model_fn(features, labels, mode):
-    loss = tf.reduce_mean(_linear(features))
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(_linear(features))
     variables = tf1.trainable_variables()
-    grads = tf.gradients(loss, variables)
+    grads = tape.gradient(loss, variables)
     train_op = tf1.train.GradientDescentOptimizer(0.1).apply_gradients(
         zip(grads, variables), tf1.train.get_or_create_global_step())
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
-  with pytest.raises(ValueError, match='optimizer.compute_gradients'):
+  with pytest.raises(ValueError, match='did not come from a gradient call'):
     build_replicated(model_fn, 2)
 
 
@@ -126,8 +129,10 @@ def test_optimizer_is_left_unpatched_afterwards_even_on_error():
       assert np.isclose(session.run(grad), 6.0)
 
 
-def test_optimizer_overriding_apply_gradients_is_refused():
-  # SyncReplicasOptimizer would wait forever for the towers' updates.
+def test_sync_replicas_optimizer_is_refused_with_what_to_use():
+  # It aggregates across workers itself: the towers would wait forever. An
+  # optimizer overriding apply_gradients with only its own update is fine
+  # (test_gradient_routing).
 
   def model_fn(features, labels, mode):
     loss = tf1.losses.sparse_softmax_cross_entropy(labels, _linear(features))
@@ -137,6 +142,8 @@ def test_optimizer_overriding_apply_gradients_is_refused():
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
   original = tf1.train.SyncReplicasOptimizer.apply_gradients
-  with pytest.raises(ValueError, match='SyncReplicasOptimizer overrides apply_gradients'):
+  with pytest.raises(ValueError, match=(
+      'SyncReplicasOptimizer aggregates gradients across worker replicas '
+      r'itself.*Use the optimizer it wraps directly')):
     build_replicated(model_fn, 2)
   assert tf1.train.SyncReplicasOptimizer.apply_gradients is original

@@ -1,0 +1,339 @@
+"""Seeing every call by which a model_fn turns its loss into an update.
+
+While the towers are built, these calls are handed to one handler
+(one_update.OneUpdate) instead of running:
+
+* `tf.compat.v1.train.Optimizer`: `minimize`, `compute_gradients`,
+  `apply_gradients`;
+* Keras's legacy optimizers: `minimize`, `get_updates`, `get_gradients`,
+  `_compute_gradients`, `apply_gradients`;
+* the same methods of every subclass that defines its own version (a
+  weight-decay Adam overriding `apply_gradients`, a test double overriding
+  `minimize`, a wrapper delegating to another optimizer), whether the class
+  existed before or is defined while the towers are built;
+* `tf.gradients` and `tf.compat.v1.gradients`, as the public API modules
+  expose them. TensorFlow's own calls to its internal gradients function
+  (inside `compute_gradients`) are not seen, so nothing is routed twice.
+
+Each call becomes a `Call`, which knows its kind (loss to gradients, loss to
+update, gradients to update), its arguments and how to run the original.
+"""
+
+import contextlib
+import functools
+import inspect
+import sys
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import tensorflow as tf
+
+tf1 = tf.compat.v1
+
+GRADIENTS = 'gradients'  # loss -> gradients
+UPDATE = 'update'  # loss -> update op
+APPLY = 'apply'  # gradients -> update op
+
+_V1_METHODS = {'minimize': UPDATE, 'compute_gradients': GRADIENTS,
+               'apply_gradients': APPLY}
+_KERAS_METHODS = {'minimize': UPDATE, 'get_updates': UPDATE,
+                  'get_gradients': GRADIENTS, '_compute_gradients': GRADIENTS,
+                  'apply_gradients': APPLY}
+# The public gradients functions, captured before any patching: the
+# wrapper's own differentiation calls these.
+TF1_GRADIENTS = tf1.gradients
+TF2_GRADIENTS = tf.gradients
+
+
+class Call:
+  """One intercepted call: what it is, its arguments, how to run it.
+
+  Attributes:
+    kind: GRADIENTS, UPDATE or APPLY.
+    name: The method's name ('minimize', 'apply_gradients', ...) or
+      'gradients' for `tf.gradients`.
+    qualified_name: e.g. 'AdamWeightDecay.apply_gradients', for messages.
+    optimizer: The optimizer the method is called on; None for
+      `tf.gradients`.
+    overriding: Whether the method is a subclass's own version (its result
+      is assumed to have the base method's form).
+    keras: Whether the optimizer is a Keras legacy one.
+  """
+
+  def __init__(self, kind: str, name: str, owner: Optional[type],
+               function: Callable, overriding: bool, keras: bool,
+               args: tuple, kwargs: dict):
+    self.kind = kind
+    self.name = name
+    self.qualified_name = f'{owner.__name__}.{name}' if owner else (
+        'tf.gradients')
+    self.optimizer = args[0] if owner else None
+    self.overriding = overriding
+    self.keras = keras
+    self._function = function
+    self._offset = 1 if owner else 0  # Skips `self`.
+    self._signature = inspect.signature(function)
+    self._bound = self._signature.bind(*args, **kwargs)
+    self._names = list(self._signature.parameters)
+
+  def get(self, index: int, default: Any = None) -> Any:
+    """The value of the index-th argument after `self`."""
+    position = index + self._offset
+    if position >= len(self._names):
+      return default
+    name = self._names[position]
+    parameter = self._signature.parameters[name]
+    if parameter.kind == parameter.VAR_POSITIONAL:
+      values = self._bound.arguments.get(name, ())
+      return values[0] if values else default
+    if parameter.kind == parameter.VAR_KEYWORD:
+      return default
+    if name in self._bound.arguments:
+      return self._bound.arguments[name]
+    if parameter.default is not parameter.empty:
+      return parameter.default
+    return default
+
+  def argument(self, name: str, default: Any = None) -> Any:
+    """The value of the argument called `name` (the base methods' names)."""
+    if name in self._bound.arguments:
+      return self._bound.arguments[name]
+    parameter = self._signature.parameters.get(name)
+    if parameter is not None and parameter.default is not parameter.empty:
+      return parameter.default
+    return default
+
+  def run(self, replace: Optional[Dict[Any, Any]] = None) -> Any:
+    """Runs the original with some arguments replaced.
+
+    Args:
+      replace: {index after self, or argument name: new value}.
+    """
+    bound = inspect.BoundArguments(self._signature,
+                                   dict(self._bound.arguments))
+    for key, value in (replace or {}).items():
+      name = key if isinstance(key, str) else self._names[key + self._offset]
+      parameter = self._signature.parameters[name]
+      if parameter.kind == parameter.VAR_POSITIONAL:
+        value = (value,) + tuple(bound.arguments.get(name, ())[1:])
+      bound.arguments[name] = value
+    return self._function(*bound.args, **bound.kwargs)
+
+
+def keras_legacy_optimizer() -> Optional[type]:
+  """The base class of Keras's legacy optimizers, if Keras is installed."""
+  try:
+    return tf.keras.optimizers.legacy.Optimizer
+  except (AttributeError, ImportError):
+    return None
+
+
+def _bases() -> List[Tuple[type, Dict[str, str], bool]]:
+  bases = [(tf1.train.Optimizer, _V1_METHODS, False)]
+  keras = keras_legacy_optimizer()
+  if keras is not None:
+    bases.append((keras, _KERAS_METHODS, True))
+  return bases
+
+
+class _Patches:
+  """Replaced attributes, put back by `restore`."""
+
+  def __init__(self, handler: Callable[[Call], Any]):
+    self._handler = handler
+    self._originals: Dict[Tuple[Any, str], Any] = {}
+    self._absent: List[Tuple[Any, str]] = []
+
+  def set(self, owner, name: str, value) -> None:
+    key = (owner, name)
+    if key not in self._originals and key not in self._absent:
+      if isinstance(owner, type) and name not in owner.__dict__:
+        self._absent.append(key)
+      else:
+        self._originals[key] = getattr(owner, name)
+    setattr(owner, name, value)
+
+  def route_class(self, cls: type, base: type, methods: Dict[str, str],
+                  keras: bool) -> None:
+    """Routes the methods of `methods` that `cls` defines itself."""
+    for name, kind in methods.items():
+      function = cls.__dict__.get(name)
+      if function is None or (cls, name) in self._originals:
+        continue
+      self.set(cls, name, self._method(cls, name, kind, function,
+                                       cls is not base, keras))
+
+  def _method(self, cls, name, kind, function, overriding, keras):
+    handler = self._handler
+
+    @functools.wraps(function)
+    def routed(*args, **kwargs):
+      return handler(Call(kind, name, cls, function, overriding, keras, args,
+                          kwargs))
+
+    return routed
+
+  def route_gradients_functions(self) -> None:
+    """Routes `tf.gradients`/`tf.compat.v1.gradients` in every API module."""
+    handler = self._handler
+    for original in (TF1_GRADIENTS, TF2_GRADIENTS):
+
+      def routed(*args, original=original, **kwargs):
+        return handler(Call(GRADIENTS, 'gradients', None, original, False,
+                            False, args, kwargs))
+
+      for module in _api_modules_holding(original):
+        self.set(module, 'gradients', functools.wraps(original)(routed))
+
+  def restore(self) -> None:
+    for (owner, name), value in self._originals.items():
+      setattr(owner, name, value)
+    for owner, name in self._absent:
+      if name in owner.__dict__:
+        delattr(owner, name)
+
+
+def _api_modules_holding(function) -> List[Any]:
+  """The public API modules whose `gradients` is `function`."""
+  found = []
+  for name, module in list(sys.modules.items()):
+    if module is None or not (
+        name == 'tensorflow' or name.startswith(('tensorflow._api.',
+                                                  'tensorflow.compat'))):
+      continue
+    if getattr(module, 'gradients', None) is function:
+      found.append(module)
+  return found
+
+
+def _subclasses(base: type) -> Iterator[type]:
+  pending, seen = list(base.__subclasses__()), set()
+  while pending:
+    cls = pending.pop()
+    if cls in seen:
+      continue
+    seen.add(cls)
+    pending.extend(cls.__subclasses__())
+    yield cls
+
+
+@contextlib.contextmanager
+def routed(handler: Callable[[Call], Any]) -> Iterator[None]:
+  """Inside, the calls listed in the module doc go to `handler`.
+
+  The handler decides, for each `Call`, whether to run it (`call.run()`),
+  change its arguments or return something else. Everything is put back on
+  exit, also on error.
+  """
+  patches = _Patches(handler)
+  try:
+    for base, methods, keras in _bases():
+      patches.route_class(base, base, methods, keras)
+      for cls in _subclasses(base):
+        patches.route_class(cls, base, methods, keras)
+      patches.set(base, '__init_subclass__', classmethod(
+          _subclass_hook(base, methods, keras, patches)))
+    patches.route_gradients_functions()
+    yield
+  finally:
+    patches.restore()
+
+
+def _subclass_hook(base, methods, keras, patches):
+  """Routes the methods of a subclass defined while the towers are built."""
+
+  def hook(cls, **kwargs):
+    super(base, cls).__init_subclass__(**kwargs)
+    patches.route_class(cls, base, methods, keras)
+
+  return hook
+
+
+# ----------------------------------------------------------------------------
+# What can be routed.
+
+def variables_of_gradients_call(call: Call) -> Optional[List]:
+  """For `tf.gradients`: the variables to route, or None to let it run.
+
+  Gradients of one scalar loss with respect to variables are the towers'
+  business; gradients with respect to tensors (a gradient penalty on the
+  inputs, per example) are the tower's own and run unchanged.
+
+  Raises:
+    ValueError: The call mixes variables and tensors, differentiates
+      several or non-scalar tensors with respect to variables, or stops
+      gradients at tensors of the tower.
+  """
+  xs = tf.nest.flatten(call.get(1))
+  is_variable = [_is_variable(x) for x in xs]
+  if not any(is_variable):
+    return None
+  if not all(is_variable):
+    raise ValueError(
+        'tf.gradients was given both variables and tensors as xs; under '
+        'replicate_model_fn gradients of the loss with respect to variables '
+        'are those of the whole batch, those with respect to tensors the '
+        "tower's own. Make two calls.")
+  ys = tf.nest.flatten(call.get(0))
+  if len(ys) != 1 or ys[0].shape.rank not in (0, None):
+    raise ValueError(
+        f'tf.gradients({ys}, <variables>): replicate_model_fn routes '
+        'gradients of one scalar loss with respect to variables (the '
+        'whole batch\'s loss is a weighted sum of the towers\' scalar '
+        'losses). Reduce the loss to a scalar first.')
+  if call.argument('stop_gradients') is not None:
+    raise ValueError(
+        'tf.gradients(loss, <variables>, stop_gradients=...) cannot be made '
+        'the whole batch\'s gradients: the stopped tensors belong to one '
+        'tower. Apply tf.stop_gradient inside the loss instead.')
+  return xs
+
+
+def _is_variable(x) -> bool:
+  from tensorflow.python.ops import variables as variables_lib  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
+  return isinstance(x, (tf.Variable, variables_lib.PartitionedVariable))
+
+
+def refusal(call: Call) -> Optional[str]:
+  """Why `call`'s optimizer cannot be made one update of the towers."""
+  optimizer = call.optimizer
+  if optimizer is None:
+    return None
+  name = type(optimizer).__name__
+  if isinstance(optimizer, tf1.train.SyncReplicasOptimizer):
+    return (
+        f'{name} aggregates gradients across worker replicas itself (it '
+        'waits for replicas_to_aggregate of them each step), which '
+        'replicate_model_fn cannot make into one update of its towers. Use '
+        'the optimizer it wraps directly: the towers already make one update '
+        'from the whole batch. To train synchronously across machines, use '
+        'RunConfig(train_distribute=...).')
+  cross_shard = getattr(getattr(tf1, 'tpu', None), 'CrossShardOptimizer',
+                        None)
+  if cross_shard is not None and isinstance(optimizer, cross_shard):
+    return (
+        f'{name} sums gradients across TPU shards with a cross-replica op '
+        'that runs only on TPUs. Use the optimizer it wraps directly: the '
+        'towers already make one update from the whole batch.')
+  loss_scaling = [tf1.mixed_precision.MixedPrecisionLossScaleOptimizer]
+  keras_loss_scale = getattr(getattr(tf.keras, 'mixed_precision', None),
+                             'LossScaleOptimizer', None)
+  if keras_loss_scale is not None:
+    loss_scaling.append(keras_loss_scale)
+  if isinstance(optimizer, tuple(loss_scaling)):
+    return (
+        f'{name} overrides {", ".join(_own_methods(type(optimizer)))} to '
+        'scale the loss and skip non-finite steps itself, which '
+        'replicate_model_fn does not support yet. Use '
+        'the optimizer it wraps directly; for loss scaling, scale the loss '
+        'in the model_fn and unscale the gradients before applying them.')
+  return None
+
+
+def _own_methods(cls: type) -> List[str]:
+  """The routed methods `cls` or a class between it and its base defines."""
+  names = []
+  for base, methods, _ in _bases():
+    if issubclass(cls, base):
+      for klass in cls.__mro__[:cls.__mro__.index(base)]:
+        names += [n for n in methods if n in klass.__dict__ and n not in names]
+  return names
