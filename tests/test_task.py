@@ -144,15 +144,19 @@ def test_gcloud_local_train_trial_layout_and_metric_file(tmp_path, csv_files):
 
 def test_trial_id_cannot_escape_the_job_dir(tmp_path, csv_files):
   job_dir = tmp_path / 'job'
-  run_module('trainer.task', f'--job-dir={job_dir}',
-             f'--train-files={csv_files[0]}', f'--eval-files={csv_files[1]}',
-             '--train-steps=5', *CSV_FLAGS,
-             env={'CLOUD_ML_TRIAL_ID': '../../escaped',
-                  'CLOUD_ML_HP_METRIC_FILE': str(tmp_path / 'm.txt'),
-                  'CLOUD_ML_HP_METRIC_TAG': 'my_tag'})
+  result = run_module(
+      'trainer.task', f'--job-dir={job_dir}', f'--train-files={csv_files[0]}',
+      f'--eval-files={csv_files[1]}', '--train-steps=5', *CSV_FLAGS,
+      env={'CLOUD_ML_TRIAL_ID': '../../escaped',
+           'CLOUD_ML_HP_METRIC_FILE': str(tmp_path / 'm.txt'),
+           'CLOUD_ML_HP_METRIC_TAG': 'loss'})
   assert sorted(os.listdir(job_dir)) == ['_.._escaped']
   assert not (tmp_path / 'escaped').exists()
-  assert 'my_tag' in read_json_lines(tmp_path / 'm.txt')[-1]
+  # The tag names a metric of the model: that metric is reported under it
+  # (it was the accuracy, under the tag `loss`, which a tuner minimised).
+  reported = read_json_lines(tmp_path / 'm.txt')[-1]['loss']
+  assert float(reported) == pytest.approx(float(eval_line(result)['loss']),
+                                          abs=1e-4)
 
 
 def test_default_run_trains_on_embedded_digits(tmp_path):

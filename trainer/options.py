@@ -263,7 +263,9 @@ class TaskOptions:
       _BOOL, False, 'Also export the best model on the tuning metric.')
   # Hyperparameter tuning.
   hypertune_metric: Optional[str] = _option(
-      _STRING, None, 'Eval metric reported for tuning; default: accuracy.')
+      _STRING, None, 'Eval metric reported for tuning; default: the one '
+      'CLOUD_ML_HP_METRIC_TAG names (a tag that names none is refused), '
+      'else accuracy.')
   hypertune_summary_tag: str = _option(
       _STRING, hptuning.DEFAULT_SUMMARY_TAG, 'Summary tag the tuning metric '
       'is written under.')

@@ -22,6 +22,12 @@ from trainer import preemption
 from trainer import train
 
 options_lib.define_flags()
+# Not a TaskOptions field: it says what to do with the options, and a
+# trainer_config.json saved with it would mean nothing.
+cli.define(flags.DEFINE_boolean, 'dry-run', False,
+           'Check the options, data, model and tuning metric, then exit '
+           'without training or writing anything (trainer.sweep does this '
+           'before its first trial).')
 # --help lists them (absl registers them under cli, which defines them).
 flags.adopt_module_key_flags(cli)
 
@@ -33,6 +39,10 @@ def main(argv):
   options = options_lib.from_flags()
   try:
     # SIGTERM, Ctrl-C and SIGHUP save a checkpoint instead of a traceback.
+    if cli.value('dry-run'):
+      print(f'dry run: the options check out; the tuning metric is '
+            f'{train.check(options)}.', flush=True)
+      return
     with preemption.sigterm_handled():
       result = train.run(options)
   except (ValueError, TypeError) as e:

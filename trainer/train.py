@@ -139,26 +139,18 @@ def _vertex_exporters() -> List[tf.estimator.Exporter]:
   return [vertex.EvalSummaries(directory)] if directory else []
 
 
-def _check_eval_metric(estimator, data, options: TaskOptions,
-                       metric: str) -> None:
-  """Fails before training when the tuning metric is not an eval result.
+def _eval_metric_names(estimator, data, options: TaskOptions) -> List[str]:
+  """The evaluation results of the model: `loss` and its eval_metric_ops.
 
   Builds the EVAL graph once, as evaluation will, and reads its metric
   names.
-
-  Raises:
-    ValueError: `metric` is not among them.
   """
   with tf.Graph().as_default():
     dataset = data.eval_input_fn(options.eval_batch_size)()
     features, labels = tf1.data.make_one_shot_iterator(dataset).get_next()
     spec = estimator.model_fn(features, labels, tf.estimator.ModeKeys.EVAL,
                               estimator.config)
-  available = sorted({'loss', *spec.eval_metric_ops})
-  if metric not in available:
-    raise ValueError(f'--hypertune-metric={metric} is not an evaluation '
-                     f'result of --model={options.model}; it reports '
-                     f'{", ".join(available)}.')
+  return sorted({'loss', *spec.eval_metric_ops})
 
 
 def _checkpoint_step(model_dir: str) -> int:
@@ -238,6 +230,23 @@ def run(options: TaskOptions) -> Dict[str, Any]:
     return run_.train_and_evaluate()
 
 
+def check(options: TaskOptions) -> str:
+  """What `run` checks before training, without training or writing.
+
+  Options, data, model graph and tuning metric, as the local run (or a
+  trial) with these options would check them.
+
+  Returns:
+    The tuning metric the run would report.
+
+  Raises:
+    ValueError: what `run` would raise before training.
+  """
+  job_dir = vertex.job_dir(options.job_dir) or default_job_dir()
+  model_dir = hptuning.trial_dir(job_dir, hptuning.trial_id())
+  return _Run(options, model_dir, {}).metric
+
+
 class _Run:
   """One task's Estimator and specs, built and checked before training."""
 
@@ -269,12 +278,16 @@ class _Run:
             options.train_batch_size, self.towers, options.train_steps),
         config=config, params=assembly.model_params(options, data))
     self._check_batch_sizes(data, assembly.model_params(options, data))
-    metric = options.hypertune_metric or 'accuracy'
     if not task.get('type') or task['type'] in ('chief', 'master',
                                                 'evaluator'):
       # Found out only after the first evaluation otherwise.
       hptuning.check_metric_file()
-      _check_eval_metric(self.estimator, data, options, metric)
+      metric = hptuning.tuning_metric(
+          options.hypertune_metric,
+          _eval_metric_names(self.estimator, data, options), options.model)
+    else:  # A task that never evaluates: its exporters never run.
+      metric = options.hypertune_metric or 'accuracy'
+    self.metric = metric
     self.train_spec = tf.estimator.TrainSpec(
         data.train_input_fn(options.train_batch_size,
                             seed=options.tf_random_seed or 0,
