@@ -183,6 +183,7 @@ def test_helpfull_lists_every_flag():
     (['--hidden-units=16,x'], '--hidden-units takes integers'),
     (['--image-size=32'], 'HEIGHT,WIDTH'),
     (['stray'], 'unexpected arguments'),
+    (['--input-format=csv'], '--input-format=csv needs --train-files'),
 ])
 def test_bad_flags_exit_2_with_a_message(tmp_path, args, message):
   result = run_module('trainer.task', f'--job-dir={tmp_path}', *args,

@@ -22,6 +22,14 @@ _FORMATS = ['digits', 'csv', 'tfrecord', 'image_folder', 'synthetic_images',
 _OPTIMIZERS = ['sgd', 'momentum', 'adam', 'adagrad', 'rmsprop']
 
 
+class OptionError(ValueError):
+  """Options that cannot be used together, whatever the data: a usage error.
+
+  The command line exits 2 on it (1 on other ValueErrors: the data, files,
+  model or environment failed the run).
+  """
+
+
 # Conversions from a flag's parsed value to the option's value. Each takes
 # the flag name (for its message) and raises cli.UsageError.
 

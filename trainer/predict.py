@@ -32,6 +32,7 @@ from trainer import assembly
 from trainer import cli
 from trainer import data_errors
 from trainer import environment
+from trainer.options import OptionError
 
 cli.define(flags.DEFINE_string, 'job-dir', None,
            'Directory a trainer.task run wrote (the trial directory for a '
@@ -67,14 +68,15 @@ def predict(job_dir: str, predict_files: List[str], output: str,
     ValueError: bad arguments, no checkpoint, or an unknown output suffix.
   """
   if not output or not output.endswith(('.csv', '.tfrecord')):
-    raise ValueError(f'--output={output!r} must end in .csv or .tfrecord.')
+    raise OptionError(f'--output={output!r} must end in .csv or .tfrecord.')
   if not predict_files:
-    raise ValueError('--predict-files is required.')
+    raise OptionError('--predict-files is required.')
   directory = os.path.dirname(output)
   if directory and not tf.io.gfile.isdir(directory):
     raise ValueError(f'--output={output}: the directory {directory} does not '
                      'exist; create it first.')
   options = assembly.load_options(job_dir)
+  _check_readable(assembly.input_format(options), predict_files, job_dir)
   options = dataclasses.replace(options, eval_files=predict_files)
   data = assembly.build_data(options, model_fns.model_kind(options.model))
   config = make_run_config(job_dir, cpu_devices=cpu_towers, num_gpus=num_gpus)
@@ -90,6 +92,29 @@ def predict(job_dir: str, predict_files: List[str], output: str,
   rows = estimator.predict(data.predict_input_fn(batch_size),
                            checkpoint_path=checkpoint)
   return _write_atomically(output, ids, rows)
+
+
+def _check_readable(input_format: str, predict_files: List[str],
+                    job_dir: str) -> None:
+  """Refuses files the job's input format would not read.
+
+  A job trained on the embedded digits (or synthetic data) reads no files:
+  it predicted its own eval set, whatever --predict-files said.
+
+  Raises:
+    OptionError: the format reads no files, or one image folder only.
+  """
+  if input_format not in assembly.FILE_FORMATS:
+    raise OptionError(
+        f'--job-dir={job_dir} was trained on --input-format={input_format}, '
+        f'which reads no files, so --predict-files={",".join(predict_files)} '
+        'would be ignored. Predict files with a job trained on files of '
+        'their layout (csv, tfrecord or image_folder).')
+  if input_format == 'image_folder' and len(predict_files) != 1:
+    raise OptionError(
+        f'--predict-files={",".join(predict_files)}: a job trained on '
+        '--input-format=image_folder reads one folder of class subfolders; '
+        'give one.')
 
 
 def _predict_saved_model(export_dir, data, config, batch_size, output) -> int:
@@ -182,8 +207,11 @@ def main(argv):
                     cli.value('output'), cli.value('batch-size'),
                     cli.value('cpu-towers'), cli.value('num-gpus'),
                     cli.value('checkpoint'), cli.value('saved-model'))
+  except OptionError as e:
+    raise cli.UsageError(str(e)) from e
   except ValueError as e:
-    raise cli.Failure(str(e)) from e
+    raise cli.Failure(data_errors.in_flag_terms(
+        str(e), eval_files='--predict-files')) from e
   except tf.errors.InvalidArgumentError as e:
     message = data_errors.cli_message(e)
     if message is None:

@@ -45,11 +45,14 @@ def main(argv):
       return
     with preemption.sigterm_handled():
       result = train.run(options)
+  except options_lib.OptionError as e:
+    raise cli.UsageError(str(e)) from e
   except (ValueError, TypeError) as e:
     # Errors that explain a bad input or model; their messages say the fix.
     # The traceback stays available with --verbosity=debug.
     logging.debug('Traceback of the error below:', exc_info=True)
-    raise cli.Failure(options_lib.in_flag_terms(str(e))) from e
+    raise cli.Failure(data_errors.in_flag_terms(
+        options_lib.in_flag_terms(str(e)))) from e
   except tf.errors.InvalidArgumentError as e:
     message = data_errors.cli_message(e)
     if message is None:
