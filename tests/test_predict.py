@@ -27,6 +27,8 @@ def test_csv_predictions_in_input_order(trained, csv_files, tmp_path, towers,
                       f'--predict-files={csv_files[1]}', f'--output={out}',
                       f'--batch-size={batch}', f'--cpu-towers={towers}')
   assert 'wrote 101 predictions' in result.stdout
+  checkpoint = tf.train.latest_checkpoint(str(job_dir))
+  assert f'predicting 101 rows with checkpoint {checkpoint}\n' in result.stdout
   # TensorFlow's deprecation notices and INFO chatter stay out, as in the task.
   assert 'deprecat' not in result.stderr.lower(), result.stderr[-2000:]
   assert len(result.stderr.splitlines()) <= 3, result.stderr[-2000:]

@@ -219,6 +219,10 @@ def test_malformed_csv_row_names_file_and_line(tmp_path):
                        f'--train-files={bad}', '--train-steps=20',
                        '--skip-malformed', *CSV_FLAGS)
   assert int(eval_line(skipped)['global_step']) == 20
+  # The command line says what --skip-malformed skipped, and where.
+  assert (f'skipped malformed rows: 1 of 31 rows of --train-files (the '
+          f'first: {bad}:32: column `x2`: `not-a-number` is not a number)'
+          in skipped.stdout), skipped.stdout
 
 
 _SERVE_CSV = """

@@ -67,6 +67,8 @@ def main(argv):
     sys.stderr.write(f'task: stopped: {e} Re-run the same command to '
                      'resume.\n')
     sys.exit(e.exit_code)
+  if result['skipped']:
+    print(result['skipped'], flush=True)
   print(_summary_line(result), flush=True)
 
 

@@ -26,6 +26,8 @@ from trainer import job_dir as job_dir_lib
 from trainer import limits
 from trainer import options as options_lib
 from trainer import preemption
+from trainer import progress
+from trainer import skipped_rows
 from trainer import vertex
 from trainer import step_logging
 
@@ -69,11 +71,17 @@ def _checked(name: str, model_fn):
 
 
 def _with_step_logging(model_fn, global_batch_size: int, num_towers: int,
-                       max_steps: int):
-  """Adds a StepLoggingHook on the merged loss to TRAIN specs."""
+                       max_steps: int, eval_steps: Optional[int] = None):
+  """Adds a StepLoggingHook on the merged loss to TRAIN specs.
+
+  And to EVAL specs a hook that logs the evaluation's progress.
+  """
 
   def logged_model_fn(features, labels, mode, params, config):
     spec = model_fn(features, labels, mode, params, config)
+    if mode == tf.estimator.ModeKeys.EVAL:
+      return spec._replace(evaluation_hooks=list(spec.evaluation_hooks) + [
+          progress.EvalProgressHook(eval_steps)])
     if mode != tf.estimator.ModeKeys.TRAIN:
       return spec
     hook = step_logging.StepLoggingHook(
@@ -202,7 +210,8 @@ def run(options: TaskOptions) -> Dict[str, Any]:
     {'metrics': final eval metrics (None for tasks of a cluster that do not
      evaluate), 'export_dir': SavedModel path or None, 'model_dir': where
      checkpoints went, 'towers': tower count, 'task': e.g. 'worker:1' or
-     None outside a cluster}.
+     None outside a cluster, 'skipped': what --skip-malformed skipped, or
+     None}.
 
   Raises:
     ValueError: a bad option, TF_CONFIG or data problem, before training
@@ -275,18 +284,21 @@ class _Run:
         _with_step_logging(
             _checked(options.model, replicate_model_fn(
                 model_fn, aggregation=options.aggregation)),
-            options.train_batch_size, self.towers, options.train_steps),
+            options.train_batch_size, self.towers, options.train_steps,
+            options.eval_steps),
         config=config, params=assembly.model_params(options, data))
     self._check_batch_sizes(data, assembly.model_params(options, data))
     if not task.get('type') or task['type'] in ('chief', 'master',
                                                 'evaluator'):
       # Found out only after the first evaluation otherwise.
       hptuning.check_metric_file()
+      self.skipped = skipped_rows.check(data, not options.eval_files)
       metric = hptuning.tuning_metric(
           options.hypertune_metric,
           _eval_metric_names(self.estimator, data, options), options.model)
     else:  # A task that never evaluates: its exporters never run.
       metric = options.hypertune_metric or 'accuracy'
+      self.skipped = None
     self.metric = metric
     self.train_spec = tf.estimator.TrainSpec(
         data.train_input_fn(options.train_batch_size,
@@ -351,6 +363,10 @@ class _Run:
       # reports.
       metrics = _evaluate_and_export(self.estimator, self.eval_spec,
                                      model_dir)
+    if metrics is not None and _checkpoint_step(model_dir) == 0:
+      raise ValueError(
+          f'training ran no step: the training input of {model_dir} ended '
+          'before its first batch; nothing was exported.')
     if metrics is not None and (latest_export(model_dir) is None or
                                 _checkpoint_step(model_dir) <
                                 self._options.train_steps):
@@ -362,5 +378,6 @@ class _Run:
       vertex.copy_model(latest_export(model_dir))
     return {'metrics': metrics, 'export_dir': latest_export(model_dir),
             'model_dir': model_dir, 'towers': self.towers,
+            'skipped': self.skipped,
             'task': f"{task['type']}:{task.get('index', 0)}"
                     if task.get('type') else None}
