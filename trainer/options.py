@@ -143,10 +143,12 @@ class TaskOptions:
   # Data.
   train_files: List[str] = _option(
       _MULTI, [], 'Training file globs (repeat the flag, or separate with '
-      'commas or spaces).', parse=_files)
+      'commas or spaces; a name with a space: repeat the flag or use commas).',
+      parse=_files)
   eval_files: List[str] = _option(
       _MULTI, [], 'Evaluation file globs (repeat the flag, or separate with '
-      'commas or spaces).', parse=_files)
+      'commas or spaces; a name with a space: repeat the flag or use commas).',
+      parse=_files)
   input_format: Optional[str] = _option(
       _ENUM, None, 'Data source. Default: csv/tfrecord from the file suffix, '
       'or the embedded digits data set when no files are given.',
