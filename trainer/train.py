@@ -30,6 +30,7 @@ from trainer import progress
 from trainer import skipped_rows
 from trainer import vertex
 from trainer import step_logging
+from trainer import step_order
 
 tf1 = tf.compat.v1
 CONFIG_FILE = assembly.CONFIG_FILE
@@ -74,7 +75,8 @@ def _with_step_logging(model_fn, global_batch_size: int, num_towers: int,
                        max_steps: int, eval_steps: Optional[int] = None):
   """Adds a StepLoggingHook on the merged loss to TRAIN specs.
 
-  And to EVAL specs a hook that logs the evaluation's progress.
+  Also orders the step's increment after the Estimator's read of it (see
+  step_order), and adds to EVAL specs a hook that logs their progress.
   """
 
   def logged_model_fn(features, labels, mode, params, config):
@@ -84,6 +86,7 @@ def _with_step_logging(model_fn, global_batch_size: int, num_towers: int,
           progress.EvalProgressHook(eval_steps)])
     if mode != tf.estimator.ModeKeys.TRAIN:
       return spec
+    step_order.order_increment_after_read(tf1.get_default_graph())
     hook = step_logging.StepLoggingHook(
         spec.loss, global_batch_size, num_towers,
         config.log_step_count_steps or 100,
