@@ -41,7 +41,10 @@ def order_increment_after_read(graph: tf.Graph) -> int:
   ordered = 0
   for op in graph.get_operations():
     if (op.type in _WRITES and op is not step.initializer and op.inputs and
-        op.inputs[0] is target and read not in op.control_inputs):
+        op.inputs[0] is target and read not in op.control_inputs and
+        # Inside a v1 cond or while loop an outside control input is an
+        # error; such a write stays as it was.
+        op._control_flow_context is None):  # pylint: disable=protected-access
       op._add_control_input(read)  # pylint: disable=protected-access
       ordered += 1
   return ordered
