@@ -2,10 +2,21 @@
 
 import logging
 
+from absl import logging as absl_logging
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from trainer import progress
+
+
+@pytest.fixture(autouse=True)
+def info_logs(caplog):
+  """absl INFO lines reach caplog, whatever other tests set the level to."""
+  verbosity = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.INFO)
+  yield
+  absl_logging.set_verbosity(verbosity)
 
 
 def _lines(caplog):
@@ -14,7 +25,6 @@ def _lines(caplog):
 
 
 def test_counted_logs_how_far_it_is(caplog):
-  caplog.set_level(logging.INFO)
   items = progress.counted(iter('abc'), progress.Progress(
       'predicted', 'rows', total=3, every_secs=0))
   assert list(items) == ['a', 'b', 'c']
@@ -23,7 +33,6 @@ def test_counted_logs_how_far_it_is(caplog):
 
 
 def test_no_line_before_the_period(caplog):
-  caplog.set_level(logging.INFO)
   assert list(progress.counted(range(50), progress.Progress(
       'predicted', 'rows', every_secs=3600))) == list(range(50))
   assert not _lines(caplog)
@@ -40,7 +49,6 @@ def _model_fn(features, labels, mode):
 
 
 def test_evaluation_logs_its_batches(tmp_path, caplog):
-  caplog.set_level(logging.INFO)
 
   def input_fn():
     x = np.zeros((10, 3), np.float32)
