@@ -38,11 +38,11 @@ def main(argv):
                                 logging.get_verbosity())
   options = options_lib.from_flags()
   try:
-    # SIGTERM, Ctrl-C and SIGHUP save a checkpoint instead of a traceback.
     if cli.value('dry-run'):
       print(f'dry run: the options check out; the tuning metric is '
             f'{train.check(options)}.', flush=True)
       return
+    # SIGTERM, Ctrl-C and SIGHUP save a checkpoint instead of a traceback.
     with preemption.sigterm_handled():
       result = train.run(options)
   except options_lib.OptionError as e:

@@ -367,9 +367,11 @@ class _Run:
       metrics = _evaluate_and_export(self.estimator, self.eval_spec,
                                      model_dir)
     if metrics is not None and _checkpoint_step(model_dir) == 0:
+      # E.g. every row skipped: a model of zero steps is no result.
       raise ValueError(
-          f'training ran no step: the training input of {model_dir} ended '
-          'before its first batch; nothing was exported.')
+          f'training ran no step in {model_dir}: the training input ended '
+          'before its first batch, and nothing was exported. Check the '
+          'training data.')
     if metrics is not None and (latest_export(model_dir) is None or
                                 _checkpoint_step(model_dir) <
                                 self._options.train_steps):
