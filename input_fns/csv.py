@@ -130,17 +130,36 @@ class CsvData(data_lib.Data):
       examples = pipeline.shuffle(examples, self._shuffle_buffer_size, seed)
     return examples
 
-  def _malformed(self, split: str) -> List[Tuple[str, int, str]]:
-    """(file, line, problem) of each malformed row of `split`, in order."""
+  def _scan(self, split: str) -> Tuple[int, List[Tuple[str, int, str]]]:
+    """Rows of `split`, and (file, line, problem) of each malformed one."""
     if split not in self._files:
       raise ValueError(f"split={split!r}; use 'train' or 'eval'.")
-    found = []
+    rows, found = 0, []
     for paths, numbers, problems in pipeline.collect(
         lambda: self._problems(split)):
+      rows += len(problems)
       for path, number, problem in zip(paths, numbers, problems):
         if problem:
           found.append((path.decode(), int(number), problem.decode()))
-    return found
+    return rows, found
+
+  def row_counts(self, split: str = data_lib.TRAIN) -> Tuple[int, List[str]]:
+    """Reads `split` once: its row count and its malformed rows.
+
+    Args:
+      split: 'train' or 'eval' (the eval files are also predict's).
+
+    Returns:
+      (rows, ['file:line: problem' for each malformed row, in file order]);
+      with skip_malformed the input_fns yield rows - len(malformed) examples
+      a pass.
+
+    Raises:
+      ValueError: split is neither 'train' nor 'eval'.
+    """
+    rows, found = self._scan(split)
+    return rows, [f'{path}:{number}: {problem}'
+                  for path, number, problem in found]
 
   def malformed_rows(self, split: str = data_lib.TRAIN) -> List[str]:
     """Reads `split` once and lists its malformed rows.
@@ -154,8 +173,7 @@ class CsvData(data_lib.Data):
     Raises:
       ValueError: split is neither 'train' nor 'eval'.
     """
-    return [f'{path}:{number}: {problem}'
-            for path, number, problem in self._malformed(split)]
+    return self.row_counts(split)[1]
 
   def skipped_rows(self, split: str = data_lib.TRAIN) -> Dict[str, int]:
     """Reads `split` once and counts the rows skip_malformed leaves out.
@@ -172,7 +190,7 @@ class CsvData(data_lib.Data):
     Raises:
       ValueError: split is neither 'train' nor 'eval'.
     """
-    found = self._malformed(split)
+    _, found = self._scan(split)
     counts = {path: 0 for path in self._files[split]}
     for path, _, _ in found:
       counts[path] += 1

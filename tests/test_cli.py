@@ -65,6 +65,22 @@ def test_split_multi_accepts_repeats_commas_and_spaces():
       'a.csv', 'b.csv', 'c.csv', 'd.csv']
 
 
+def test_a_file_name_with_a_space_stays_one_name(tmp_path):
+  # It was split at the space into two globs that match nothing.
+  spaced = tmp_path / 'my data.csv'
+  spaced.write_text('x,label\n1,0\n')
+  other = str(tmp_path / 'other.csv')
+  assert cli.split_multi([str(spaced)]) == [str(spaced)]
+  assert cli.split_multi([f'{spaced},{other}']) == [str(spaced), other]
+  assert cli.split_multi([f'{spaced}, {other}']) == [str(spaced), other]
+  assert cli.split_multi([str(spaced), other]) == [str(spaced), other]
+  assert cli.split_multi([str(tmp_path / 'my d*.csv')]) == [
+      str(tmp_path / 'my d*.csv')]
+  # Names without commas that match nothing as a whole: the census style.
+  assert cli.split_multi([f'{tmp_path}/a.csv {other}']) == [
+      f'{tmp_path}/a.csv', other]
+
+
 def test_every_option_has_exactly_one_flag_with_its_default(parsed):
   parsed()
   defaults = options.from_flags()

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import input_fns
+from cli_helpers import write_tabular_csv
 from trainer import data_errors
 
 tf1 = tf.compat.v1
@@ -80,3 +81,32 @@ def test_other_errors_are_not_data_errors():
       session.run(check)
   assert data_errors.cli_message(caught.value) is None
   assert data_errors.cli_message(ValueError('Malformed CSV row x')) is None
+
+
+@pytest.mark.parametrize('kwargs,expected', [
+    ({'columns': ['label'], 'header': False},
+     "--columns=['label'] has no feature besides the label."),
+    ({'label_column': 'y'}, "--label-column='y' is not a column; columns "
+     "are ['x1', 'x2', 'colour', 'label']."),
+    ({'train_files': ['/nonexistent/*.csv']},
+     "--train-files: the glob '/nonexistent/*.csv' matches no file"),
+])
+def test_input_errors_name_the_task_flags(tmp_path, kwargs, expected):
+  # The command line showed `columns=[...]`, which no flag spells.
+  path = write_tabular_csv(tmp_path / 'data.csv', 5)
+  arguments = {'train_files': [path], 'eval_files': [path],
+               'label_column': 'label', 'n_classes': 2, **kwargs}
+  with pytest.raises(ValueError) as caught:
+    input_fns.csv_data(**arguments)
+  assert data_errors.in_flag_terms(str(caught.value)).startswith(expected)
+
+
+def test_a_malformed_predict_row_names_the_flag(tmp_path):
+  path = write_tabular_csv(tmp_path / 'data.csv', 3)
+  data = input_fns.csv_data([path], [path], label_column='label', n_classes=2)
+  with pytest.raises(ValueError) as caught:
+    data.example_ids()
+  message = data_errors.in_flag_terms(str(caught.value),
+                                      eval_files='--predict-files')
+  assert message.startswith(f'Malformed CSV row {path}:2: ')
+  assert message.endswith('Fix the row, or pass --skip-malformed.')

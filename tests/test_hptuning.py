@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import tensorflow as tf
@@ -39,6 +40,43 @@ def test_malformed_tf_config_is_named(value, match):
 def test_trial_dir_only_for_trials():
   assert hptuning.trial_dir('/j', None) == '/j'
   assert hptuning.trial_dir('/j', '3') == '/j/3'
+
+
+def _set_tag(monkeypatch, tag):
+  if tag is None:
+    monkeypatch.delenv('CLOUD_ML_HP_METRIC_TAG', raising=False)
+  else:
+    monkeypatch.setenv('CLOUD_ML_HP_METRIC_TAG', tag)
+
+
+@pytest.mark.parametrize('tag,flag,expected', [
+    (None, None, 'accuracy'),
+    (hptuning.DEFAULT_SUMMARY_TAG, None, 'accuracy'),
+    ('loss', None, 'loss'),  # Was the accuracy, reported under `loss`.
+    ('auc', None, 'auc'),
+    ('my_tag', 'loss', 'loss'),  # The flag maps a tag that names no metric.
+    ('loss', 'accuracy', 'accuracy'),
+])
+def test_tuning_metric_is_the_one_the_tag_names(monkeypatch, tag, flag,
+                                                expected):
+  _set_tag(monkeypatch, tag)
+  assert hptuning.tuning_metric(flag, ['accuracy', 'auc', 'loss'],
+                                'dnn') == expected
+
+
+@pytest.mark.parametrize('tag,flag,message', [
+    ('val_rmse', None, 'CLOUD_ML_HP_METRIC_TAG=val_rmse (hyperparameterMetric'
+     'Tag) is not an evaluation result of --model=dnn, which reports '
+     'accuracy, loss;'),
+    ('loss', 'rmse', '--hypertune-metric=rmse is not an evaluation result'),
+    (None, None, 'does not report accuracy'),
+])
+def test_tuning_metric_that_names_no_result_is_refused(monkeypatch, tag, flag,
+                                                       message):
+  _set_tag(monkeypatch, tag)
+  reported = ['loss'] if message.startswith('does') else ['accuracy', 'loss']
+  with pytest.raises(ValueError, match=re.escape(message)):
+    hptuning.tuning_metric(flag, reported, 'dnn')
 
 
 def test_goal_follows_the_metric_name():

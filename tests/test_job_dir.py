@@ -1,5 +1,7 @@
 """job_dir.py: the architecture check's advice."""
 
+import re
+
 import tensorflow as tf
 import pytest
 
@@ -28,3 +30,25 @@ def test_untrained_step_0_job_dir_says_deleting_loses_nothing(tmp_path, step):
     job_dir.check_same_architecture(str(tmp_path), assembly.CONFIG_FILE,
                                     options.TaskOptions(num_layers=3))
   assert ('deleting' in str(refused.value)) == (step == 0)
+
+
+@pytest.mark.parametrize('saved,rerun,difference', [
+    # The default layout, spelt as --hidden-units: the same model.
+    ({}, {'hidden_units': [128, 64]}, None),
+    ({'hidden_units': [128, 64]}, {}, None),
+    ({'hidden_units': [32, 16]}, {'first_layer_size': 32}, None),
+    ({}, {'hidden_units': [128, 32]}, '--hidden-units: [128, 64] -> [128, 32]'),
+    ({'hidden_units': [16, 8]}, {'hidden_units': [32]},
+     '--hidden-units: [16, 8] -> [32]'),
+])
+def test_layers_are_compared_not_the_flags_that_spell_them(
+    tmp_path, saved, rerun, difference):
+  assembly.save_options(str(tmp_path), options.TaskOptions(**saved))
+  _checkpoint_at(tmp_path, 5)
+  check = lambda: job_dir.check_same_architecture(  # pylint: disable=g-long-lambda
+      str(tmp_path), assembly.CONFIG_FILE, options.TaskOptions(**rerun))
+  if difference is None:
+    check()
+  else:
+    with pytest.raises(ValueError, match=re.escape(f'({difference})')):
+      check()

@@ -7,6 +7,8 @@ import pytest
 import tensorflow as tf
 
 from cli_helpers import eval_line, run_module
+from trainer import assembly
+from trainer.options import TaskOptions
 
 
 def _rows(path):
@@ -25,6 +27,8 @@ def test_csv_predictions_in_input_order(trained, csv_files, tmp_path, towers,
                       f'--predict-files={csv_files[1]}', f'--output={out}',
                       f'--batch-size={batch}', f'--cpu-towers={towers}')
   assert 'wrote 101 predictions' in result.stdout
+  checkpoint = tf.train.latest_checkpoint(str(job_dir))
+  assert f'predicting 101 rows with checkpoint {checkpoint}\n' in result.stdout
   # TensorFlow's deprecation notices and INFO chatter stay out, as in the task.
   assert 'deprecat' not in result.stderr.lower(), result.stderr[-2000:]
   assert len(result.stderr.splitlines()) <= 3, result.stderr[-2000:]
@@ -66,20 +70,43 @@ def test_tfrecord_output(trained, csv_files, tmp_path):
   assert len(first['probabilities'].float_list.value) == 2
 
 
-@pytest.mark.parametrize('args,message', [
-    (['--output=out.json'], 'must end in .csv or .tfrecord'),
-    (['--output=out.csv', '--job-dir=/nonexistent/job'],
+@pytest.mark.parametrize('args,code,message', [
+    (['--output=out.json'], 2, 'must end in .csv or .tfrecord'),
+    (['--output=out.csv', '--job-dir=/nonexistent/job'], 1,
      'trainer_config.json does not exist'),
-    (['--output=/nonexistent/dir/out.csv'], 'does not exist; create it'),
+    (['--output=/nonexistent/dir/out.csv'], 1, 'does not exist; create it'),
+    (['--output=out.csv', '--predict-files=/nonexistent/*.csv'], 1,
+     "predict: error: --predict-files: the glob '/nonexistent/*.csv' matches "
+     'no file'),
 ])
-def test_bad_arguments_fail_clearly(trained, csv_files, tmp_path, args,
+def test_bad_arguments_fail_clearly(trained, csv_files, tmp_path, args, code,
                                     message):
   job_dir, _ = trained
   result = run_module('trainer.predict', f'--job-dir={job_dir}',
                       f'--predict-files={csv_files[1]}', *args, check=False)
-  assert result.returncode == 1
+  assert result.returncode == code, result.stderr[-2000:]
   assert message in result.stderr
   assert not list(tmp_path.iterdir())  # No partial output.
+
+
+def test_files_a_digits_job_cannot_read_are_refused(csv_files, tmp_path):
+  # The job predicted the 360 digits of its eval set, whatever the files
+  # (a CSV, or a glob that matches nothing).
+  job_dir = tmp_path / 'digits_job'
+  assembly.save_options(str(job_dir), TaskOptions())
+  files = csv_files[1]
+  out = tmp_path / 'out.csv'
+  result = run_module('trainer.predict', f'--job-dir={job_dir}',
+                      f'--predict-files={files}', f'--output={out}',
+                      check=False)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert result.stderr.strip().splitlines()[-1] == (
+      f'predict: error: --job-dir={job_dir} was trained on '
+      f'--input-format=digits, which reads no files, so --predict-files='
+      f'{files} would be ignored. Predict files with a job trained on files '
+      'of their layout (csv, tfrecord or image_folder).')
+  assert 'Traceback' not in result.stderr
+  assert not out.exists()
 
 
 def test_saved_model_mode_equals_checkpoint_mode(trained, csv_files, tmp_path):

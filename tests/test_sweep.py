@@ -575,6 +575,25 @@ def test_impossible_configs_exit_2_in_one_line(root, setting, message):
   assert not job_dir.exists()
 
 
+def test_a_tag_the_model_does_not_report_stops_before_any_trial(root):
+  # Each trial reported the accuracy under it, and the sweep minimised that.
+  config = _write_config(root / 'rmse.yaml', GRID_CONFIG.replace(
+      'goal: MAXIMIZE', 'goal: MINIMIZE').replace(
+          'hyperparameterMetricTag: accuracy',
+          'hyperparameterMetricTag: val_rmse'))
+  job_dir = root / 'rmse'
+  result = _sweep(config, job_dir, timeout=120)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert result.stderr.strip().splitlines() == [
+      "sweep: error: trainer.task refuses the sweep's settings (checked with "
+      '--dry-run before any trial): CLOUD_ML_HP_METRIC_TAG=val_rmse '
+      '(hyperparameterMetricTag) is not an evaluation result of --model=dnn, '
+      'which reports accuracy, loss; set the tag to one of them, or pass '
+      '--hypertune-metric=<one of them> to report it under the tag '
+      'val_rmse.']
+  assert not (job_dir / '1').exists() and not (job_dir / 'sweep.db').exists()
+
+
 def test_damaged_sweep_db_is_one_line_error(root):
   config = _write_config(root / 'damaged.yaml', GRID_CONFIG)
   job_dir = root / 'damaged'

@@ -144,15 +144,19 @@ def test_gcloud_local_train_trial_layout_and_metric_file(tmp_path, csv_files):
 
 def test_trial_id_cannot_escape_the_job_dir(tmp_path, csv_files):
   job_dir = tmp_path / 'job'
-  run_module('trainer.task', f'--job-dir={job_dir}',
-             f'--train-files={csv_files[0]}', f'--eval-files={csv_files[1]}',
-             '--train-steps=5', *CSV_FLAGS,
-             env={'CLOUD_ML_TRIAL_ID': '../../escaped',
-                  'CLOUD_ML_HP_METRIC_FILE': str(tmp_path / 'm.txt'),
-                  'CLOUD_ML_HP_METRIC_TAG': 'my_tag'})
+  result = run_module(
+      'trainer.task', f'--job-dir={job_dir}', f'--train-files={csv_files[0]}',
+      f'--eval-files={csv_files[1]}', '--train-steps=5', *CSV_FLAGS,
+      env={'CLOUD_ML_TRIAL_ID': '../../escaped',
+           'CLOUD_ML_HP_METRIC_FILE': str(tmp_path / 'm.txt'),
+           'CLOUD_ML_HP_METRIC_TAG': 'loss'})
   assert sorted(os.listdir(job_dir)) == ['_.._escaped']
   assert not (tmp_path / 'escaped').exists()
-  assert 'my_tag' in read_json_lines(tmp_path / 'm.txt')[-1]
+  # The tag names a metric of the model: that metric is reported under it
+  # (it was the accuracy, under the tag `loss`, which a tuner minimised).
+  reported = read_json_lines(tmp_path / 'm.txt')[-1]['loss']
+  assert float(reported) == pytest.approx(float(eval_line(result)['loss']),
+                                          abs=1e-4)
 
 
 def test_default_run_trains_on_embedded_digits(tmp_path):
@@ -179,6 +183,7 @@ def test_helpfull_lists_every_flag():
     (['--hidden-units=16,x'], '--hidden-units takes integers'),
     (['--image-size=32'], 'HEIGHT,WIDTH'),
     (['stray'], 'unexpected arguments'),
+    (['--input-format=csv'], '--input-format=csv needs --train-files'),
 ])
 def test_bad_flags_exit_2_with_a_message(tmp_path, args, message):
   result = run_module('trainer.task', f'--job-dir={tmp_path}', *args,
@@ -214,6 +219,10 @@ def test_malformed_csv_row_names_file_and_line(tmp_path):
                        f'--train-files={bad}', '--train-steps=20',
                        '--skip-malformed', *CSV_FLAGS)
   assert int(eval_line(skipped)['global_step']) == 20
+  # The command line says what --skip-malformed skipped, and where.
+  assert (f'skipped malformed rows: 1 of 31 rows of --train-files (the '
+          f'first: {bad}:32: column `x2`: `not-a-number` is not a number)'
+          in skipped.stdout), skipped.stdout
 
 
 _SERVE_CSV = """

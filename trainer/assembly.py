@@ -14,9 +14,12 @@ import tensorflow as tf
 
 import input_fns
 from trainer import options as options_lib
+from trainer.options import OptionError
 from trainer.options import TaskOptions
 
 CONFIG_FILE = 'trainer_config.json'
+# The input formats that read files; the others make their data.
+FILE_FORMATS = ('csv', 'tfrecord', 'image_folder')
 
 
 def build_data(options: TaskOptions, kind: Optional[str]) -> input_fns.Data:
@@ -25,7 +28,7 @@ def build_data(options: TaskOptions, kind: Optional[str]) -> input_fns.Data:
   Raises:
     ValueError: files are missing or the source does not fit the model.
   """
-  fmt = options.input_format or _guess_format(options.train_files)
+  fmt = input_format(options)
   view = 'image' if kind == 'image' else 'tabular'
   if fmt == 'digits':
     return input_fns.digits(view=view)
@@ -35,7 +38,7 @@ def build_data(options: TaskOptions, kind: Optional[str]) -> input_fns.Data:
   if fmt == 'synthetic_tabular':
     return input_fns.synthetic_tabular()
   if not options.train_files:
-    raise ValueError(f'--input-format={fmt} needs --train-files.')
+    raise OptionError(f'--input-format={fmt} needs --train-files.')
   if fmt == 'csv':
     return input_fns.csv_data(
         options.train_files, options.eval_files or options.train_files,
@@ -57,6 +60,15 @@ def build_data(options: TaskOptions, kind: Optional[str]) -> input_fns.Data:
   raise ValueError(f'Unknown --input-format={fmt!r}.')
 
 
+def input_format(options: TaskOptions) -> str:
+  """--input-format, or the one the training files' names imply.
+
+  Raises:
+    OptionError: the names imply none.
+  """
+  return options.input_format or _guess_format(options.train_files)
+
+
 def _guess_format(train_files: List[str]) -> str:
   if not train_files:
     return 'digits'
@@ -65,14 +77,14 @@ def _guess_format(train_files: List[str]) -> str:
     return 'csv'
   if '.tfrecord' in first or first.endswith('.tfr'):
     return 'tfrecord'
-  raise ValueError(
+  raise OptionError(
       f'Cannot tell the format of --train-files={train_files[0]!r} from its '
       'name; pass --input-format (csv, tfrecord or image_folder).')
 
 
 def _tfrecord_data(options: TaskOptions, kind: Optional[str]):
   if options.n_classes is None:
-    raise ValueError('--input-format=tfrecord needs --n-classes.')
+    raise OptionError('--input-format=tfrecord needs --n-classes.')
   if kind == 'image':
     spec = {'image': tf.io.FixedLenFeature([], tf.string),
             options.label_column: tf.io.FixedLenFeature([], tf.int64)}
@@ -83,7 +95,7 @@ def _tfrecord_data(options: TaskOptions, kind: Optional[str]):
         image_shape=(*options.image_size, options.image_channels),
         allow_non_finite=options.allow_non_finite)
   if not options.columns:
-    raise ValueError('Tabular --input-format=tfrecord needs --columns naming '
+    raise OptionError('Tabular --input-format=tfrecord needs --columns naming '
                      'the numeric feature keys of the tf.Examples.')
   spec = {name: tf.io.FixedLenFeature([], tf.float32)
           for name in options.columns}

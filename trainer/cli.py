@@ -14,6 +14,7 @@
 Entry points call `run(main, prog)` in place of `absl.app.run(main)`.
 """
 
+import glob
 import re
 import sys
 from typing import Callable, List, NoReturn, Optional, Sequence
@@ -90,9 +91,25 @@ def split_multi(values: Sequence[str]) -> List[str]:
   """Flattens repeated, comma- and space-separated flag values.
 
   The census sample passes several files in one flag value separated by
-  spaces (`--train-files "a.csv b.csv"`); others use commas.
+  spaces (`--train-files "a.csv b.csv"`); others use commas. A value with a
+  comma is split at commas only, so that names may hold spaces
+  (`--train-files="my data.csv,other.csv"`); so is a value without commas
+  that names an existing local file or glob as a whole
+  (`--train-files="my data.csv"`).
   """
-  return [part for v in values for part in re.split(r'[,\s]+', v) if part]
+  parts = []
+  for value in values:
+    if ',' in value or _matches_whole(value):
+      parts += [part.strip() for part in value.split(',')]
+    else:
+      parts += value.split()
+  return [part for part in parts if part]
+
+
+def _matches_whole(value: str) -> bool:
+  """Whether a value with whitespace names local files as it stands."""
+  return (bool(re.search(r'\s', value.strip())) and '://' not in value and
+          bool(glob.glob(value.strip())))
 
 
 def fail(prog: str, message: str, exit_code: int) -> NoReturn:

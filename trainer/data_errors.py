@@ -31,8 +31,33 @@ _ASSERTION = re.compile(r'assertion failed: \[(.*)\]\s*$', re.MULTILINE)
 # names only the argument.
 _FLAGS = (('skip_malformed=True', '--skip-malformed'),
           ('allow_non_finite=True', '--allow-non-finite'))
+# The other input_fns arguments (csv_data, tfrecord_data) a message may name,
+# as `name=value`, `name[key]` or `name: ...`, and their task flags.
+_ARGUMENTS = {'train_files': '--train-files', 'eval_files': '--eval-files',
+              'label_column': '--label-column', 'columns': '--columns',
+              'categorical_columns': '--categorical-column',
+              'defaults': '--column-default', 'n_classes': '--n-classes',
+              'label_vocabulary': '--label-vocabulary'}
+_ARGUMENT = re.compile(r'(?<![\w.-])(' + '|'.join(_ARGUMENTS) + r')(?=[=\[:])')
 # How a message names both: keep the flag alone.
 _BOTH = re.compile(r'(--[a-z-]+) / [a-z_]+=True|(--[a-z-]+) \([a-z_]+=True\)')
+
+
+def in_flag_terms(message: str, **renamed: str) -> str:
+  """An input_fns message with its arguments spelt as the task's flags.
+
+  Args:
+    message: E.g. "columns=['a'] has no feature besides the label."
+    **renamed: Arguments whose flag differs in this command, e.g.
+      eval_files='--predict-files' for trainer.predict.
+
+  Returns:
+    E.g. "--columns=['a'] has no feature besides the label."
+  """
+  for argument, flag in _FLAGS:
+    message = message.replace(argument, flag)
+  flags = {**_ARGUMENTS, **renamed}
+  return _ARGUMENT.sub(lambda m: flags[m.group(1)], message)
 
 
 def cli_message(error: BaseException) -> Optional[str]:
@@ -52,7 +77,5 @@ def cli_message(error: BaseException) -> Optional[str]:
     message = match.group(1)
     if _DATA_MESSAGE.match(message):
       message = _BOTH.sub(lambda m: m.group(1) or m.group(2), message)
-      for argument, flag in _FLAGS:
-        message = message.replace(argument, flag)
-      return message
+      return in_flag_terms(message)
   return None

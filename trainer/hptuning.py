@@ -10,7 +10,7 @@ library's metric file (what the tuning service reads;
 
 import os
 import re
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 from absl import logging
 import tensorflow as tf
@@ -56,6 +56,51 @@ def trial_dir(job_dir: str, trial: Optional[str]) -> str:
 def metric_tag(summary_tag: str = DEFAULT_SUMMARY_TAG) -> str:
   """The tag to report under: CLOUD_ML_HP_METRIC_TAG wins when set."""
   return os.environ.get('CLOUD_ML_HP_METRIC_TAG') or summary_tag
+
+
+def tuning_metric(flag: Optional[str], reported: Sequence[str],
+                  model: str) -> str:
+  """The evaluation result a run reports for tuning.
+
+  `--hypertune-metric` when given. Otherwise the metric CLOUD_ML_HP_METRIC_TAG
+  names: a tuner told to minimise `loss` must get the loss, not the accuracy
+  under the tag `loss`. With no tag set (or the trainer's own summary tag),
+  accuracy.
+
+  Args:
+    flag: --hypertune-metric, or None.
+    reported: The evaluation results of the model.
+    model: --model, for the message.
+
+  Returns:
+    One of `reported`.
+
+  Raises:
+    ValueError: the flag, or the tag without the flag, names no result of
+      the model.
+  """
+  listed = ', '.join(sorted(reported))
+  if flag:
+    if flag not in reported:
+      raise ValueError(f'--hypertune-metric={flag} is not an evaluation '
+                       f'result of --model={model}; it reports {listed}.')
+    return flag
+  tag = os.environ.get('CLOUD_ML_HP_METRIC_TAG')
+  if not tag or tag == DEFAULT_SUMMARY_TAG:
+    metric = 'accuracy'
+  elif tag in reported:
+    return tag
+  else:
+    raise ValueError(
+        f'CLOUD_ML_HP_METRIC_TAG={tag} (hyperparameterMetricTag) is not an '
+        f'evaluation result of --model={model}, which reports {listed}; set '
+        'the tag to one of them, or pass --hypertune-metric=<one of them> to '
+        f'report it under the tag {tag}.')
+  if metric not in reported:
+    raise ValueError(f'--model={model} does not report {metric}, the default '
+                     f'tuning metric; pass --hypertune-metric (it reports '
+                     f'{listed}).')
+  return metric
 
 
 def goal_for(metric: str) -> str:

@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterator
 
 import tensorflow as tf
 
+from model_fns import hparams
 from trainer import options as options_lib
 
 LOCK_FILE = '.trainer.lock'
@@ -76,11 +77,18 @@ def check_same_architecture(model_dir: str, config_file: str,
   current = json.loads(json.dumps(dataclasses.asdict(options)))
   architecture = options_lib.architecture_flags()
   names = [n for n in architecture if n in saved]
-  if saved.get('hidden_units') and current.get('hidden_units'):
-    names = [n for n in names if n not in _LAYER_SHAPE]
-  differences = [f'--{architecture[n]}: {_shown(saved[n])} -> '
-                 f'{_shown(current[n])}'
-                 for n in names if saved[n] != current[n]]
+  differences = []
+  if saved.get('hidden_units') or current.get('hidden_units'):
+    # Either flag spelling sets the same layers: --hidden-units=128,64 is the
+    # default --first-layer-size/--num-layers/--scale-factor layout.
+    names = [n for n in names if n not in _LAYER_SHAPE + ('hidden_units',)]
+    layers = _layers(saved), _layers(current)
+    if layers[0] != layers[1]:
+      differences.append(f'--{architecture["hidden_units"]}: '
+                         f'{_shown(layers[0])} -> {_shown(layers[1])}')
+  differences += [f'--{architecture[n]}: {_shown(saved[n])} -> '
+                  f'{_shown(current[n])}'
+                  for n in names if saved[n] != current[n]]
   if differences:
     checkpoint = tf.train.latest_checkpoint(model_dir)
     untrained = int(tf.train.load_variable(checkpoint, 'global_step')) == 0
@@ -92,6 +100,14 @@ def check_same_architecture(model_dir: str, config_file: str,
             f' Its only checkpoint is the untrained step 0 of a run that '
             f'failed before its first step: deleting {model_dir} loses '
             'nothing.' if untrained else ''))
+
+
+def _layers(options: Dict[str, Any]) -> Any:
+  """The DNN layer sizes the options give (the options if they give none)."""
+  try:
+    return hparams.hidden_units(options)
+  except ValueError:
+    return {n: options.get(n) for n in _LAYER_SHAPE + ('hidden_units',)}
 
 
 def _shown(value: Dict[str, Any]) -> str:

@@ -22,6 +22,14 @@ _FORMATS = ['digits', 'csv', 'tfrecord', 'image_folder', 'synthetic_images',
 _OPTIMIZERS = ['sgd', 'momentum', 'adam', 'adagrad', 'rmsprop']
 
 
+class OptionError(ValueError):
+  """Options that cannot be used together, whatever the data: a usage error.
+
+  The command line exits 2 on it (1 on other ValueErrors: the data, files,
+  model or environment failed the run).
+  """
+
+
 # Conversions from a flag's parsed value to the option's value. Each takes
 # the flag name (for its message) and raises cli.UsageError.
 
@@ -135,10 +143,12 @@ class TaskOptions:
   # Data.
   train_files: List[str] = _option(
       _MULTI, [], 'Training file globs (repeat the flag, or separate with '
-      'commas or spaces).', parse=_files)
+      'commas or spaces; a name with a space: repeat the flag or use commas).',
+      parse=_files)
   eval_files: List[str] = _option(
       _MULTI, [], 'Evaluation file globs (repeat the flag, or separate with '
-      'commas or spaces).', parse=_files)
+      'commas or spaces; a name with a space: repeat the flag or use commas).',
+      parse=_files)
   input_format: Optional[str] = _option(
       _ENUM, None, 'Data source. Default: csv/tfrecord from the file suffix, '
       'or the embedded digits data set when no files are given.',
@@ -263,7 +273,9 @@ class TaskOptions:
       _BOOL, False, 'Also export the best model on the tuning metric.')
   # Hyperparameter tuning.
   hypertune_metric: Optional[str] = _option(
-      _STRING, None, 'Eval metric reported for tuning; default: accuracy.')
+      _STRING, None, 'Eval metric reported for tuning; default: the one '
+      'CLOUD_ML_HP_METRIC_TAG names (a tag that names none is refused), '
+      'else accuracy.')
   hypertune_summary_tag: str = _option(
       _STRING, hptuning.DEFAULT_SUMMARY_TAG, 'Summary tag the tuning metric '
       'is written under.')

@@ -32,6 +32,8 @@ from trainer import assembly
 from trainer import cli
 from trainer import data_errors
 from trainer import environment
+from trainer import progress as progress_lib
+from trainer.options import OptionError
 
 cli.define(flags.DEFINE_string, 'job-dir', None,
            'Directory a trainer.task run wrote (the trial directory for a '
@@ -67,35 +69,68 @@ def predict(job_dir: str, predict_files: List[str], output: str,
     ValueError: bad arguments, no checkpoint, or an unknown output suffix.
   """
   if not output or not output.endswith(('.csv', '.tfrecord')):
-    raise ValueError(f'--output={output!r} must end in .csv or .tfrecord.')
+    raise OptionError(f'--output={output!r} must end in .csv or .tfrecord.')
   if not predict_files:
-    raise ValueError('--predict-files is required.')
+    raise OptionError('--predict-files is required.')
   directory = os.path.dirname(output)
   if directory and not tf.io.gfile.isdir(directory):
     raise ValueError(f'--output={output}: the directory {directory} does not '
                      'exist; create it first.')
   options = assembly.load_options(job_dir)
+  _check_readable(assembly.input_format(options), predict_files, job_dir)
   options = dataclasses.replace(options, eval_files=predict_files)
   data = assembly.build_data(options, model_fns.model_kind(options.model))
+  ids = data.example_ids()
+  if not ids:  # --skip-malformed left none.
+    raise ValueError(f'--predict-files={",".join(predict_files)}: every row '
+                     'is malformed (skipped by --skip-malformed); nothing to '
+                     'predict.')
   config = make_run_config(job_dir, cpu_devices=cpu_towers, num_gpus=num_gpus)
   if saved_model:
-    return _predict_saved_model(saved_model, data, config, batch_size, output)
+    return _predict_saved_model(saved_model, data, ids, config, batch_size,
+                                output)
   checkpoint = checkpoint or tf.train.latest_checkpoint(job_dir)
   if not checkpoint:
     raise ValueError(f'No checkpoint in {job_dir}; train it first.')
+  print(f'predicting {len(ids)} rows with checkpoint {checkpoint}', flush=True)
   estimator = tf.estimator.Estimator(
       replicate_model_fn(model_fns.get_model_fn(options.model)),
       config=config, params=assembly.model_params(options, data))
-  ids = data.example_ids()
   rows = estimator.predict(data.predict_input_fn(batch_size),
                            checkpoint_path=checkpoint)
   return _write_atomically(output, ids, rows)
 
 
-def _predict_saved_model(export_dir, data, config, batch_size, output) -> int:
+def _check_readable(input_format: str, predict_files: List[str],
+                    job_dir: str) -> None:
+  """Refuses files the job's input format would not read.
+
+  A job trained on the embedded digits (or synthetic data) reads no files:
+  it predicted its own eval set, whatever --predict-files said.
+
+  Raises:
+    OptionError: the format reads no files, or one image folder only.
+  """
+  if input_format not in assembly.FILE_FORMATS:
+    raise OptionError(
+        f'--job-dir={job_dir} was trained on --input-format={input_format}, '
+        f'which reads no files, so --predict-files={",".join(predict_files)} '
+        'would be ignored. Predict files with a job trained on files of '
+        'their layout (csv, tfrecord or image_folder).')
+  if input_format == 'image_folder' and len(predict_files) != 1:
+    raise OptionError(
+        f'--predict-files={",".join(predict_files)}: a job trained on '
+        '--input-format=image_folder reads one folder of class subfolders; '
+        'give one.')
+
+
+def _predict_saved_model(export_dir, data, ids, config, batch_size,
+                         output) -> int:
   """Runs the SavedModel over the towers of `config`."""
   if not tf.io.gfile.exists(os.path.join(export_dir, 'saved_model.pb')):
     raise ValueError(f'--saved-model={export_dir} holds no saved_model.pb.')
+  print(f'predicting {len(ids)} rows with the SavedModel {export_dir}',
+        flush=True)
   num_gpus, num_cpus = session_device_counts(config.session_config)
   devices = ([f'/device:GPU:{i}' for i in range(num_gpus)] if num_gpus else
              [f'/device:CPU:{i}' for i in range(num_cpus)])
@@ -104,8 +139,7 @@ def _predict_saved_model(export_dir, data, config, batch_size, output) -> int:
     batches = (
         {k: v.numpy() for k, v in features.items()}
         for features in data.predict_input_fn(batch_size)())
-    return _write_atomically(output, data.example_ids(),
-                             towers.predict(batches))
+    return _write_atomically(output, ids, towers.predict(batches))
   finally:
     towers.close()
 
@@ -129,7 +163,8 @@ def _write_atomically(output: str, ids: List[str],
   temp = output + '.incomplete'
   try:
     writer = _write_csv if output.endswith('.csv') else _write_tfrecord
-    count = writer(temp, _paired(ids, rows))
+    progress = progress_lib.Progress('predicted', 'rows', len(ids))
+    count = writer(temp, progress_lib.counted(_paired(ids, rows), progress))
   except BaseException:
     if tf.io.gfile.exists(temp):
       tf.io.gfile.remove(temp)
@@ -182,8 +217,11 @@ def main(argv):
                     cli.value('output'), cli.value('batch-size'),
                     cli.value('cpu-towers'), cli.value('num-gpus'),
                     cli.value('checkpoint'), cli.value('saved-model'))
+  except OptionError as e:
+    raise cli.UsageError(str(e)) from e
   except ValueError as e:
-    raise cli.Failure(str(e)) from e
+    raise cli.Failure(data_errors.in_flag_terms(
+        str(e), eval_files='--predict-files')) from e
   except tf.errors.InvalidArgumentError as e:
     message = data_errors.cli_message(e)
     if message is None:

@@ -22,6 +22,12 @@ from trainer import preemption
 from trainer import train
 
 options_lib.define_flags()
+# Not a TaskOptions field: it says what to do with the options, and a
+# trainer_config.json saved with it would mean nothing.
+cli.define(flags.DEFINE_boolean, 'dry-run', False,
+           'Check the options, data, model and tuning metric, then exit '
+           'without training or writing anything (trainer.sweep does this '
+           'before its first trial).')
 # --help lists them (absl registers them under cli, which defines them).
 flags.adopt_module_key_flags(cli)
 
@@ -32,14 +38,21 @@ def main(argv):
                                 logging.get_verbosity())
   options = options_lib.from_flags()
   try:
+    if cli.value('dry-run'):
+      print(f'dry run: the options check out; the tuning metric is '
+            f'{train.check(options)}.', flush=True)
+      return
     # SIGTERM, Ctrl-C and SIGHUP save a checkpoint instead of a traceback.
     with preemption.sigterm_handled():
       result = train.run(options)
+  except options_lib.OptionError as e:
+    raise cli.UsageError(str(e)) from e
   except (ValueError, TypeError) as e:
     # Errors that explain a bad input or model; their messages say the fix.
     # The traceback stays available with --verbosity=debug.
     logging.debug('Traceback of the error below:', exc_info=True)
-    raise cli.Failure(options_lib.in_flag_terms(str(e))) from e
+    raise cli.Failure(data_errors.in_flag_terms(
+        options_lib.in_flag_terms(str(e)))) from e
   except tf.errors.InvalidArgumentError as e:
     message = data_errors.cli_message(e)
     if message is None:
@@ -54,6 +67,8 @@ def main(argv):
     sys.stderr.write(f'task: stopped: {e} Re-run the same command to '
                      'resume.\n')
     sys.exit(e.exit_code)
+  if result['skipped']:
+    print(result['skipped'], flush=True)
   print(_summary_line(result), flush=True)
 
 

@@ -26,8 +26,11 @@ from trainer import job_dir as job_dir_lib
 from trainer import limits
 from trainer import options as options_lib
 from trainer import preemption
+from trainer import progress
+from trainer import skipped_rows
 from trainer import vertex
 from trainer import step_logging
+from trainer import step_order
 
 tf1 = tf.compat.v1
 CONFIG_FILE = assembly.CONFIG_FILE
@@ -69,13 +72,21 @@ def _checked(name: str, model_fn):
 
 
 def _with_step_logging(model_fn, global_batch_size: int, num_towers: int,
-                       max_steps: int):
-  """Adds a StepLoggingHook on the merged loss to TRAIN specs."""
+                       max_steps: int, eval_steps: Optional[int] = None):
+  """Adds a StepLoggingHook on the merged loss to TRAIN specs.
+
+  Also orders the step's increment after the Estimator's read of it (see
+  step_order), and adds to EVAL specs a hook that logs their progress.
+  """
 
   def logged_model_fn(features, labels, mode, params, config):
     spec = model_fn(features, labels, mode, params, config)
+    if mode == tf.estimator.ModeKeys.EVAL:
+      return spec._replace(evaluation_hooks=list(spec.evaluation_hooks) + [
+          progress.EvalProgressHook(eval_steps)])
     if mode != tf.estimator.ModeKeys.TRAIN:
       return spec
+    step_order.order_increment_after_read(tf1.get_default_graph())
     hook = step_logging.StepLoggingHook(
         spec.loss, global_batch_size, num_towers,
         config.log_step_count_steps or 100,
@@ -139,26 +150,18 @@ def _vertex_exporters() -> List[tf.estimator.Exporter]:
   return [vertex.EvalSummaries(directory)] if directory else []
 
 
-def _check_eval_metric(estimator, data, options: TaskOptions,
-                       metric: str) -> None:
-  """Fails before training when the tuning metric is not an eval result.
+def _eval_metric_names(estimator, data, options: TaskOptions) -> List[str]:
+  """The evaluation results of the model: `loss` and its eval_metric_ops.
 
   Builds the EVAL graph once, as evaluation will, and reads its metric
   names.
-
-  Raises:
-    ValueError: `metric` is not among them.
   """
   with tf.Graph().as_default():
     dataset = data.eval_input_fn(options.eval_batch_size)()
     features, labels = tf1.data.make_one_shot_iterator(dataset).get_next()
     spec = estimator.model_fn(features, labels, tf.estimator.ModeKeys.EVAL,
                               estimator.config)
-  available = sorted({'loss', *spec.eval_metric_ops})
-  if metric not in available:
-    raise ValueError(f'--hypertune-metric={metric} is not an evaluation '
-                     f'result of --model={options.model}; it reports '
-                     f'{", ".join(available)}.')
+  return sorted({'loss', *spec.eval_metric_ops})
 
 
 def _checkpoint_step(model_dir: str) -> int:
@@ -210,7 +213,8 @@ def run(options: TaskOptions) -> Dict[str, Any]:
     {'metrics': final eval metrics (None for tasks of a cluster that do not
      evaluate), 'export_dir': SavedModel path or None, 'model_dir': where
      checkpoints went, 'towers': tower count, 'task': e.g. 'worker:1' or
-     None outside a cluster}.
+     None outside a cluster, 'skipped': what --skip-malformed skipped, or
+     None}.
 
   Raises:
     ValueError: a bad option, TF_CONFIG or data problem, before training
@@ -236,6 +240,23 @@ def run(options: TaskOptions) -> Dict[str, Any]:
   with job_dir_lib.locked(model_dir):
     job_dir_lib.check_same_architecture(model_dir, CONFIG_FILE, options)
     return run_.train_and_evaluate()
+
+
+def check(options: TaskOptions) -> str:
+  """What `run` checks before training, without training or writing.
+
+  Options, data, model graph and tuning metric, as the local run (or a
+  trial) with these options would check them.
+
+  Returns:
+    The tuning metric the run would report.
+
+  Raises:
+    ValueError: what `run` would raise before training.
+  """
+  job_dir = vertex.job_dir(options.job_dir) or default_job_dir()
+  model_dir = hptuning.trial_dir(job_dir, hptuning.trial_id())
+  return _Run(options, model_dir, {}).metric
 
 
 class _Run:
@@ -266,15 +287,22 @@ class _Run:
         _with_step_logging(
             _checked(options.model, replicate_model_fn(
                 model_fn, aggregation=options.aggregation)),
-            options.train_batch_size, self.towers, options.train_steps),
+            options.train_batch_size, self.towers, options.train_steps,
+            options.eval_steps),
         config=config, params=assembly.model_params(options, data))
     self._check_batch_sizes(data, assembly.model_params(options, data))
-    metric = options.hypertune_metric or 'accuracy'
     if not task.get('type') or task['type'] in ('chief', 'master',
                                                 'evaluator'):
       # Found out only after the first evaluation otherwise.
       hptuning.check_metric_file()
-      _check_eval_metric(self.estimator, data, options, metric)
+      self.skipped = skipped_rows.check(data, not options.eval_files)
+      metric = hptuning.tuning_metric(
+          options.hypertune_metric,
+          _eval_metric_names(self.estimator, data, options), options.model)
+    else:  # A task that never evaluates: its exporters never run.
+      metric = options.hypertune_metric or 'accuracy'
+      self.skipped = None
+    self.metric = metric
     self.train_spec = tf.estimator.TrainSpec(
         data.train_input_fn(options.train_batch_size,
                             seed=options.tf_random_seed or 0,
@@ -338,6 +366,12 @@ class _Run:
       # reports.
       metrics = _evaluate_and_export(self.estimator, self.eval_spec,
                                      model_dir)
+    if metrics is not None and _checkpoint_step(model_dir) == 0:
+      # E.g. every row skipped: a model of zero steps is no result.
+      raise ValueError(
+          f'training ran no step in {model_dir}: the training input ended '
+          'before its first batch, and nothing was exported. Check the '
+          'training data.')
     if metrics is not None and (latest_export(model_dir) is None or
                                 _checkpoint_step(model_dir) <
                                 self._options.train_steps):
@@ -349,5 +383,6 @@ class _Run:
       vertex.copy_model(latest_export(model_dir))
     return {'metrics': metrics, 'export_dir': latest_export(model_dir),
             'model_dir': model_dir, 'towers': self.towers,
+            'skipped': self.skipped,
             'task': f"{task['type']}:{task.get('index', 0)}"
                     if task.get('type') else None}

@@ -2,7 +2,8 @@
 
 Modules: `main` (flags, the entry point), `config` (hptuning_config.yaml),
 `space` (Optuna distributions and samplers), `study` (the study in sweep.db),
-`runner` and `trials` (trial processes), `process`, `devices`, `metrics`,
+`preflight` (a dry run of the trainer before the first trial), `runner`
+and `trials` (trial processes), `process`, `devices`, `metrics`,
 `hparams` (TensorBoard HParams), `report` (results table). The sweep runs
 `trainer.task` processes; it never imports the estimator_towers library.
 """

@@ -24,6 +24,7 @@ import optuna
 
 from trainer.sweep import config as sweep_config
 from trainer.sweep import devices as sweep_devices
+from trainer.sweep import preflight as sweep_preflight
 from trainer.sweep import report as sweep_report
 from trainer.sweep import runner as sweep_runner
 from trainer.sweep import space as sweep_space
@@ -138,6 +139,9 @@ def main(argv: List[str]) -> None:
                                  sweep_devices.cpu_count())
     job_dir = prepare_job_dir(value('job-dir'))
     lock = sweep_study.lock(job_dir)
+    if not value('resume'):  # A resumed sweep passed it with these settings.
+      sweep_preflight.check(value('module-name'), job_dir, fixed,
+                            config.metric_tag, os.environ)
   except ValueError as e:
     fail(str(e), EXIT_USAGE)
   optuna.logging.set_verbosity(optuna.logging.ERROR)  # The sweep reports.
