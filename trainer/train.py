@@ -54,8 +54,8 @@ def _checked(name: str, model_fn):
   def checked_model_fn(features, labels, mode, params, config):
     try:
       spec = model_fn(features, labels, mode, params, config)
-    except (ValueError, TypeError):
-      raise
+    except (ValueError, TypeError, preemption.Preempted):
+      raise  # A stop signal may land while the graph is built.
     except Exception as e:  # pylint: disable=broad-except
       raise ModelFnError(f'--model={name} failed building the {mode} graph: '
                          f'{type(e).__name__}: {e}') from e
