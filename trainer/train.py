@@ -229,7 +229,7 @@ def run(options: TaskOptions) -> Dict[str, Any]:
     tf.keras.utils.set_random_seed(options.tf_random_seed)
   # Everything that can be checked is checked before the job dir is touched.
   vertex.check_outputs()
-  run_ = _Run(options, model_dir, task)
+  run_ = _Run(options, model_dir, task, tf_config)
   if task.get('type') not in (None, 'chief', 'master'):
     return run_.train_and_evaluate()
   # A local run or a cluster's chief: the one writer of the job dir.
@@ -242,8 +242,9 @@ class _Run:
   """One task's Estimator and specs, built and checked before training."""
 
   def __init__(self, options: TaskOptions, model_dir: str,
-               task: Dict[str, Any]):
+               task: Dict[str, Any], tf_config: Optional[Dict[str, Any]]):
     self._options, self._model_dir, self._task = options, model_dir, task
+    self._tf_config = tf_config
     kind = model_fns.model_kind(options.model)
     model_fn = model_fns.get_model_fn(options.model)
     data = assembly.build_data(options, kind)
@@ -323,9 +324,15 @@ class _Run:
     if resumed:
       # TensorFlow's own "Restoring parameters" line is hidden by default.
       logging.info('Resuming from %s', resumed)
-    with preemption.sigterm_handled():
-      result = tf.estimator.train_and_evaluate(
-          self.estimator, self.train_spec, self.eval_spec)
+    try:
+      with preemption.sigterm_handled():
+        result = tf.estimator.train_and_evaluate(
+            self.estimator, self.train_spec, self.eval_spec)
+    except tf.errors.UnknownError as e:
+      message = cluster_config.server_start_failure(e.message, self._tf_config)
+      if message is None:
+        raise
+      raise ValueError(message) from e
     # Local runs and the evaluator get (metrics, exports); other cluster
     # tasks get None.
     metrics = result[0] if result else None
