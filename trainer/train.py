@@ -18,6 +18,7 @@ from estimator_towers.replicate import replicate_model_fn
 from estimator_towers.run_config import make_run_config
 from estimator_towers.run_config import session_device_counts
 from trainer import assembly
+from trainer import checkpoint_check
 from trainer import cluster_config
 from trainer.cluster import private_network
 from trainer import finite_weights
@@ -234,6 +235,7 @@ def run(options: TaskOptions) -> Dict[str, Any]:
     return run_.train_and_evaluate()
   # A local run or a cluster's chief: the one writer of the job dir.
   with job_dir_lib.locked(model_dir):
+    checkpoint_check.resumable(model_dir)  # Falls back from a damaged one.
     job_dir_lib.check_same_architecture(model_dir, CONFIG_FILE, options)
     return run_.train_and_evaluate()
 
