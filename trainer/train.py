@@ -5,9 +5,10 @@
 model is saved next to the checkpoints as `trainer_config.json`.
 """
 
+import contextlib
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from absl import logging
 import tensorflow as tf
@@ -19,6 +20,7 @@ from estimator_towers.run_config import make_run_config
 from estimator_towers.run_config import session_device_counts
 from trainer import assembly
 from trainer import checkpoint_check
+from trainer import disk_space
 from trainer import cluster_config
 from trainer.cluster import private_network
 from trainer import finite_weights
@@ -230,23 +232,40 @@ def run(options: TaskOptions) -> Dict[str, Any]:
     tf.keras.utils.set_random_seed(options.tf_random_seed)
   # Everything that can be checked is checked before the job dir is touched.
   vertex.check_outputs()
-  run_ = _Run(options, model_dir, task, tf_config)
-  if task.get('type') not in (None, 'chief', 'master'):
-    return run_.train_and_evaluate()
-  # A local run or a cluster's chief: the one writer of the job dir.
-  with job_dir_lib.locked(model_dir):
-    checkpoint_check.resumable(model_dir)  # Falls back from a damaged one.
-    job_dir_lib.check_same_architecture(model_dir, CONFIG_FILE, options)
-    return run_.train_and_evaluate()
+  run_ = _Run(options, model_dir, task)
+  with _explained(tf_config, model_dir):
+    if task.get('type') not in (None, 'chief', 'master'):
+      return run_.train_and_evaluate()
+    # A local run or a cluster's chief: the one writer of the job dir.
+    with job_dir_lib.locked(model_dir):
+      checkpoint_check.resumable(model_dir)  # Falls back from a damaged one.
+      job_dir_lib.check_same_architecture(model_dir, CONFIG_FILE, options)
+      return run_.train_and_evaluate()
+
+
+@contextlib.contextmanager
+def _explained(tf_config, model_dir: str) -> Iterator[None]:
+  """TensorFlow's port-taken and disk-full errors as one clear ValueError."""
+  try:
+    yield
+  except tf.errors.UnknownError as e:
+    message = cluster_config.server_start_failure(e.message, tf_config)
+    if message is None:
+      raise
+    raise ValueError(message) from e
+  except tf.errors.ResourceExhaustedError as e:
+    message = disk_space.no_space_failure(e.message, model_dir)
+    if message is None:
+      raise
+    raise ValueError(message) from e
 
 
 class _Run:
   """One task's Estimator and specs, built and checked before training."""
 
   def __init__(self, options: TaskOptions, model_dir: str,
-               task: Dict[str, Any], tf_config: Optional[Dict[str, Any]]):
+               task: Dict[str, Any]):
     self._options, self._model_dir, self._task = options, model_dir, task
-    self._tf_config = tf_config
     kind = model_fns.model_kind(options.model)
     model_fn = model_fns.get_model_fn(options.model)
     data = assembly.build_data(options, kind)
@@ -326,15 +345,9 @@ class _Run:
     if resumed:
       # TensorFlow's own "Restoring parameters" line is hidden by default.
       logging.info('Resuming from %s', resumed)
-    try:
-      with preemption.sigterm_handled():
-        result = tf.estimator.train_and_evaluate(
-            self.estimator, self.train_spec, self.eval_spec)
-    except tf.errors.UnknownError as e:
-      message = cluster_config.server_start_failure(e.message, self._tf_config)
-      if message is None:
-        raise
-      raise ValueError(message) from e
+    with preemption.sigterm_handled():
+      result = tf.estimator.train_and_evaluate(
+          self.estimator, self.train_spec, self.eval_spec)
     # Local runs and the evaluator get (metrics, exports); other cluster
     # tasks get None.
     metrics = result[0] if result else None
