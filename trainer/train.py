@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterator, List, Optional
 from absl import logging
 import tensorflow as tf
 
+from input_fns import files as files_lib
 import model_fns
 from model_fns import hparams
 from estimator_towers.replicate import replicate_model_fn
@@ -231,6 +232,7 @@ def run(options: TaskOptions) -> Dict[str, Any]:
     # module, which the graph-level seed does not reach.
     tf.keras.utils.set_random_seed(options.tf_random_seed)
   # Everything that can be checked is checked before the job dir is touched.
+  _check_reachable(job_dir)
   vertex.check_outputs()
   run_ = _Run(options, model_dir, task)
   with _explained(tf_config, model_dir):
@@ -241,6 +243,21 @@ def run(options: TaskOptions) -> Dict[str, Any]:
       checkpoint_check.resumable(model_dir)  # Falls back from a damaged one.
       job_dir_lib.check_same_architecture(model_dir, CONFIG_FILE, options)
       return run_.train_and_evaluate()
+
+
+def _check_reachable(job_dir: str) -> None:
+  """Fails at once, in one line, when a remote --job-dir cannot be reached.
+
+  Raises:
+    ValueError: reading the bucket failed (no network, no credentials).
+  """
+  if '://' not in job_dir:
+    return
+  try:
+    tf.io.gfile.exists(job_dir)
+  except tf.errors.OpError as e:
+    raise ValueError(f'--job-dir {job_dir}: '
+                     f'{files_lib.unreachable(job_dir, e)}') from e
 
 
 @contextlib.contextmanager
