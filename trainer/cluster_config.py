@@ -214,23 +214,6 @@ def _evaluator_pool(environ) -> bool:
   return isinstance(cluster, dict) and bool(cluster.get('workerpool3'))
 
 
-def without_evaluator(environ=None) -> bool:
-  """Whether the job is known to have no evaluator task.
-
-  TF_CONFIG never lists the evaluator, so only Vertex AI's CLUSTER_SPEC
-  tells: an evaluator is its worker pool 3. Without CLUSTER_SPEC nothing is
-  known, and the chief leaves evaluation to an evaluator as before (two
-  tasks reporting the tuning metric would overwrite each other's file).
-  """
-  environ = os.environ if environ is None else environ
-  try:
-    spec = json.loads(environ.get('CLUSTER_SPEC', '') or 'null')
-  except json.JSONDecodeError:
-    return False
-  cluster = spec.get('cluster') if isinstance(spec, dict) else None
-  return isinstance(cluster, dict) and not cluster.get('workerpool3')
-
-
 # Vertex AI's worker pools, in CLUSTER_SPEC's names, as TF_CONFIG task types.
 _POOLS = {'workerpool0': 'chief', 'workerpool1': 'worker',
           'workerpool2': 'ps', 'workerpool3': 'evaluator'}

@@ -8,6 +8,7 @@ on the embedded digits data set. `--helpfull` lists every flag.
 This module only parses flags; `trainer.train` does the work.
 """
 
+import contextlib
 import sys
 
 from absl import flags
@@ -33,7 +34,7 @@ def main(argv):
   options = options_lib.from_flags()
   try:
     # SIGTERM, Ctrl-C and SIGHUP save a checkpoint instead of a traceback.
-    with preemption.sigterm_handled():
+    with preemption.sigterm_handled(), _summaries_flushed():
       result = train.run(options)
   except (ValueError, TypeError) as e:
     # Errors that explain a bad input or model; their messages say the fix.
@@ -55,6 +56,19 @@ def main(argv):
                      'resume.\n')
     sys.exit(e.exit_code)
   print(_summary_line(result), flush=True)
+
+
+@contextlib.contextmanager
+def _summaries_flushed():
+  """Closes the cached summary writers, however the run ends.
+
+  The process's exit skips Python's last garbage collection (trainer.cli),
+  which might otherwise be what flushes a writer's last events.
+  """
+  try:
+    yield
+  finally:
+    tf.compat.v1.summary.FileWriterCache.clear()
 
 
 def _summary_line(result) -> str:

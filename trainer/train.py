@@ -107,11 +107,11 @@ class _SaveConfigWhenTraining(tf1.train.SessionRunHook):
     assembly.save_options(self._model_dir, self._options)
 
 
-def _exporters(options, data, metric):
+def _exporters(options, data, metric, final: bool = True):
   receiver = data.serving_input_receiver_fn(options.export_format)
-  exporters = [tf.estimator.FinalExporter('final', receiver),
-               hptuning.HypertuneReporter(metric,
-                                          options.hypertune_summary_tag)]
+  exporters = ([tf.estimator.FinalExporter('final', receiver)] if final
+               else []) + [hptuning.HypertuneReporter(
+                   metric, options.hypertune_summary_tag)]
   if options.export_best:
     maximize = hptuning.goal_for(metric) == 'MAXIMIZE'
 
@@ -327,7 +327,10 @@ class _Run:
                    if config.is_chief else []))
     self.eval_spec = tf.estimator.EvalSpec(
         data.eval_input_fn(options.eval_batch_size), steps=options.eval_steps,
-        exporters=_exporters(options, data, metric) + _vertex_exporters(),
+        # A cluster's final export is the chief's (see train_and_evaluate).
+        exporters=_exporters(options, data, metric,
+                             final=task.get('type') != 'evaluator') +
+        _vertex_exporters(),
         start_delay_secs=0,
         # Locally each checkpoint is evaluated as it is saved; an evaluator
         # task polls for new ones, and with no pause it spins, logging each
@@ -368,15 +371,17 @@ class _Run:
     # Local runs and the evaluator get (metrics, exports); other cluster
     # tasks get None.
     metrics = result[0] if result else None
-    chief_evaluates = task.get('type') in ('chief', 'master') and (
-        cluster_config.without_evaluator())
-    if metrics is None and (not task.get('type') or chief_evaluates):
+    if metrics is None and task.get('type') in (None, 'chief', 'master'):
       # Locally: training was already done (e.g. the last run was killed
-      # after its final checkpoint, before the export). On the chief of a
-      # Vertex job without evaluator: nobody else evaluates, exports and
-      # reports.
+      # after its final checkpoint, before the export). On a cluster's
+      # chief: an evaluator's final export and report could be cut off (a
+      # Vertex job ends with its primary replica, a TFJob's cleanPodPolicy
+      # removes a running evaluator), or there is no evaluator: the chief
+      # evaluates the final checkpoint, exports and reports before it exits.
       metrics = _evaluate_and_export(self.estimator, self.eval_spec,
                                      model_dir)
+    if task.get('type') == 'evaluator':
+      metrics = None  # Its evaluations are for TensorBoard; see above.
     if metrics is not None and (latest_export(model_dir) is None or
                                 _checkpoint_step(model_dir) <
                                 self._options.train_steps):
