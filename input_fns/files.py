@@ -37,12 +37,18 @@ def expand(globs: Globs, name: str,
 
   Raises:
     TypeError: globs is not a non-empty list of strings.
-    ValueError: a glob matches no file, or only files without examples.
+    ValueError: a glob matches no file, or only files without examples, or
+      a remote glob's bucket cannot be reached.
   """
   files, seen = [], set()
   for glob in _as_list(globs, name):
-    matches = sorted(path for path in tf.io.gfile.glob(glob)
-                     if not tf.io.gfile.isdir(path))
+    try:
+      matches = sorted(path for path in tf.io.gfile.glob(glob)
+                       if not tf.io.gfile.isdir(path))
+    except tf.errors.OpError as e:
+      if '://' not in glob:
+        raise
+      raise ValueError(f'{name}: {unreachable(glob, e)}') from e
     if not matches:
       raise ValueError(f'{name}: the glob {glob!r} matches no file; check the '
                        'path (globs are expanded by tf.io.gfile.glob).')
@@ -61,3 +67,23 @@ def expand(globs: Globs, name: str,
 def is_nonempty(path: str) -> bool:
   """Whether the file has at least one byte."""
   return tf.io.gfile.stat(path).length > 0
+
+
+def unreachable(path: str, error: Exception) -> str:
+  """Why a remote path (gs://...) could not be read, and what to check.
+
+  Args:
+    path: The path or glob, e.g. 'gs://bucket/data/*.csv'.
+    error: TensorFlow's error (e.g. a FailedPreconditionError from libcurl).
+
+  Returns:
+    One sentence naming the path, the bucket and TensorFlow's reason.
+  """
+  scheme, _, rest = path.partition('://')
+  bucket = f'{scheme}://{rest.split("/", 1)[0]}'
+  reason = (getattr(error, 'message', None) or str(error)).strip()
+  reason = reason.splitlines()[0] if reason else type(error).__name__
+  return (f'cannot read {path}: the bucket {bucket} is unreachable from this '
+          f'machine ({reason}). Check the network and the credentials '
+          '(GOOGLE_APPLICATION_CREDENTIALS, or gcloud auth '
+          'application-default login).')

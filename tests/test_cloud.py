@@ -42,8 +42,8 @@ def test_chief_of_a_bigger_cluster_stays_a_cluster_task():
 
 
 def test_lone_chief_with_a_vertex_evaluator_pool_stays_a_cluster_task():
-  # The evaluator (pool 3, never in TF_CONFIG) evaluates and exports; the
-  # chief must not do it too.
+  # With an evaluator (pool 3, never in TF_CONFIG) the chief is no machine
+  # alone: the evaluator evaluates while it trains.
   config = {'cluster': {'chief': ['c:1']},
             'task': {'type': 'chief', 'index': 0}}
   spec = {'cluster': {'workerpool0': ['c:1'], 'workerpool3': ['e:1']},
@@ -54,17 +54,6 @@ def test_lone_chief_with_a_vertex_evaluator_pool_stays_a_cluster_task():
   del spec['cluster']['workerpool3']
   environ['CLUSTER_SPEC'] = json.dumps(spec)
   assert 'cluster' not in cluster_config.single_machine(config, environ)
-
-
-def test_missing_evaluator_is_known_from_vertex_cluster_spec_only():
-  spec = {'cluster': {'workerpool0': ['c:1'], 'workerpool3': ['e:1']},
-          'task': {'type': 'workerpool0', 'index': 0}}
-  assert not cluster_config.without_evaluator(
-      {'CLUSTER_SPEC': json.dumps(spec)})
-  del spec['cluster']['workerpool3']
-  assert cluster_config.without_evaluator({'CLUSTER_SPEC': json.dumps(spec)})
-  # TF_CONFIG alone never lists the evaluator: nothing is known.
-  assert not cluster_config.without_evaluator({})
 
 
 def test_vertex_output_locations_without_job_dir(tmp_path):

@@ -1,24 +1,69 @@
-"""docs/cloud.md's commands name flags the task has and files that exist."""
+"""docs/cloud.md's commands name flags the task has and files that exist;
+every documented command and deploy/ file agrees on the package and jobs."""
 
+import configparser
+import glob
 import os
 import re
 import shlex
+
+import yaml
 
 from cli_helpers import ROOT
 from cli_helpers import is_task_flag
 from trainer import options
 
 options.define_flags()
+_DOCS = ('docs/cloud.md', 'docs/cluster.md')
+_DEPLOY = sorted(glob.glob(os.path.join(ROOT, 'deploy', '*.yaml')))
 
 
-def _commands():
-  with open(os.path.join(ROOT, 'docs', 'cloud.md')) as f:
-    text = f.read()
-  for block in re.findall(r'```bash\n(.*?)```', text, re.S):
-    for command in block.replace('\\\n', ' ').splitlines():
-      command = command.split('#', 1)[0].strip()
-      if command:
-        yield shlex.split(command)
+def _read(path):
+  with open(os.path.join(ROOT, path)) as f:
+    return f.read()
+
+
+def _split(lines, start=''):
+  """Shell words of each command in `lines` (backslash continuations) that
+  starts with `start`."""
+  for command in lines.replace('\\\n', ' ').splitlines():
+    command = command.split('#', 1)[0].strip()
+    if command and command.startswith(start):
+      yield shlex.split(command)
+
+
+def _commands(path='docs/cloud.md'):
+  for block in re.findall(r'```bash\n(.*?)```', _read(path), re.S):
+    yield from _split(block)
+
+
+def _gcloud_commands():
+  """(where, words) of every gcloud command in the docs and deploy/ files.
+
+  From the docs' bash blocks and inline code, and from the usage comments
+  at the top of each deploy/ file.
+  """
+  for path in _DOCS:
+    spans = re.findall(r'`(gcloud [^`]+)`', _read(path))
+    for words in [*_commands(path), *_split('\n'.join(
+        ' '.join(span.split()) for span in spans))]:
+      if words[0] == 'gcloud':
+        yield path, words
+  for path in _DEPLOY:
+    comments = '\n'.join(line.lstrip('#') for line in _read(path).splitlines()
+                         if line.startswith('#'))
+    for words in _split(comments.replace('&&', '\n'), 'gcloud '):
+      yield path, words
+
+
+def _option(words, name):
+  """The value of `--name X` or `--name=X` in words, or None."""
+  for i, word in enumerate(words):
+    if word == name and i + 1 < len(words):
+      return words[i + 1]
+    if word.startswith(name + '='):
+      return word.split('=', 1)[1]
+  return None
 
 
 def _task_args(words):
@@ -58,3 +103,43 @@ def test_every_named_file_exists():
       path = word.split('=', 1)[-1]
       if path.startswith(('deploy/', 'Dockerfile')):
         assert os.path.exists(os.path.join(ROOT, path)), path
+
+
+def _sdist_file():
+  """setup.cfg's name and the file name of the sdist current tools write."""
+  parser = configparser.ConfigParser()
+  parser.read(os.path.join(ROOT, 'setup.cfg'))
+  name, version = parser['metadata']['name'], parser['metadata']['version']
+  # setuptools >= 69.3 (PEP 625) normalizes the file name; older ones (and
+  # gcloud's `python setup.py sdist`) keep the name as written.
+  return name, f'{re.sub(r"[-_.]+", "_", name).lower()}-{version}.tar.gz'
+
+
+def test_every_package_file_name_is_the_one_the_build_writes():
+  name, expected = _sdist_file()
+  assert expected.startswith(name + '-'), (
+      f'setup.cfg name {name!r}: old and new setuptools would name the sdist '
+      'differently')
+  named = 0
+  for path in [*_DOCS, *_DEPLOY]:
+    for file_name in re.findall(r'[\w.-]+\.tar\.gz', _read(path)):
+      assert file_name == expected, f'{path} names {file_name}'
+      named += 1
+  assert named >= 4  # cloud.md's gsutil cp, the Vertex job's packageUris...
+
+
+def test_custom_container_jobs_are_not_given_a_package():
+  checked = 0
+  for where, words in _gcloud_commands():
+    config = _option(words, '--config')
+    if config is None or not config.startswith('deploy/'):
+      continue
+    document = yaml.safe_load(_read(config))
+    if 'imageUri' not in repr(document):
+      continue
+    # gcloud refuses --package-path / --module-name with custom containers.
+    packaged = [w for w in words if w.split('=')[0] in
+                ('--package-path', '--module-name', '--packages')]
+    assert not packaged, f'{where}: {" ".join(words)}'
+    checked += 1
+  assert checked >= 2  # docs/cluster.md and the config's own usage comment

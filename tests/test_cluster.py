@@ -112,11 +112,15 @@ def test_cluster_trains_evaluates_and_reports_in_a_private_network(tmp_path):
   _assert_all_stopped(job)
   # Towers inside each worker: the chief ran 2 of them.
   assert _log_has(job, 'chief-0', '2 towers')
-  # The evaluator scored each new checkpoint and the final one, and
-  # reported the tuning metric from it.
+  # The chief scored the final checkpoint, exported it and reported the
+  # tuning metric before it exited (the job may end with the chief); the
+  # evaluator only scored checkpoints while training ran.
+  assert _log_has(job, 'chief-0', 'evaluating and exporting')
+  assert not _log_has(job, 'evaluator-0', 'evaluating and exporting')
   steps = [int(r['global_step']) for r in read_json_lines(metric_file)]
-  assert steps[-1] >= 600 and len(steps) >= 2
-  assert os.listdir(job / 'export' / 'final')
+  assert steps[-1] >= 600
+  (export,) = os.listdir(job / 'export' / 'final')
+  assert _log_has(job, 'chief-0', export)
 
 
 def test_killed_worker_is_restarted_and_rejoins(tmp_path):
@@ -192,8 +196,11 @@ def test_interrupt_stops_every_task(tmp_path):
 def test_ctrl_c_lets_the_chief_save_before_the_ps_stops(tmp_path):
   job = tmp_path / 'job'
   # No periodic checkpoint after the first: only a save on the stop can
-  # keep the steps trained.
+  # keep the steps trained. Each task must exit by itself, well within the
+  # grace period, after its save (Python's exit with TensorFlow loaded used
+  # to take many seconds when several processes exited together).
   process = _launch(job, '--workers=1', '--ps=1', '--no-evaluator',
+                    '--grace-secs=4',
                     task_args=('--train-steps=1000000',
                                '--save-checkpoints-steps=1000000'),
                     new_session=True)
@@ -207,6 +214,7 @@ def test_ctrl_c_lets_the_chief_save_before_the_ps_stops(tmp_path):
     code, _, err = _finish(process, timeout=120)
   assert code == 130, err[-3000:]
   assert _log_has(job, 'chief-0', 'Received SIGTERM: saved'), err[-3000:]
+  assert 'did not stop within' not in err, err[-3000:]
   assert _step(job) >= 100  # Past the first 'examples/sec' log.
   state = _state(job)
   assert not any(task['running'] for task in state.values()), state

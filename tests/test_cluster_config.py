@@ -1,11 +1,13 @@
 """Malformed TF_CONFIG fails before any server starts, naming the problem."""
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
 
-from cli_helpers import run_module
+from cli_helpers import ROOT, run_module
 from trainer import cluster_config
 from trainer.cluster import private_network
 
@@ -104,3 +106,47 @@ def test_unshare_refused_says_how_to_get_a_private_network():
   with pytest.raises(private_network.PrivateNetworkError,
                      match='Operation not permitted. Run the launcher as root'):
     private_network.check_unshare_works(refused)
+
+
+# Runs in a network namespace of its own: it holds a port on loopback and
+# starts a chief whose TF_CONFIG address is that port.
+_TAKEN_PORT_SCRIPT = '''
+import json, os, socket, subprocess, sys
+from trainer.cluster import private_network
+private_network.bring_up_loopback()
+with socket.socket() as taken:
+  taken.bind(('127.0.0.1', 0))
+  taken.listen()
+  address = '127.0.0.1:%d' % taken.getsockname()[1]
+  cluster = {'chief': [address],
+             'worker': ['127.0.0.1:%d' % private_network.free_port()]}
+  task = {'type': 'chief', 'index': 0}
+  env = {**os.environ, 'TRAINER_PRIVATE_NETWORK': '1',
+         'TF_CONFIG': json.dumps({'cluster': cluster, 'task': task})}
+  task = subprocess.run(
+      [sys.executable, '-m', 'trainer.task', '--job-dir=' + sys.argv[1],
+       '--train-steps=5'], env=env, capture_output=True, text=True,
+      timeout=300, stdin=subprocess.DEVNULL)
+print(json.dumps({'code': task.returncode, 'stderr': task.stderr,
+                  'address': address}))
+'''
+
+
+def test_a_taken_port_is_one_line_naming_the_task_and_address(tmp_path):
+  command = private_network.unshare_command() + [
+      '--', sys.executable, '-c', _TAKEN_PORT_SCRIPT, str(tmp_path / 'job')]
+  env = {**os.environ, 'PYTHONPATH': ROOT, 'TF_CPP_MIN_LOG_LEVEL': '3'}
+  ran = subprocess.run(command, cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=360, stdin=subprocess.DEVNULL)
+  assert ran.returncode == 0, ran.stderr[-3000:]
+  task = json.loads(ran.stdout.splitlines()[-1])
+  stderr = task['stderr']
+  assert task['code'] == 1, stderr[-3000:]
+  assert 'Traceback' not in stderr
+  assert stderr.strip().splitlines()[-1] == (
+      f'task: error: chief:0 could not start its gRPC server on '
+      f'{task["address"]} (its address in TF_CONFIG): port '
+      f'{task["address"].rsplit(":", 1)[1]} is in use on this machine (the '
+      'server listens on every interface), perhaps by a task of an earlier '
+      'run that is still alive. Stop that process or give this task a free '
+      'port in TF_CONFIG.')

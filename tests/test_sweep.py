@@ -91,6 +91,23 @@ def _sweep(config, job_dir, *args, fixed=TINY, extra_path=None, timeout=240):
                         stdin=subprocess.DEVNULL)
 
 
+def _signalled_sweep(command, env, ready, what, signum):
+  """Runs a sweep until `ready()`, sends it `signum`; (exit code, stderr)."""
+  sweep = subprocess.Popen(command, cwd=ROOT, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, stdin=subprocess.DEVNULL,
+                           start_new_session=True)
+  try:
+    wait_until(ready, 120, what, sweep)
+    sweep.send_signal(signum)
+    _, stderr = sweep.communicate(timeout=60)
+  finally:
+    if sweep.poll() is None:
+      os.killpg(sweep.pid, signal.SIGKILL)
+      sweep.wait()
+  return sweep.returncode, stderr
+
+
 def _csv(job_dir):
   with open(os.path.join(job_dir, 'sweep_results.csv'), newline='') as f:
     return list(csv.DictReader(f))
@@ -281,10 +298,49 @@ def test_resume_after_kill_9_reruns_nothing_finished(root):
   assert seeds == [1, 2, 3]  # The whole grid, each point run to the end once.
   for t in trials:
     if sweep_study.status(t) == 'complete':
-      log = (job_dir / sweep_study.trial_id_of(t.number) / 'trial.log')
-      assert log.read_text().count('eval: accuracy=') == 1
+      with open(os.path.join(t.user_attrs['job_dir'], 'trial.log')) as f:
+        evals = [l for l in f if l.startswith('eval: ')]
+      # Each ran to the end once: the rerun's log also holds the orphan's
+      # run, which may have finished before the resumed sweep stopped it.
+      assert len(evals) == 1 or t.number == rerun.number, evals
+      assert ' global_step=30 ' in evals[-1]
+  # The rerun went on in the interrupted trial's directory.
+  assert rerun.user_attrs['job_dir'] == interrupted.user_attrs['job_dir']
   rows = _csv(job_dir)
   assert [r['status'] for r in rows].count('complete') == 3
+
+
+def test_sigterm_then_resume_continues_the_trial_from_its_checkpoint(root):
+  job_dir = root / 'sigterm'
+  config = _write_config(root / 'sigterm.yaml', RESUME_CONFIG.replace(
+      'maxTrials: 3', 'maxTrials: 1').replace('maxValue: 3', 'maxValue: 1'))
+  # Long enough that the signal lands mid-training; no periodic checkpoint
+  # after step 0, so only the one saved on SIGTERM can be resumed.
+  fixed = TINY[1:] + ('--train-steps=1000', '--train-batch-size=512',
+                      '--log-step-count-steps=10',
+                      '--save-checkpoints-steps=100000')
+  command = [sys.executable, '-m', 'trainer.sweep', f'--config={config}',
+             f'--job-dir={job_dir}', *FAST, '--', *fixed]
+  log = job_dir / '1' / 'trial.log'
+  code, stderr = _signalled_sweep(
+      command, _env(), lambda: log.exists() and 'examples/sec' in
+      log.read_text(), 'the trial to train', signal.SIGTERM)
+  assert code == 143, stderr[-3000:]
+  (stopped,) = _trials(job_dir)
+  # It saved and exited by itself within the grace period (not SIGKILL).
+  assert stopped.user_attrs['exit_code'] == 143, log.read_text()[-3000:]
+  saved = tf.train.latest_checkpoint(str(job_dir / '1'))
+  assert saved and f'Received SIGTERM: saved {saved}' in log.read_text()
+
+  resumed = _sweep(config, job_dir, '--resume', fixed=fixed)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  _, rerun = _trials(job_dir)
+  assert rerun.user_attrs['job_dir'] == str(job_dir / '1')
+  assert not (job_dir / '2').exists()
+  text = log.read_text()
+  assert f'Resuming from {saved}' in text, text[-3000:]
+  assert 'eval: accuracy=' in text and 'global_step=1000' in text
+  assert [r['status'] for r in _csv(job_dir)] == ['interrupted', 'complete']
 
 
 FAILING_CONFIG = """\
@@ -641,21 +697,11 @@ def test_resume_with_the_same_seed_draws_new_values(root, fake_trainer,
   args = ('--module-name=fake_trainer', '--seed=7')
   command = [sys.executable, '-m', 'trainer.sweep', f'--config={config}',
              f'--job-dir={job_dir}', *args, *FAST, '--', '--steps=1']
-  sweep = subprocess.Popen(command, cwd=ROOT, env=_env(fake_trainer),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, stdin=subprocess.DEVNULL,
-                           start_new_session=True)
-  try:
-    wait_until(lambda: _first_trial_started(job_dir) and any(
-        'pid_start' in t.user_attrs for t in _trials(job_dir)), 60,
-               'a running trial')
-    sweep.send_signal(signal.SIGINT)
-    _, stderr = sweep.communicate(timeout=60)
-  finally:
-    if sweep.poll() is None:
-      os.killpg(sweep.pid, signal.SIGKILL)
-      sweep.wait()
-  assert sweep.returncode == 130, stderr[-3000:]
+  code, stderr = _signalled_sweep(
+      command, _env(fake_trainer), lambda: _first_trial_started(job_dir) and
+      any('pid_start' in t.user_attrs for t in _trials(job_dir)),
+      'a running trial', signal.SIGINT)
+  assert code == 130, stderr[-3000:]
   (job_dir / 'hold').unlink()
   resumed = _sweep(config, job_dir, '--resume', *args, fixed=('--steps=1',),
                    extra_path=fake_trainer, timeout=120)

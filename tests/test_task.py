@@ -292,6 +292,28 @@ def test_job_dir_that_is_a_file_is_one_clear_error(tmp_path):
   assert 'Traceback' not in result.stderr
 
 
+# No network here but package registries: Cloud Storage cannot be reached,
+# as on a machine without network or credentials.
+@pytest.mark.parametrize('where,args', [
+    ('--job-dir gs://no-bucket/jobs/x', ('--job-dir=gs://no-bucket/jobs/x',)),
+    ('train_files', ('--train-files=gs://no-bucket/data/train-*.csv',
+                     '--label-column=label')),
+])
+def test_unreachable_bucket_is_one_line_naming_the_path(tmp_path, where,
+                                                        args):
+  if not args[0].startswith('--job-dir'):
+    args = (f'--job-dir={tmp_path / "job"}',) + args
+  result = run_module('trainer.task', *args, '--train-steps=5', check=False)
+  assert result.returncode == 1, result.stderr[-3000:]
+  assert 'Traceback' not in result.stderr
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith(f'task: error: {where}: cannot read gs://no-bucket/'
+                         ), result.stderr[-3000:]
+  assert ('the bucket gs://no-bucket is unreachable from this machine ('
+          in last)
+  assert 'Check the network and the credentials' in last
+
+
 _BROKEN_MODELS = '''
 import tensorflow as tf
 

@@ -136,6 +136,35 @@ def warn_if_exposed(config: Optional[Dict[str, Any]],
       task.get('type'), task.get('index', 0))
 
 
+def server_start_failure(message: str,
+                         config: Optional[Dict[str, Any]]) -> Optional[str]:
+  """Explains TensorFlow's "Could not start gRPC server" in one line.
+
+  TensorFlow raises it with no address or task when the task's port cannot
+  be bound, mostly because another process (often a task of an earlier run
+  still alive) holds it.
+
+  Args:
+    message: The TensorFlow error's message.
+    config: The checked TF_CONFIG, or None.
+
+  Returns:
+    The explanation, or None when the message is another error.
+  """
+  task = (config or {}).get('task') or {}
+  addresses = ((config or {}).get('cluster') or {}).get(task.get('type'))
+  if 'Could not start gRPC server' not in message or not addresses:
+    return None
+  index = task.get('index', 0)
+  address = addresses[index]
+  port = address.rsplit(':', 1)[-1]
+  return (f'{task["type"]}:{index} could not start its gRPC server on '
+          f'{address} (its address in TF_CONFIG): port {port} is in use on '
+          'this machine (the server listens on every interface), perhaps by '
+          'a task of an earlier run that is still alive. Stop that process '
+          'or give this task a free port in TF_CONFIG.')
+
+
 def single_machine(config: Optional[Dict[str, Any]],
                    environ=None) -> Optional[Dict[str, Any]]:
   """TF_CONFIG without its cluster when the cluster is this task alone.
@@ -183,23 +212,6 @@ def _evaluator_pool(environ) -> bool:
     return False
   cluster = spec.get('cluster') if isinstance(spec, dict) else None
   return isinstance(cluster, dict) and bool(cluster.get('workerpool3'))
-
-
-def without_evaluator(environ=None) -> bool:
-  """Whether the job is known to have no evaluator task.
-
-  TF_CONFIG never lists the evaluator, so only Vertex AI's CLUSTER_SPEC
-  tells: an evaluator is its worker pool 3. Without CLUSTER_SPEC nothing is
-  known, and the chief leaves evaluation to an evaluator as before (two
-  tasks reporting the tuning metric would overwrite each other's file).
-  """
-  environ = os.environ if environ is None else environ
-  try:
-    spec = json.loads(environ.get('CLUSTER_SPEC', '') or 'null')
-  except json.JSONDecodeError:
-    return False
-  cluster = spec.get('cluster') if isinstance(spec, dict) else None
-  return isinstance(cluster, dict) and not cluster.get('workerpool3')
 
 
 # Vertex AI's worker pools, in CLUSTER_SPEC's names, as TF_CONFIG task types.

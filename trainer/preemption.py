@@ -88,13 +88,22 @@ class PreemptionHook(tf1.train.SessionRunHook):
     self._is_chief = is_chief
     self._saver: Optional[tf1.train.Saver] = None
     self._step = None
+    self._counted = False  # Whether in_training counts this hook.
 
   def begin(self):
     savers = tf1.get_collection(tf1.GraphKeys.SAVERS)
     self._saver = savers[0] if savers else None
     self._step = tf1.train.get_global_step()
+
+  def after_create_session(self, session, coord):
+    # Not in begin(): creating the session can wait a long time (a worker
+    # polls every 30 s until the chief has initialized the variables), and
+    # a signal meanwhile must stop the task then, not at a first step that
+    # may be minutes away.
+    del session, coord
     with _lock:
       _state.in_training += 1
+      self._counted = True
 
   def after_run(self, run_context, run_values):
     signum = _state.requested
@@ -119,6 +128,6 @@ class PreemptionHook(tf1.train.SessionRunHook):
 
   def _leave(self):
     with _lock:
-      if self._step is not None:
+      if self._counted:
         _state.in_training -= 1
-        self._step = None
+        self._counted = False

@@ -8,6 +8,7 @@ on the embedded digits data set. `--helpfull` lists every flag.
 This module only parses flags; `trainer.train` does the work.
 """
 
+import contextlib
 import sys
 
 from absl import flags
@@ -43,7 +44,7 @@ def main(argv):
             f'{train.check(options)}.', flush=True)
       return
     # SIGTERM, Ctrl-C and SIGHUP save a checkpoint instead of a traceback.
-    with preemption.sigterm_handled():
+    with preemption.sigterm_handled(), _summaries_flushed():
       result = train.run(options)
   except options_lib.OptionError as e:
     raise cli.UsageError(str(e)) from e
@@ -70,6 +71,19 @@ def main(argv):
   if result['skipped']:
     print(result['skipped'], flush=True)
   print(_summary_line(result), flush=True)
+
+
+@contextlib.contextmanager
+def _summaries_flushed():
+  """Closes the cached summary writers, however the run ends.
+
+  The process's exit skips Python's last garbage collection (trainer.cli),
+  which might otherwise be what flushes a writer's last events.
+  """
+  try:
+    yield
+  finally:
+    tf.compat.v1.summary.FileWriterCache.clear()
 
 
 def _summary_line(result) -> str:

@@ -5,19 +5,23 @@
 model is saved next to the checkpoints as `trainer_config.json`.
 """
 
+import contextlib
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from absl import logging
 import tensorflow as tf
 
+from input_fns import files as files_lib
 import model_fns
 from model_fns import hparams
 from estimator_towers.replicate import replicate_model_fn
 from estimator_towers.run_config import make_run_config
 from estimator_towers.run_config import session_device_counts
 from trainer import assembly
+from trainer import checkpoint_check
+from trainer import disk_space
 from trainer import cluster_config
 from trainer.cluster import private_network
 from trainer import finite_weights
@@ -57,8 +61,8 @@ def _checked(name: str, model_fn):
   def checked_model_fn(features, labels, mode, params, config):
     try:
       spec = model_fn(features, labels, mode, params, config)
-    except (ValueError, TypeError):
-      raise
+    except (ValueError, TypeError, preemption.Preempted):
+      raise  # A stop signal may land while the graph is built.
     except Exception as e:  # pylint: disable=broad-except
       raise ModelFnError(f'--model={name} failed building the {mode} graph: '
                          f'{type(e).__name__}: {e}') from e
@@ -114,11 +118,11 @@ class _SaveConfigWhenTraining(tf1.train.SessionRunHook):
     assembly.save_options(self._model_dir, self._options)
 
 
-def _exporters(options, data, metric):
+def _exporters(options, data, metric, final: bool = True):
   receiver = data.serving_input_receiver_fn(options.export_format)
-  exporters = [tf.estimator.FinalExporter('final', receiver),
-               hptuning.HypertuneReporter(metric,
-                                          options.hypertune_summary_tag)]
+  exporters = ([tf.estimator.FinalExporter('final', receiver)] if final
+               else []) + [hptuning.HypertuneReporter(
+                   metric, options.hypertune_summary_tag)]
   if options.export_best:
     maximize = hptuning.goal_for(metric) == 'MAXIMIZE'
 
@@ -232,14 +236,49 @@ def run(options: TaskOptions) -> Dict[str, Any]:
     # module, which the graph-level seed does not reach.
     tf.keras.utils.set_random_seed(options.tf_random_seed)
   # Everything that can be checked is checked before the job dir is touched.
+  _check_reachable(job_dir)
   vertex.check_outputs()
   run_ = _Run(options, model_dir, task)
-  if task.get('type') not in (None, 'chief', 'master'):
-    return run_.train_and_evaluate()
-  # A local run or a cluster's chief: the one writer of the job dir.
-  with job_dir_lib.locked(model_dir):
-    job_dir_lib.check_same_architecture(model_dir, CONFIG_FILE, options)
-    return run_.train_and_evaluate()
+  with _explained(tf_config, model_dir):
+    if task.get('type') not in (None, 'chief', 'master'):
+      return run_.train_and_evaluate()
+    # A local run or a cluster's chief: the one writer of the job dir.
+    with job_dir_lib.locked(model_dir):
+      checkpoint_check.resumable(model_dir)  # Falls back from a damaged one.
+      job_dir_lib.check_same_architecture(model_dir, CONFIG_FILE, options)
+      return run_.train_and_evaluate()
+
+
+def _check_reachable(job_dir: str) -> None:
+  """Fails at once, in one line, when a remote --job-dir cannot be reached.
+
+  Raises:
+    ValueError: reading the bucket failed (no network, no credentials).
+  """
+  if '://' not in job_dir:
+    return
+  try:
+    tf.io.gfile.exists(job_dir)
+  except tf.errors.OpError as e:
+    raise ValueError(f'--job-dir {job_dir}: '
+                     f'{files_lib.unreachable(job_dir, e)}') from e
+
+
+@contextlib.contextmanager
+def _explained(tf_config, model_dir: str) -> Iterator[None]:
+  """TensorFlow's port-taken and disk-full errors as one clear ValueError."""
+  try:
+    yield
+  except tf.errors.UnknownError as e:
+    message = cluster_config.server_start_failure(e.message, tf_config)
+    if message is None:
+      raise
+    raise ValueError(message) from e
+  except tf.errors.ResourceExhaustedError as e:
+    message = disk_space.no_space_failure(e.message, model_dir)
+    if message is None:
+      raise
+    raise ValueError(message) from e
 
 
 def check(options: TaskOptions) -> str:
@@ -316,7 +355,10 @@ class _Run:
                    if config.is_chief else []))
     self.eval_spec = tf.estimator.EvalSpec(
         data.eval_input_fn(options.eval_batch_size), steps=options.eval_steps,
-        exporters=_exporters(options, data, metric) + _vertex_exporters(),
+        # A cluster's final export is the chief's (see train_and_evaluate).
+        exporters=_exporters(options, data, metric,
+                             final=task.get('type') != 'evaluator') +
+        _vertex_exporters(),
         start_delay_secs=0,
         # Locally each checkpoint is evaluated as it is saved; an evaluator
         # task polls for new ones, and with no pause it spins, logging each
@@ -357,15 +399,17 @@ class _Run:
     # Local runs and the evaluator get (metrics, exports); other cluster
     # tasks get None.
     metrics = result[0] if result else None
-    chief_evaluates = task.get('type') in ('chief', 'master') and (
-        cluster_config.without_evaluator())
-    if metrics is None and (not task.get('type') or chief_evaluates):
+    if metrics is None and task.get('type') in (None, 'chief', 'master'):
       # Locally: training was already done (e.g. the last run was killed
-      # after its final checkpoint, before the export). On the chief of a
-      # Vertex job without evaluator: nobody else evaluates, exports and
-      # reports.
+      # after its final checkpoint, before the export). On a cluster's
+      # chief: an evaluator's final export and report could be cut off (a
+      # Vertex job ends with its primary replica, a TFJob's cleanPodPolicy
+      # removes a running evaluator), or there is no evaluator: the chief
+      # evaluates the final checkpoint, exports and reports before it exits.
       metrics = _evaluate_and_export(self.estimator, self.eval_spec,
                                      model_dir)
+    if task.get('type') == 'evaluator':
+      metrics = None  # Its evaluations are for TensorBoard; see above.
     if metrics is not None and _checkpoint_step(model_dir) == 0:
       # E.g. every row skipped: a model of zero steps is no result.
       raise ValueError(

@@ -174,18 +174,21 @@ class Sweep:
                    slot: sweep_devices.Slot) -> sweep_trials.Outcome:
     options = self._options
     trial_id = sweep_study.trial_id_of(trial.number)
+    resumes = trial.user_attrs.get(sweep_study.RESUMES_ATTR)
     spec = sweep_trials.make_spec(
-        options.job_dir, trial_id, options.module, values,
-        options.fixed_flags,
+        options.job_dir, os.path.basename(resumes) if resumes else trial_id,
+        options.module, values, options.fixed_flags,
         sweep_devices.thread_flags(slot, options.fixed_flags),
         self._environ,
         sweep_devices.slot_env(slot, self._environ, options.fixed_flags),
-        self._config.metric_tag, self._job)
+        self._config.metric_tag, self._job, resume=bool(resumes))
     trial.set_user_attr(sweep_study.TRIAL_DIR_ATTR, spec.trial_dir)
     trial.set_user_attr(sweep_study.LOG_ATTR, spec.log_path)
+    resuming = (f', resuming trial {spec.trial_id} from its checkpoint'
+                if resumes else '')
     self._print(f'sweep: trial {trial_id} started: '
                 f'{sweep_report.describe_values(values)} '
-                f'(log {spec.log_path})')
+                f'(log {spec.log_path}{resuming})')
 
     def on_start(pid: int, started: Optional[str]) -> None:
       trial.set_user_attr(sweep_study.PID_ATTR, pid)
@@ -229,7 +232,7 @@ class Sweep:
       raise TrialInterrupted(f'trial {trial_id} interrupted')
     if outcome.exit_code is not None:  # Else it never ran: no session.
       sweep_hparams.write_trial(
-          os.path.join(self._options.job_dir, trial_id), trial_id, values,
+          trial.user_attrs[sweep_study.TRIAL_DIR_ATTR], trial_id, values,
           self._config.metric_tag, outcome.value, outcome.step,
           outcome.status)
     if outcome.status == sweep_trials.COMPLETE:

@@ -9,7 +9,8 @@ sweep stopped by Ctrl-C, SIGTERM or SIGKILL resumes with `--resume`:
 - a trial that was running is marked failed and *interrupted*: it does not
   count against maxTrials or maxFailedTrials, and a new trial with the same
   parameters is queued in its place (once: its `retry_of` names the
-  original);
+  original), which runs in the original's directory and so resumes from
+  its last checkpoint (the one saved on SIGTERM);
 - a trial process a killed sweep left running is stopped first.
 
 A lock on `<job-dir>/sweep.lock` keeps a second sweep out of a running one;
@@ -39,7 +40,9 @@ SETTINGS_ATTR = 'settings'
 # User attributes of a trial, set by the sweep while the trial runs.
 VALUES_ATTR = 'values'          # {parameterName: value given to the trial}
 OUTCOME_ATTR = 'outcome'        # How it ended, as sweep_trials says.
-RETRY_ATTR = 'retry_of'         # On a queued rerun: the interrupted trial.
+RETRY_ATTR = 'retry_of'         # On a queued rerun: the interrupted trial,
+RESUMES_ATTR = 'resumes'        # and its directory, whose checkpoints it
+                                # resumes (absent if it never started).
 PID_ATTR = 'pid'                # Its process, to stop it if the sweep dies,
 PID_START_ATTR = 'pid_start'    # told apart from a recycled pid by this.
 TRIAL_DIR_ATTR = 'job_dir'      # <job-dir>/<trial id>
@@ -318,8 +321,10 @@ def ensure_reruns(study: optuna.Study, num_params: int) -> List[int]:
   for trial in with_status(trials, INTERRUPTED):
     if trial.number in rerun or len(trial.params) != num_params:
       continue
-    study.enqueue_trial(dict(trial.params),
-                        user_attrs={RETRY_ATTR: trial.number})
+    attrs = {RETRY_ATTR: trial.number}
+    if trial.user_attrs.get(TRIAL_DIR_ATTR):
+      attrs[RESUMES_ATTR] = trial.user_attrs[TRIAL_DIR_ATTR]
+    study.enqueue_trial(dict(trial.params), user_attrs=attrs)
     queued.append(trial.number)
   return queued
 

@@ -43,6 +43,7 @@ class TrialSpec:
   metric_tag: str
   command: List[str]
   env: Dict[str, str]
+  resume: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +71,7 @@ def make_spec(job_dir: str, trial_id: str, module: str,
               values: Mapping[str, Any], fixed_flags: Sequence[str],
               extra_flags: Sequence[str], base_env: Mapping[str, str],
               extra_env: Mapping[str, str], metric_tag: str,
-              job: Mapping[str, Any]) -> TrialSpec:
+              job: Mapping[str, Any], resume: bool = False) -> TrialSpec:
   """The command line, environment and paths of one trial.
 
   Args:
@@ -84,6 +85,8 @@ def make_spec(job_dir: str, trial_id: str, module: str,
     extra_env: Variables for this trial's device slot.
     metric_tag: hyperparameterMetricTag.
     job: TF_CONFIG's "job" entry.
+    resume: Whether the trial goes on in the existing directory of an
+      interrupted trial with this id (the trainer resumes its checkpoint).
 
   Returns:
     The TrialSpec.
@@ -104,7 +107,7 @@ def make_spec(job_dir: str, trial_id: str, module: str,
               'CLOUD_ML_HP_METRIC_FILE': metric_path,
               'CLOUD_ML_HP_METRIC_TAG': metric_tag})
   return TrialSpec(trial_id, trial_dir, os.path.join(trial_dir, LOG_FILE),
-                   metric_path, metric_tag, command, env)
+                   metric_path, metric_tag, command, env, resume)
 
 
 # Vertex AI's output locations (trainer/vertex.py). A shared AIP_MODEL_DIR
@@ -166,14 +169,16 @@ def run(spec: TrialSpec, on_start: OnStart, on_report: OnReport,
       cannot be started (a problem of the machine, not of the trial).
   """
   try:
-    # Exclusive: a trial never mixes its checkpoints with an older run's.
-    os.makedirs(spec.trial_dir)
+    # Exclusive: a trial never mixes its checkpoints with an older run's;
+    # only the rerun of an interrupted trial goes on in that trial's.
+    os.makedirs(spec.trial_dir, exist_ok=spec.resume)
   except FileExistsError:
     return Outcome(FAILED, error=f'trial directory {spec.trial_dir} exists '
                    'already; the sweep never reuses one, so it is not from '
                    'this sweep: choose a new --job-dir.')
   started = time.monotonic()
-  with open(spec.log_path, 'x', encoding='utf-8') as log:
+  with open(spec.log_path, 'a' if spec.resume else 'x',
+            encoding='utf-8') as log:
     process = sweep_process.start(spec.command, spec.env, log)
   try:
     on_start(process.pid, sweep_process.start_time(process.pid))
