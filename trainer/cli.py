@@ -14,9 +14,9 @@
 Entry points call `run(main, prog)` in place of `absl.app.run(main)`.
 """
 
-import glob
 import atexit
 import gc
+import glob
 import re
 import sys
 from typing import Callable, List, NoReturn, Optional, Sequence
