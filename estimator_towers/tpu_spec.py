@@ -27,8 +27,9 @@ import tensorflow as tf
 # Private, but the base class of every TPUEstimatorSpec (the public one and
 # the canned heads' own).
 from tensorflow_estimator.python.estimator.model_fn import _TPUEstimatorSpec  # pylint: disable=g-direct-tensorflow-import
-
-TPUEstimatorSpec = tf.compat.v1.estimator.tpu.TPUEstimatorSpec
+# The class itself: reading it through tf.compat.v1.estimator.tpu at import
+# time logs a deprecation warning on every command line.
+from tensorflow_estimator.python.estimator.tpu.tpu_estimator import TPUEstimatorSpec  # pylint: disable=g-direct-tensorflow-import
 
 # (tensor name, per-tower tensors) -> the whole batch's rows.
 Concat = Callable[[str, List[tf.Tensor]], tf.Tensor]
