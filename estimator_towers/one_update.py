@@ -44,7 +44,6 @@ import tensorflow as tf
 from estimator_towers import gradient_routing as calls
 
 tf1 = tf.compat.v1
-_Optimizer = tf1.train.Optimizer
 # The optimizers' gradient methods: their gradients must be applied through
 # an optimizer (tf.gradients' may be used otherwise).
 _OPTIMIZER_GRADIENT_METHODS = ('compute_gradients', 'get_gradients',
@@ -62,13 +61,16 @@ class OneUpdate:
       created in any tower; see `VariableSharing.unshared`.
     replicas: For the 'all_reduce' aggregation, the towers' copies of the
       variables (a `replicas.Replicas`); None for one shared set.
+    training: False in EVAL and PREDICT: `tf.gradients` then stays each
+      tower's own (what it computes may be an output; no update runs).
   """
 
   def __init__(self, num_towers: int,
                weigh: Callable[[List[tf.Tensor]], List[tf.Tensor]],
                unshared: Callable[[], contextlib.AbstractContextManager],
-               replicas=None):
+               replicas=None, training: bool = True):
     self._num_towers = num_towers
+    self._training = training
     self._weigh = weigh
     self._unshared = unshared
     self._replicas = replicas
@@ -114,6 +116,8 @@ class OneUpdate:
         tf1.get_default_graph() is not self._graph):
       return call.run()
     if call.name == 'gradients':
+      if not self._training:
+        return call.run()
       variables = calls.variables_of_gradients_call(call)
       if variables is None:
         return call.run()  # Gradients w.r.t. tensors: the tower's own.

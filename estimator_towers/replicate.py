@@ -221,7 +221,8 @@ class _TowerBuilder:
         self._reduction, sizes, list(zip(feature_shards, label_shards)),
         first_ids)
     self._update = one_update.OneUpdate(num_towers, weigh,
-                                        self._sharing.unshared, self._replicas)
+                                        self._sharing.unshared, self._replicas,
+                                        training=self._mode == ModeKeys.TRAIN)
     specs, update_ops = [], []
     graph = tf1.get_default_graph()
     with self._update.routing():

@@ -63,7 +63,8 @@ class WeightDecayAdam(tf1.train.Optimizer):
 
 def _layer_norm(x, scope):
   with tf1.variable_scope(scope):
-    gain = tf1.get_variable('gamma', [WIDTH], initializer=tf1.ones_initializer())
+    gain = tf1.get_variable('gamma', [WIDTH],
+                            initializer=tf1.ones_initializer())
     shift = tf1.get_variable('beta', [WIDTH],
                              initializer=tf1.zeros_initializer())
   mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
@@ -153,9 +154,10 @@ def test_bert_style_training_equals_one_device(tmp_path, data, bert_start,
 
 def test_bert_style_training_resumes_under_all_reduce(tmp_path, data,
                                                       bert_start):
-  # Resumes one device's checkpoint on 3 towers: the copies are set from the restored primaries; the optimizer's own
-  # slots, which the copies do not have, come back from the checkpoint.
-  start, one = bert_start
+  # Resumes one device's checkpoint on 3 towers: the copies are set from the
+  # restored primaries; the optimizer's own slots, which the copies do not
+  # have, come back from the checkpoint.
+  _, one = bert_start
   shutil.copytree(one.model_dir, tmp_path / 'one', dirs_exist_ok=True)
   resumed_one = make_estimator(bert_like_model_fn, tmp_path / 'one', 1,
                                {'gradients': 'tf.gradients'})
@@ -163,7 +165,6 @@ def test_bert_style_training_resumes_under_all_reduce(tmp_path, data,
   many = make_estimator(bert_like_model_fn, tmp_path / 'many', 3,
                         {'gradients': 'tf.gradients'},
                         aggregation='all_reduce')
-  del start
   resumed_one.train(_input_fn(data), steps=2)
   many.train(_input_fn(data), steps=2)
   assert many.get_variable_value('global_step') == STEPS + 2
@@ -326,6 +327,15 @@ def _plain_model_fn(optimizer_fn, gradients=None):
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
   return model_fn
+
+
+def test_cross_shard_optimizer_is_refused_with_what_to_use():
+  model_fn = _plain_model_fn(lambda: tf1.tpu.CrossShardOptimizer(
+      tf1.train.GradientDescentOptimizer(0.1)))
+  with pytest.raises(ValueError, match=(
+      'CrossShardOptimizer sums gradients across TPU shards.*Use the '
+      'optimizer it wraps directly')):
+    build_replicated(model_fn, 2)
 
 
 @pytest.mark.parametrize('gradients,message', [
