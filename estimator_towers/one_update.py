@@ -39,11 +39,15 @@ import contextlib
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
+from absl import logging
 import tensorflow as tf
 
 from estimator_towers import gradient_routing as calls
 
 tf1 = tf.compat.v1
+_SUMMARY_OPS = frozenset(['ScalarSummary', 'HistogramSummary',
+                          'WriteScalarSummary', 'WriteHistogramSummary',
+                          'WriteSummary'])
 # The optimizers' gradient methods: their gradients must be applied through
 # an optimizer (tf.gradients' may be used otherwise).
 _OPTIMIZER_GRADIENT_METHODS = ('compute_gradients', 'get_gradients',
@@ -380,6 +384,11 @@ class OneUpdate:
         pending.extend(output.consumers())
     if not tainted:
       return
+    if index == 0 and any(op.type in _SUMMARY_OPS for op in tainted):
+      logging.warning(
+          'A summary of tower 0 reads gradients of the loss w.r.t. '
+          'variables; under replicate_model_fn they are the whole batch\'s '
+          'only in the last tower, so TensorBoard shows zeros for them.')
     targets = [('the loss', spec.loss)]
     targets += [('a prediction', t) for t in tf.nest.flatten(spec.predictions)]
     targets += [('the loss given to an optimizer call', losses[index])
