@@ -232,7 +232,8 @@ class _TowerBuilder:
         self._reduction, sizes, list(zip(feature_shards, label_shards)),
         first_ids)
     self._update = one_update.OneUpdate(num_towers, weigh,
-                                        self._sharing.unshared, self._replicas)
+                                        self._sharing.unshared, self._replicas,
+                                        training=self._mode == ModeKeys.TRAIN)
     if self._mode == ModeKeys.TRAIN:
       self._statistics = moving_statistics.MovingStatistics(num_towers, sizes)
     specs, update_ops = [], []
