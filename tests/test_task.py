@@ -296,7 +296,7 @@ def test_job_dir_that_is_a_file_is_one_clear_error(tmp_path):
 # as on a machine without network or credentials.
 @pytest.mark.parametrize('where,args', [
     ('--job-dir gs://no-bucket/jobs/x', ('--job-dir=gs://no-bucket/jobs/x',)),
-    ('train_files', ('--train-files=gs://no-bucket/data/train-*.csv',
+    ('--train-files', ('--train-files=gs://no-bucket/data/train-*.csv',
                      '--label-column=label')),
 ])
 def test_unreachable_bucket_is_one_line_naming_the_path(tmp_path, where,
