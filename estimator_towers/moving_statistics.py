@@ -62,6 +62,9 @@ class MovingStatistics:
     # Per tower: moving variable name -> its updates in call order.
     self._shards: List[Dict[str, List[_Shard]]] = [
         {} for _ in range(num_towers)]
+    # Names of the last tower's update ops: exact although they write from
+    # its shard (tower_effects lets them through).
+    self.exact_writes = set()
 
   @contextlib.contextmanager
   def tower(self, index: int):
@@ -144,7 +147,9 @@ class MovingStatistics:
       global_value = self._mean(shards)
     else:
       global_value = self._variance(shards)
-    return original(layer, variable, global_value, momentum, inputs_size)
+    update = original(layer, variable, global_value, momentum, inputs_size)
+    self.exact_writes.add(getattr(update, 'op', update).name)
+    return update
 
   def _matching(self, name: str, position: int) -> List[_Shard]:
     """Every tower's `position`-th update of variable `name`."""

@@ -257,7 +257,8 @@ class _TowerBuilder:
             reduction_lib.ExampleDependence(
                 (feature_shards[i], label_shards[i]), first_ids[i]),
             self._update.call_dependencies[i], sizes[i] > 0,
-            {_op_of(u).name for u in update_ops[i]})
+            {_op_of(u).name for u in update_ops[i]} |
+            self._statistics.exact_writes)
         if i < num_towers - 1:
           effects.extend(found)
       spec = spec_merge.merge_train(specs, weigh, sizes,

@@ -37,6 +37,10 @@ _CHECKS = frozenset(['Assert', 'Print', 'PrintV2'])
 # A `tf.debugging.assert_*` whose outcome is not known while the graph is
 # built is an Assert inside a stateful conditional (control flow v2).
 _CONDITIONALS = frozenset(['If'])
+# Ops that run functions, whose writes the walk cannot see from outside.
+_CALLS = frozenset(['If', 'StatelessIf', 'While', 'StatelessWhile', 'Case',
+                    'StatelessCase', 'PartitionedCall',
+                    'StatefulPartitionedCall'])
 # Writes that add up over shards, when what they add does: position of the
 # value they add.
 _ADDS = {'AssignAdd': 1, 'AssignAddVariableOp': 1, 'ScatterAdd': 2,
@@ -54,6 +58,12 @@ _OTHER_WRITES = frozenset([
     'ResourceScatterMin', 'ResourceScatterMax', 'ResourceScatterNdUpdate',
     'ResourceScatterNdSub'])
 _WRITES = _SHARED | _OTHER_WRITES | frozenset(_ADDS)
+_ADVICE = (
+    'For batch statistics use a tf.keras.layers.BatchNormalization or '
+    'tf.compat.v1.layers.batch_normalization layer, whose moving statistics '
+    'the wrapper combines exactly; accumulating a per-example sum or an '
+    'example count with assign_add is fine (derive a mean later, e.g. '
+    'total / count); otherwise train without replicate_model_fn.')
 
 
 def shard_effects(train_op: tf.Operation, first_id: int,
@@ -96,10 +106,10 @@ def shard_effects(train_op: tf.Operation, first_id: int,
     seen.add(op.name)
     if op.type in _CHECKS:
       found.setdefault(op.name, op)
-    elif (op.type in _CONDITIONALS and
-          any(map(depends_on_shard, op.inputs))):
+    elif op.type in _CALLS and any(map(depends_on_shard, op.inputs)):
       _check_no_writes_inside(op)
-      found.setdefault(op.name, op)
+      if op.type in _CONDITIONALS:
+        found.setdefault(op.name, op)
     elif (op.type in _WRITES and op.name not in exempt and
           any(map(depends_on_shard, op.inputs[1:]))):
       if op.type not in _SHARED:
@@ -130,30 +140,44 @@ def _check_adds_up(op: tf.Operation, depends_on_shard) -> None:
       f"from the tower's shard of the batch, and {why}. Under "
       'replicate_model_fn it would be written once per tower, each time '
       "from that tower's shard, instead of once from the whole batch as on "
-      'one device. For batch statistics use a tf.keras.layers.'
-      'BatchNormalization or tf.compat.v1.layers.batch_normalization layer, '
-      'whose moving statistics the wrapper combines exactly; accumulating '
-      'a per-example sum or an example count with assign_add is fine '
-      '(keep the mean for later, e.g. total / count); otherwise train '
-      'without replicate_model_fn.')
+      f'one device. {_ADVICE}')
 
 
 def _check_no_writes_inside(op: tf.Operation) -> None:
-  """Refuses a conditional on the shard whose branches write variables."""
-  for attr in ('then_branch', 'else_branch'):
-    function = op.graph._get_function(op.get_attr(attr).name)  # pylint: disable=protected-access
-    if function is None:
+  """Refuses a function run on the shard that writes variables."""
+  writes = _writes_in_functions(op.graph, _called(op.node_def), set())
+  if writes:
+    raise ValueError(
+        f'The train_op runs {op.type} {op.name} on the tower\'s shard, and '
+        f'its function writes a variable ({", ".join(sorted(writes))}). '
+        'Under replicate_model_fn it would run once per tower, each time '
+        "from that tower's shard, instead of once from the whole batch as "
+        'on one device. Move a write that adds a per-example sum or count '
+        f'out of the conditional or tf.function. {_ADVICE}')
+
+
+def _called(node_def) -> List[str]:
+  """Names of the functions a NodeDef runs (its function attributes)."""
+  names = [node_def.op]
+  for value in node_def.attr.values():
+    names.extend(f.name for f in [value.func, *value.list.func] if f.name)
+  return names
+
+
+def _writes_in_functions(graph: tf.Graph, names: Iterable[str],
+                         seen: set) -> List[str]:
+  """Variable writes inside the named graph functions, nested included."""
+  writes = []
+  for name in names:
+    function = graph._get_function(name)  # pylint: disable=protected-access
+    if name in seen or function is None:
       continue
-    writes = sorted(node.name for node in function.definition.node_def
-                    if node.op in _WRITES and node.op not in _SHARED)
-    if writes:
-      raise ValueError(
-          f'The train_op runs conditional {op.name} on the tower\'s shard, '
-          f'and its branch writes a variable ({", ".join(writes)}). Under '
-          'replicate_model_fn it would run once per tower, each time from '
-          "that tower's shard, instead of once from the whole batch as on "
-          'one device. Move the write out of the conditional if it adds a '
-          'per-example sum or count, or train without replicate_model_fn.')
+    seen.add(name)
+    for node in function.definition.node_def:
+      if node.op in _WRITES and node.op not in _SHARED:
+        writes.append(f'{name}/{node.name}')
+      writes.extend(_writes_in_functions(graph, _called(node), seen))
+  return writes
 
 
 def _add_nothing_when_idle(op: tf.Operation, active: tf.Tensor) -> None:

@@ -147,6 +147,8 @@ def _statistic_write(kind, moving, mean):
     return moving.assign_sub((moving - mean) * 0.5)
   if kind == 'assign':
     return moving.assign(moving * 0.5 + mean * 0.5)
+  if kind == 'in_tf_function':
+    return tf.function(lambda m: moving.assign(moving * 0.5 + m * 0.5))(mean)
   return moving.assign_add(mean)  # 'mean_added': not a sum over examples.
 
 
@@ -179,24 +181,29 @@ def accumulating_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-@pytest.mark.parametrize('kind', ['assign_sub', 'assign', 'mean_added'])
+@pytest.mark.parametrize('kind', ['assign_sub', 'assign', 'mean_added',
+                                  'in_tf_function'])
 def test_write_of_a_batch_statistic_is_refused(tmp_path, data, kind):
   x, y = data
   estimator = make_estimator(statistic_model_fn, tmp_path, 2, {'kind': kind})
-  with pytest.raises(ValueError, match=r'(?s)moving.*once per tower.*'
-                     'whole batch.*BatchNormalization'):
+  with pytest.raises(ValueError, match=r'(?s)once per tower.*whole batch'
+                     '.*BatchNormalization') as refused:
     estimator.train(dataset_input_fn({'x': x}, y, BATCH), steps=1)
+  assert kind == 'in_tf_function' or 'variable moving' in str(refused.value)
 
 
-@pytest.mark.parametrize('towers', [2, 3])
+@pytest.mark.parametrize('towers,aggregation', [
+    (2, 'global_loss'), (3, 'round_robin'), (3, 'all_reduce')])
 def test_count_and_sum_in_the_train_op_equal_one_device(tmp_path, data,
-                                                        towers):
+                                                        towers, aggregation):
   x, y = data
   x, y = x[:15], y[:15]  # Batches of 7, 7 and 1: idle towers add nothing.
   input_fn = dataset_input_fn({'x': x}, y, BATCH)
   trained = []
   for name, count in (('one', 1), ('many', towers)):
-    estimator = make_estimator(accumulating_model_fn, tmp_path / name, count)
+    estimator = make_estimator(accumulating_model_fn, tmp_path / name, count,
+                               **({'aggregation': aggregation} if count > 1
+                                  else {}))
     estimator.train(input_fn, steps=STEPS)
     trained.append(variables_of(estimator))
   one, many = trained
