@@ -86,8 +86,8 @@ def shard_effects(train_op: tf.Operation, first_id: int,
     call_dependencies: Control inputs the model_fn put around the tower's
       optimizer calls.
     active: A scalar bool tensor, whether the tower has real examples.
-    exempt: Names of write ops another module makes exact (the tower's
-      UPDATE_OPS, see moving_statistics).
+    exempt: Write ops another module makes exact (the tower's UPDATE_OPS,
+      see moving_statistics), by `moving_statistics.write_key`.
 
   Returns:
     The ops to group into the merged train_op, without repeats.
@@ -107,7 +107,7 @@ def shard_effects(train_op: tf.Operation, first_id: int,
     if op.type in _CHECKS:
       found.setdefault(op.name, op)
     elif op.type in _CALLS and any(map(depends_on_shard, op.inputs)):
-      _check_no_writes_inside(op)
+      _check_no_writes_inside(op, exempt)
       if op.type in _CONDITIONALS:
         found.setdefault(op.name, op)
     elif (op.type in _WRITES and op.name not in exempt and
@@ -143,9 +143,11 @@ def _check_adds_up(op: tf.Operation, depends_on_shard) -> None:
       f'one device. {_ADVICE}')
 
 
-def _check_no_writes_inside(op: tf.Operation) -> None:
+def _check_no_writes_inside(op: tf.Operation,
+                            exempt: Collection[str]) -> None:
   """Refuses a function run on the shard that writes variables."""
-  writes = _writes_in_functions(op.graph, _called(op.node_def), set())
+  writes = set(_writes_in_functions(op.graph, _called(op.node_def), set()))
+  writes -= set(exempt)
   if writes:
     raise ValueError(
         f'The train_op runs {op.type} {op.name} on the tower\'s shard, and '
