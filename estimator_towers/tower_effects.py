@@ -18,10 +18,13 @@ That is exact only when the write adds up over shards: an add (`assign_add`,
 example counter, a running total, the `tf.compat.v1.metrics` accumulators).
 Those run in every tower, and an idle tower (its shard a padding copy) adds
 zero. Any other such write (an assign, a moving average of a batch
-statistic, an add of a mean) is a `ValueError` while the graph is built: it
-would silently differ from one device. Batch-norm moving statistics in
-UPDATE_OPS are combined exactly by moving_statistics, which also refuses
-other UPDATE_OPS that several towers write.
+statistic, an add of a mean, a write inside a conditional or `tf.function`
+run on the shard) is a `ValueError` while the graph is built: it would
+silently differ from one device. The last tower is checked too, since its
+write alone would come from the last shard only. Batch-norm moving
+statistics are combined exactly by moving_statistics (its one update in the
+last tower is let through), which also refuses other UPDATE_OPS that
+several towers write.
 
 Writes that do not depend on the shard (a manual `global_step` increment,
 an EMA of the weights, a constant counter) run once, in the last tower.
