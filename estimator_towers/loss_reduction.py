@@ -121,7 +121,7 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
       terms.append((RATIO, denominator, op.name))
     else:
       terms.append((UNKNOWN, None, op.name))
-  elif _reduces_all(tensor, SUM, depends):
+  elif _reduces_all(tensor, SUM, depends) or _counts_examples(tensor, depends):
     terms.append((SUM, None, op.name))
   elif _reduces_all(tensor, 'mean', depends):
     count = tf.cast(tf.size(op.inputs[0]), tensor.dtype)
@@ -194,6 +194,25 @@ def _reduces_all(tensor: tf.Tensor, how: str, depends) -> bool:
     return True
   return reduced.rank >= 1 and reduced[0] == getattr(depends, 'batch_size',
                                                       None)
+
+
+def _counts_examples(tensor: tf.Tensor, depends) -> bool:
+  """Whether `tensor` is `tf.size` or `tf.shape(...)[0]` of per-example rows.
+
+  A count of the examples is a sum over them (of ones), whose first
+  dimension is the tower's batch as in `_reduces_all`.
+  """
+  op = tensor.op
+  if op.type == 'StridedSlice' and op.inputs[0].op.type == 'Shape':
+    if _static_value(op.inputs[1]) is None or any(
+        np.ravel(_static_value(op.inputs[1]))) or tensor.shape.rank != 0:
+      return False
+    op = op.inputs[0].op
+  elif op.type != 'Size':
+    return False
+  counted = op.inputs[0].shape
+  return counted.rank is None or (
+      counted.rank >= 1 and counted[0] == getattr(depends, 'batch_size', None))
 
 
 def _skip_pass_through(tensor: tf.Tensor) -> tf.Tensor:

@@ -62,6 +62,9 @@ class MovingStatistics:
     # Per tower: moving variable name -> its updates in call order.
     self._shards: List[Dict[str, List[_Shard]]] = [
         {} for _ in range(num_towers)]
+    # The last tower's update ops (by write_key): exact although they write
+    # from its shard (tower_effects lets them through).
+    self.exact_writes = set()
 
   @contextlib.contextmanager
   def tower(self, index: int):
@@ -144,7 +147,9 @@ class MovingStatistics:
       global_value = self._mean(shards)
     else:
       global_value = self._variance(shards)
-    return original(layer, variable, global_value, momentum, inputs_size)
+    update = original(layer, variable, global_value, momentum, inputs_size)
+    self.exact_writes.add(write_key(getattr(update, 'op', update)))
+    return update
 
   def _matching(self, name: str, position: int) -> List[_Shard]:
     """Every tower's `position`-th update of variable `name`."""
@@ -208,6 +213,18 @@ class MovingStatistics:
             'over towers. Call the layer outside tf.function and loops.')
       value = outer
     return value
+
+
+def write_key(op: tf.Operation) -> str:
+  """Names an op, prefixed by its function's name when inside a function.
+
+  A layer called with a `training` tensor updates inside a conditional's
+  branch function; tower_effects names the writes it finds there the same
+  way.
+  """
+  if isinstance(op.graph, tf.__internal__.FuncGraph):
+    return f'{op.graph.name}/{op.name}'
+  return op.name
 
 
 def _check_supported(layer) -> None:

@@ -250,12 +250,18 @@ class _TowerBuilder:
     if self._mode == ModeKeys.TRAIN:
       moving_statistics.check_single_writers(update_ops)
       effects = []
-      for i, spec in enumerate(specs[:-1]):
-        effects.extend(tower_effects.earlier_tower_effects(
+      for i, spec in enumerate(specs):
+        # The last tower's effects run in its own train_op; its shard
+        # writes are still checked and idle-masked.
+        found = tower_effects.shard_effects(
             spec.train_op, first_ids[i],
             reduction_lib.ExampleDependence(
                 (feature_shards[i], label_shards[i]), first_ids[i]),
-            self._update.call_dependencies[i]))
+            self._update.call_dependencies[i], sizes[i] > 0,
+            {_op_of(u).name for u in update_ops[i]} |
+            self._statistics.exact_writes)
+        if i < num_towers - 1:
+          effects.extend(found)
       spec = spec_merge.merge_train(specs, weigh, sizes,
                                     [op for ops in update_ops for op in ops],
                                     effects)
@@ -497,3 +503,8 @@ def _accepted_args(model_fn) -> frozenset:
 
 def _name(model_fn) -> str:
   return getattr(model_fn, '__name__', repr(model_fn))
+
+
+def _op_of(update) -> tf.Operation:
+  """The op of an UPDATE_OPS entry (an Operation or a Tensor)."""
+  return update if isinstance(update, tf.Operation) else update.op

@@ -1,54 +1,103 @@
-"""What an earlier tower's train_op must still run once its update is dropped.
+"""What a tower's train_op does with its own shard, besides the one update.
 
 Only the last tower's train_op performs the one update (see one_update). An
 earlier tower's train_op would repeat everything the model_fn chains to its
 update: advancing global_step by hand, an exponential moving average of the
 weights, a second optimizer's no-op. Those must happen once per step, as on
 one device, so the earlier train_ops are not run. What an earlier tower does
-with its own shard must still run, though:
+with its own shard must still run, though: assertions, prints and
+conditionals on the shard that its train_op, or the optimizer calls the
+model_fn wrapped in `control_dependencies`, wait for (an assert on the
+shard); inserts into mutable tables and queue enqueues (table_sharing orders
+the inserts).
 
-* assertions, prints and conditionals on the shard that its train_op, or the optimizer calls the
-  model_fn wrapped in `control_dependencies`, wait for (an assert on the
-  shard);
-* state they write from the shard's data.
+A variable write whose value depends on the shard runs once per tower, each
+time from that tower's shard; one device runs it once, from the whole batch.
+That is exact only when the write adds up over shards: an add (`assign_add`,
+`scatter_add`) of a per-example sum or a count of the shard's examples (an
+example counter, a running total, the `tf.compat.v1.metrics` accumulators).
+Those run in every tower, and an idle tower (its shard a padding copy) adds
+zero. Any other such write (an assign, a moving average of a batch
+statistic, an add of a mean, a write inside a conditional or `tf.function`
+run on the shard) is a `ValueError` while the graph is built: it would
+silently differ from one device. The last tower is checked too, since its
+write alone would come from the last shard only. Batch-norm moving
+statistics are combined exactly by moving_statistics (its one update in the
+last tower is let through), which also refuses other UPDATE_OPS that
+several towers write.
 
 Writes that do not depend on the shard (a manual `global_step` increment,
-an EMA of the weights, a counter) run once, in the last tower.
+an EMA of the weights, a constant counter) run once, in the last tower.
 """
 
-from typing import Callable, Iterable, List
+from typing import Callable, Collection, Iterable, List
 
 import tensorflow as tf
+
+from estimator_towers import loss_reduction
 
 _CHECKS = frozenset(['Assert', 'Print', 'PrintV2'])
 # A `tf.debugging.assert_*` whose outcome is not known while the graph is
 # built is an Assert inside a stateful conditional (control flow v2).
 _CONDITIONALS = frozenset(['If'])
-_WRITES = frozenset([
-    'Assign', 'AssignAdd', 'AssignSub', 'AssignVariableOp',
-    'AssignAddVariableOp', 'AssignSubVariableOp', 'ScatterUpdate',
-    'ScatterAdd', 'ScatterSub', 'ScatterNdUpdate', 'ScatterNdAdd',
-    'ResourceScatterUpdate', 'ResourceScatterAdd', 'ResourceScatterSub',
-    'ResourceScatterNdUpdate', 'ResourceScatterNdAdd', 'LookupTableInsert',
-    'LookupTableInsertV2', 'QueueEnqueueV2', 'QueueEnqueueManyV2'])
+# Ops that run functions, whose writes the walk cannot see from outside.
+_CALLS = frozenset(['If', 'StatelessIf', 'While', 'StatelessWhile', 'Case',
+                    'StatelessCase', 'PartitionedCall',
+                    'StatefulPartitionedCall'])
+# Writes that add up over shards, when what they add does: position of the
+# value they add.
+_ADDS = {'AssignAdd': 1, 'AssignAddVariableOp': 1, 'ScatterAdd': 2,
+         'ResourceScatterAdd': 2, 'ScatterNdAdd': 2,
+         'ResourceScatterNdAdd': 2}
+# One shared structure per model: run in every tower, as on one device.
+_SHARED = frozenset(['LookupTableInsert', 'LookupTableInsertV2',
+                     'QueueEnqueue', 'QueueEnqueueV2', 'QueueEnqueueMany',
+                     'QueueEnqueueManyV2'])
+_OTHER_WRITES = frozenset([
+    'Assign', 'AssignSub', 'AssignVariableOp', 'AssignSubVariableOp',
+    'ScatterUpdate', 'ScatterSub', 'ScatterMul', 'ScatterDiv', 'ScatterMin',
+    'ScatterMax', 'ScatterNdUpdate', 'ScatterNdSub', 'ResourceScatterUpdate',
+    'ResourceScatterSub', 'ResourceScatterMul', 'ResourceScatterDiv',
+    'ResourceScatterMin', 'ResourceScatterMax', 'ResourceScatterNdUpdate',
+    'ResourceScatterNdSub'])
+_WRITES = _SHARED | _OTHER_WRITES | frozenset(_ADDS)
+_ADVICE = (
+    'For batch statistics use a tf.keras.layers.BatchNormalization or '
+    'tf.compat.v1.layers.batch_normalization layer, whose moving statistics '
+    'the wrapper combines exactly; accumulating a per-example sum or an '
+    'example count with assign_add is fine (derive a mean later, e.g. '
+    'total / count); otherwise train without replicate_model_fn.')
 
 
-def earlier_tower_effects(train_op: tf.Operation, first_id: int,
-                          depends_on_shard: Callable[[tf.Tensor], bool],
-                          call_dependencies: Iterable[tf.Operation]
-                          ) -> List[tf.Operation]:
-  """The ops of an earlier tower's train_op that must run every step.
+def shard_effects(train_op: tf.Operation, first_id: int,
+                  depends_on_shard: Callable[[tf.Tensor], bool],
+                  call_dependencies: Iterable[tf.Operation],
+                  active: tf.Tensor,
+                  exempt: Collection[str] = ()) -> List[tf.Operation]:
+  """The ops of a tower's train_op that act on the tower's shard.
+
+  Call it for every tower: the merged train_op must run an earlier tower's
+  effects, and every tower's shard writes are checked and made to add
+  nothing when the tower is idle.
 
   Args:
     train_op: The tower's train_op (an Operation or a Tensor).
     first_id: The id of the first op the tower's model_fn call created; the
       walk stays among the tower's own ops.
-    depends_on_shard: Tells whether a tensor depends on the tower's shard.
+    depends_on_shard: Tells whether a tensor depends on the tower's shard
+      (a `loss_reduction.ExampleDependence`).
     call_dependencies: Control inputs the model_fn put around the tower's
       optimizer calls.
+    active: A scalar bool tensor, whether the tower has real examples.
+    exempt: Write ops another module makes exact (the tower's UPDATE_OPS,
+      see moving_statistics), by `moving_statistics.write_key`.
 
   Returns:
     The ops to group into the merged train_op, without repeats.
+
+  Raises:
+    ValueError: a variable write depends on the shard and does not add up
+      over shards.
   """
   found = {}
   pending = [getattr(train_op, 'op', train_op), *call_dependencies]
@@ -58,13 +107,92 @@ def earlier_tower_effects(train_op: tf.Operation, first_id: int,
     if op.name in seen or op._id < first_id:  # pylint: disable=protected-access
       continue
     seen.add(op.name)
-    if (op.type in _CHECKS or
-        (op.type in _CONDITIONALS and any(map(depends_on_shard, op.inputs))) or
-        (op.type in _WRITES and any(map(depends_on_shard, op.inputs[1:])))):
+    if op.type in _CHECKS:
+      found.setdefault(op.name, op)
+    elif op.type in _CALLS and any(map(depends_on_shard, op.inputs)):
+      _check_no_writes_inside(op, exempt)
+      if op.type in _CONDITIONALS:
+        found.setdefault(op.name, op)
+    elif (op.type in _WRITES and op.name not in exempt and
+          any(map(depends_on_shard, op.inputs[1:]))):
+      if op.type not in _SHARED:
+        _check_adds_up(op, depends_on_shard)
+        _add_nothing_when_idle(op, active)
       found.setdefault(op.name, op)
     pending.extend(t.op for t in op.inputs)
     pending.extend(op.control_inputs)
   return [_runnable(op) for op in found.values()]
+
+
+def _check_adds_up(op: tf.Operation, depends_on_shard) -> None:
+  """Refuses a shard-dependent write that does not add up over shards."""
+  position = _ADDS.get(op.type)
+  if position is not None:
+    value = op.inputs[position]
+    indices_vary = position == 2 and depends_on_shard(op.inputs[1])
+    reduction = loss_reduction.analyze(value, depends_on_shard)
+    if (not indices_vary and reduction.kind == loss_reduction.SUM and
+        not reduction.constant_terms):
+      return
+    why = (f'it adds {reduction.detail or "a value"}, not only per-example '
+           'sums or counts of the shard')
+  else:
+    why = f'a {op.type} does not add up over shards'
+  raise ValueError(
+      f'The train_op writes variable {op.inputs[0].op.name} (op {op.name}) '
+      f"from the tower's shard of the batch, and {why}. Under "
+      'replicate_model_fn it would be written once per tower, each time '
+      "from that tower's shard, instead of once from the whole batch as on "
+      f'one device. {_ADVICE}')
+
+
+def _check_no_writes_inside(op: tf.Operation,
+                            exempt: Collection[str]) -> None:
+  """Refuses a function run on the shard that writes variables."""
+  writes = set(_writes_in_functions(op.graph, _called(op.node_def), set()))
+  writes -= set(exempt)
+  if writes:
+    raise ValueError(
+        f'The train_op runs {op.type} {op.name} on the tower\'s shard, and '
+        f'its function writes a variable ({", ".join(sorted(writes))}). '
+        'Under replicate_model_fn it would run once per tower, each time '
+        "from that tower's shard, instead of once from the whole batch as "
+        'on one device. Move a write that adds a per-example sum or count '
+        f'out of the conditional or tf.function. {_ADVICE}')
+
+
+def _called(node_def) -> List[str]:
+  """Names of the functions a NodeDef runs (its function attributes)."""
+  names = [node_def.op]
+  for value in node_def.attr.values():
+    names.extend(f.name for f in [value.func, *value.list.func] if f.name)
+  return names
+
+
+def _writes_in_functions(graph: tf.Graph, names: Iterable[str],
+                         seen: set) -> List[str]:
+  """Variable writes inside the named graph functions, nested included."""
+  writes = []
+  for name in names:
+    function = graph._get_function(name)  # pylint: disable=protected-access
+    if name in seen or function is None:
+      continue
+    seen.add(name)
+    for node in function.definition.node_def:
+      if node.op in _WRITES and node.op not in _SHARED:
+        writes.append(f'{name}/{node.name}')
+      writes.extend(_writes_in_functions(graph, _called(node), seen))
+  return writes
+
+
+def _add_nothing_when_idle(op: tf.Operation, active: tf.Tensor) -> None:
+  """Makes an add of an idle tower's padding copy add zero."""
+  position = _ADDS[op.type]
+  value = op.inputs[position]
+  with op.graph.name_scope(None), op.graph.device(op.device):
+    masked = tf.where(active, value, tf.zeros_like(value),
+                      name=f'{op.name}/idle_tower_adds_zero')
+  op._update_input(position, masked)  # pylint: disable=protected-access
 
 
 def _runnable(op: tf.Operation) -> tf.Operation:

@@ -139,3 +139,74 @@ def test_assert_on_the_first_towers_shard_fires(tmp_path, data, where):
   with pytest.raises(tf.errors.InvalidArgumentError,
                      match='feature out of range'):
     estimator.train(dataset_input_fn({'x': x}, y, BATCH), steps=1)
+
+
+def _statistic_write(kind, moving, mean):
+  """A write of a batch statistic that one device makes once per step."""
+  if kind == 'assign_sub':
+    return moving.assign_sub((moving - mean) * 0.5)
+  if kind == 'assign':
+    return moving.assign(moving * 0.5 + mean * 0.5)
+  if kind == 'in_tf_function':
+    return tf.function(lambda m: moving.assign(moving * 0.5 + m * 0.5))(mean)
+  return moving.assign_add(mean)  # 'mean_added': not a sum over examples.
+
+
+def statistic_model_fn(features, labels, mode, params):
+  """Chains its own write of the batch mean after the optimizer."""
+  loss = _loss(features, labels)
+  train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  moving = tf1.get_variable('moving', [], initializer=tf1.zeros_initializer(),
+                            trainable=False)
+  mean = tf.reduce_mean(features['x'])
+  with tf.control_dependencies([train_op]):
+    train_op = tf.group(_statistic_write(params['kind'], moving, mean))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def accumulating_model_fn(features, labels, mode):
+  """Counts the examples and sums a feature after the optimizer."""
+  loss = _loss(features, labels)
+  train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  seen = tf1.get_variable('seen', [], tf.int32, tf1.zeros_initializer(),
+                          trainable=False, use_resource=False)
+  total = tf1.get_variable('total', [], initializer=tf1.zeros_initializer(),
+                           trainable=False, use_resource=True)
+  with tf.control_dependencies([train_op]):
+    train_op = tf.group(
+        seen.assign_add(tf.size(labels)),
+        total.assign_add(tf.reduce_sum(features['x'][:, 0]) * 2.0))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize('kind', ['assign_sub', 'assign', 'mean_added',
+                                  'in_tf_function'])
+def test_write_of_a_batch_statistic_is_refused(tmp_path, data, kind):
+  x, y = data
+  estimator = make_estimator(statistic_model_fn, tmp_path, 2, {'kind': kind})
+  with pytest.raises(ValueError, match=r'(?s)once per tower.*whole batch'
+                     '.*BatchNormalization') as refused:
+    estimator.train(dataset_input_fn({'x': x}, y, BATCH), steps=1)
+  assert kind == 'in_tf_function' or 'variable moving' in str(refused.value)
+
+
+@pytest.mark.parametrize('towers,aggregation', [
+    (2, 'global_loss'), (3, 'round_robin'), (3, 'all_reduce')])
+def test_count_and_sum_in_the_train_op_equal_one_device(tmp_path, data,
+                                                        towers, aggregation):
+  x, y = data
+  x, y = x[:15], y[:15]  # Batches of 7, 7 and 1: idle towers add nothing.
+  input_fn = dataset_input_fn({'x': x}, y, BATCH)
+  trained = []
+  for name, count in (('one', 1), ('many', towers)):
+    estimator = make_estimator(accumulating_model_fn, tmp_path / name, count,
+                               **({'aggregation': aggregation} if count > 1
+                                  else {}))
+    estimator.train(input_fn, steps=STEPS)
+    trained.append(variables_of(estimator))
+  one, many = trained
+  assert one['seen'] == 15
+  np.testing.assert_allclose(one['total'], 2 * x[:, 0].sum(), rtol=1e-5)
+  assert_same_variables(one, many)
