@@ -25,6 +25,9 @@ With the 'all_reduce' aggregation (`replicas` given), the last tower's call
 instead differentiates each tower's weighted loss w.r.t. that tower's copies
 and all-reduces the gradients, and `apply_gradients` updates every copy; see
 replicas.py.
+
+Loss-scale optimizers, which wrap another one, are routed at their own
+(outermost) call instead: see loss_scaling.py.
 """
 
 import contextlib
@@ -32,6 +35,8 @@ import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import tensorflow as tf
+
+from estimator_towers import loss_scaling
 
 tf1 = tf.compat.v1
 _Optimizer = tf1.train.Optimizer
@@ -98,6 +103,7 @@ class OneUpdate:
     for base, names in bases:
       for (cls, name), method in _overriding_subclasses(base, names).items():
         patches[(cls, name)] = _refusing(cls, name, method, outer._owns_call)
+    patches.update(self._loss_scale_patches())
     originals = {key: key[0].__dict__[key[1]] for key in patches}
     for (cls, name), method in patches.items():
       setattr(cls, name, method)
@@ -154,6 +160,35 @@ class OneUpdate:
     return {(keras_optimizer, 'get_gradients'): routed_get_gradients,
             (keras_optimizer, '_compute_gradients'): routed_compute,
             (keras_optimizer, 'apply_gradients'): routed_apply}
+
+  def _loss_scale_patches(self) -> Dict[tuple, Callable]:
+    """Routes a loss-scale wrapper's outermost calls; see loss_scaling.py.
+
+    Its own method runs once, in the last tower, on the global-batch loss
+    (or gradients); the calls it makes to the optimizer it wraps then pass
+    through, since `applying` is set.
+    """
+    outer = self
+    patches = {}
+    for cls, names in loss_scaling.loss_scale_wrappers().items():
+      for name in names:
+        method = cls.__dict__[name]
+        if name == 'compute_gradients':
+          routed = _routed(method, outer._owns_call, outer._compute)
+        elif name == 'apply_gradients':
+          routed = _routed(method, outer._owns_call, outer._apply)
+        else:  # Keras's get_gradients.
+          routed = _routed(method, outer._owns_call, outer._get_gradients)
+        patches[(cls, name)] = routed
+    return patches
+
+  def _get_gradients(self, get_gradients, opt, loss, params):
+    """A Keras loss-scale wrapper's get_gradients, as one call."""
+    params = tf.nest.flatten(params)
+    return self._gradients(
+        loss, lambda: [_zeros_like(v) for v in params],
+        lambda total: get_gradients(opt, total, params), params,
+        lambda l, vs: get_gradients(opt, l, vs), lambda grads: grads)
 
   @contextlib.contextmanager
   def tower(self, index: int, name_scope: str) -> Iterator[None]:
@@ -366,6 +401,18 @@ def _overriding_subclasses(base: type, names: Sequence[str]
   return found
 
 
+def _routed(method: Callable, owns_call: Callable[[], bool],
+            route: Callable) -> Callable:
+  """`method`, handed to `route` when a tower's outermost call makes it."""
+
+  def routed(opt, *args, **kwargs):
+    if not owns_call():
+      return method(opt, *args, **kwargs)
+    return route(method, opt, *args, **kwargs)
+
+  return routed
+
+
 def _refusing(cls: type, name: str, method: Callable,
               owns_call: Callable[[], bool]):
   """`method`, failing clearly when called while towers are built."""
@@ -377,8 +424,10 @@ def _refusing(cls: type, name: str, method: Callable,
           'the update itself, which replicate_model_fn cannot make into one '
           'update of the towers (SyncReplicasOptimizer would wait forever). '
           'Use the optimizer it wraps directly: the towers already aggregate '
-          'the whole batch; for loss scaling, scale the loss in the model_fn. '
-          'Or use RunConfig(train_distribute=...).')
+          'the whole batch. (Loss-scale optimizers work through their '
+          'minimize/compute_gradients/apply_gradients, Keras ones through '
+          'get_updates/get_gradients/apply_gradients.) Or use '
+          'RunConfig(train_distribute=...).')
     return method(opt, *args, **kwargs)
 
   return refusing

@@ -137,19 +137,21 @@ def test_model_to_estimator_equals_one_device_and_resumes(tmp_path, data,
   assert_same_variables(variables_of(one), variables_of(many))
 
 
-def test_keras_loss_scale_optimizer_is_refused(tmp_path, data):
-  # It scales the loss and skips non-finite steps itself, once per call.
+def test_keras_loss_scale_optimizer_minimize_is_refused(tmp_path, data):
+  # get_updates / get_gradients are routed (test_loss_scaling); its minimize
+  # differentiates through a GradientTape, which graph mode cannot follow.
   def model_fn(features, labels, mode):
     logits = tf1.layers.dense(features['x'], 1)
     loss = tf1.losses.sigmoid_cross_entropy(labels, logits)
     optimizer = tf.keras.mixed_precision.LossScaleOptimizer(
         tf.keras.optimizers.legacy.SGD(0.1))
-    train_op = optimizer.get_updates(loss, tf1.trainable_variables())[0]
+    train_op = optimizer.minimize(loss, tf1.trainable_variables())
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
   x, y = data
   estimator = tf.estimator.Estimator(
       trainer.replicate_model_fn(model_fn),
       config=trainer.make_run_config(str(tmp_path), cpu_devices=2))
-  with pytest.raises(ValueError, match='LossScaleOptimizer overrides'):
+  with pytest.raises(ValueError,
+                     match='LossScaleOptimizer overrides _compute_gradients'):
     estimator.train(dataset_input_fn({'x': x}, y[:, None], BATCH), steps=1)
