@@ -18,14 +18,18 @@ towers or on none) and a dynamic scale changes once per step: one device's
 semantics on the global batch. The scale variables are those of the last
 tower's wrapper, created in tower 0's name scope, so checkpoints keep one
 device's names.
+
+With `make_run_config(mixed_precision='float16')` the model_fn's optimizer
+is not wrapped; `AutomaticScaling` wraps it in the one update instead.
 """
 
-from typing import Dict, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import tensorflow as tf
+from tensorflow.core.protobuf import rewriter_config_pb2
 from tensorflow.python.training.experimental import loss_scale_optimizer
 
-__all__ = ['loss_scale_wrappers']
+__all__ = ['AutomaticScaling', 'automatic', 'loss_scale_wrappers']
 
 # The methods each wrapper overrides that one_update must route; Keras's
 # `_compute_gradients` (its `minimize` in graph mode) stays refused.
@@ -63,3 +67,50 @@ def _keras_loss_scale_optimizer():
     if issubclass(cls, legacy):
       return cls
   return None
+
+
+def automatic(config: Any) -> bool:
+  """Whether the run's session config asks for grappler's float16 rewrite.
+
+  `make_run_config(mixed_precision='float16')` sets it. Then the one update
+  scales the loss itself (see `AutomaticScaling`), so that the model_fn's
+  optimizer needs no wrapping.
+  """
+  session_config = getattr(config, 'session_config', None)
+  return (session_config is not None and
+          session_config.graph_options.rewrite_options.auto_mixed_precision
+          == rewriter_config_pb2.RewriterConfig.ON)
+
+
+class AutomaticScaling:
+  """A dynamic loss scale around the optimizers of the one update.
+
+  What `enable_mixed_precision_graph_rewrite(optimizer)` does on one
+  device, done in the last tower: the optimizer of each routed call is
+  wrapped in a loss-scale optimizer (TF1 or Keras, as the optimizer is),
+  once, and the wrapper's method runs instead of the optimizer's. The
+  scale's variables (`current_loss_scale`, `good_steps`) get one device's
+  names, since the last tower builds the update in tower 0's name scope.
+  """
+
+  def __init__(self):
+    # id -> (optimizer, wrapper); the optimizer is kept so ids stay unique.
+    self._wrappers: Dict[int, Tuple[Any, Any]] = {}
+
+  def method(self, name: str) -> Callable:
+    """(optimizer, *args) -> the wrapper's method `name` on *args."""
+
+    def scaled(opt, *args, **kwargs):
+      return getattr(self._wrapper(opt), name)(*args, **kwargs)
+
+    return scaled
+
+  def _wrapper(self, opt):
+    if id(opt) not in self._wrappers:
+      if isinstance(opt, tf.compat.v1.train.Optimizer):
+        wrapper = loss_scale_optimizer.MixedPrecisionLossScaleOptimizer(
+            opt, 'dynamic')
+      else:
+        wrapper = tf.keras.mixed_precision.LossScaleOptimizer(opt)
+      self._wrappers[id(opt)] = (opt, wrapper)
+    return self._wrappers[id(opt)][1]

@@ -53,13 +53,17 @@ class OneUpdate:
       created in any tower; see `VariableSharing.unshared`.
     replicas: For the 'all_reduce' aggregation, the towers' copies of the
       variables (a `replicas.Replicas`); None for one shared set.
+    automatic_loss_scale: Wrap the optimizers in a dynamic loss scale (the
+      float16 rewrite is on); see loss_scaling.AutomaticScaling.
   """
 
   def __init__(self, num_towers: int,
                weigh: Callable[[List[tf.Tensor]], List[tf.Tensor]],
                unshared: Callable[[], contextlib.AbstractContextManager],
-               replicas=None):
+               replicas=None, automatic_loss_scale: bool = False):
     self._num_towers = num_towers
+    self._scaling = (loss_scaling.AutomaticScaling() if automatic_loss_scale
+                     else None)
     self._weigh = weigh
     self._unshared = unshared
     self._replicas = replicas
@@ -86,12 +90,14 @@ class OneUpdate:
     def routed_compute(opt, loss, *args, **kwargs):
       if not outer._owns_call():
         return compute(opt, loss, *args, **kwargs)
-      return outer._compute(compute, opt, loss, *args, **kwargs)
+      return outer._compute(outer._scaled(compute, 'compute_gradients'), opt,
+                            loss, *args, **kwargs)
 
     def routed_apply(opt, grads_and_vars, *args, **kwargs):
       if not outer._owns_call():
         return apply(opt, grads_and_vars, *args, **kwargs)
-      return outer._apply(apply, opt, grads_and_vars, *args, **kwargs)
+      return outer._apply(outer._scaled(apply, 'apply_gradients'), opt,
+                          grads_and_vars, *args, **kwargs)
 
     patches = {(_Optimizer, 'compute_gradients'): routed_compute,
                (_Optimizer, 'apply_gradients'): routed_apply}
@@ -130,6 +136,9 @@ class OneUpdate:
     def routed_get_gradients(opt, loss, params):
       if not outer._owns_call():
         return get_gradients(opt, loss, params)
+      if outer._scaling is not None:
+        return outer._get_gradients(outer._scaling.method('get_gradients'),
+                                    opt, loss, params)
       params = tf.nest.flatten(params)
       return outer._gradients(
           loss, lambda: [_zeros_like(v) for v in params],
@@ -141,6 +150,12 @@ class OneUpdate:
       if not outer._owns_call():
         return compute(opt, loss, var_list, grad_loss=grad_loss, tape=tape)
       del tape  # Graph mode: tf.gradients sees every tower's ops.
+      if outer._scaling is not None:
+        raise ValueError(
+            'The float16 rewrite is on (mixed_precision=\'float16\'), but '
+            f'{type(opt).__name__}.minimize cannot be loss-scaled in graph '
+            'mode; call optimizer.get_updates(loss, params) instead (as the '
+            'TF2 canned Estimators do).')
       loss = loss() if callable(loss) else loss
       variables = tf.nest.flatten(var_list() if callable(var_list)
                                   else var_list)
@@ -155,7 +170,8 @@ class OneUpdate:
     def routed_apply(opt, grads_and_vars, *args, **kwargs):
       if not outer._owns_call():
         return apply(opt, grads_and_vars, *args, **kwargs)
-      return outer._apply(apply, opt, grads_and_vars, *args, **kwargs)
+      return outer._apply(outer._scaled(apply, 'apply_gradients'), opt,
+                          grads_and_vars, *args, **kwargs)
 
     return {(keras_optimizer, 'get_gradients'): routed_get_gradients,
             (keras_optimizer, '_compute_gradients'): routed_compute,
@@ -181,6 +197,10 @@ class OneUpdate:
           routed = _routed(method, outer._owns_call, outer._get_gradients)
         patches[(cls, name)] = routed
     return patches
+
+  def _scaled(self, method: Callable, name: str) -> Callable:
+    """`method`, or its loss-scaled version when scaling is automatic."""
+    return method if self._scaling is None else self._scaling.method(name)
 
   def _get_gradients(self, get_gradients, opt, loss, params):
     """A Keras loss-scale wrapper's get_gradients, as one call."""

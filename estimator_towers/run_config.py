@@ -43,6 +43,11 @@ _CPU = 'CPU'
 MIXED_PRECISIONS = ('float16', 'bfloat16')
 _ON = rewriter_config_pb2.RewriterConfig.ON
 
+# Without this, a session's global_jit_level compiles GPU clusters only. It is
+# read when the process creates its first session (so it is set on import),
+# and is inert in sessions whose config does not ask for XLA.
+pywrap_tf_session.TF_SetTfXlaCpuGlobalJit(True)
+
 
 def available_gpu_count() -> int:
   """Returns how many GPUs TensorFlow can see in this process.
@@ -93,9 +98,10 @@ def make_run_config(model_dir: Optional[str] = None,
       rewrite; no loss scale needed). The model_fn and its optimizer stay
       as they are; results then match one device only within the
       precision's rounding.
-    xla: Compile the graph with the XLA JIT (global_jit_level ON_1). For
-      CPU devices this also switches on TensorFlow's process-wide CPU
-      auto-clustering flag, which only affects sessions that ask for XLA.
+    xla: Compile the graph with the XLA JIT (global_jit_level ON_1). CPU
+      devices are compiled too when this module was imported before the
+      process's first session (TensorFlow reads its CPU auto-clustering
+      switch then).
     **run_config_kwargs: Passed on to `tf.estimator.RunConfig` (for example
       tf_random_seed, save_checkpoints_steps, keep_checkpoint_max).
 
@@ -131,10 +137,6 @@ def make_run_config(model_dir: Optional[str] = None,
       mixed_precision=mixed_precision,
       xla=xla,
       available_gpus=available_gpu_count())
-  if xla:
-    # Without it, global_jit_level compiles GPU clusters only. Process-wide,
-    # but inert in sessions whose config does not ask for XLA.
-    pywrap_tf_session.TF_SetTfXlaCpuGlobalJit(True)
   # Built without session_config first: RunConfig only derives its
   # distributed defaults from TF_CONFIG when it is given no session_config.
   run_config = tf.estimator.RunConfig(model_dir=model_dir, **run_config_kwargs)

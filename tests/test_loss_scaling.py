@@ -77,13 +77,16 @@ def float16_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def _estimator(model_dir, towers, optimizer, **kwargs):
+def _estimator(model_dir, towers, optimizer, float16_rewrite=False, **kwargs):
   model_fn = float16_model_fn
-  if towers > 1:
+  if towers > 1 or kwargs:
     model_fn = trainer.replicate_model_fn(model_fn, **kwargs)
   config = trainer.make_run_config(
       str(model_dir), cpu_devices=towers, tf_random_seed=7,
       save_checkpoints_steps=10_000, log_step_count_steps=10_000)
+  if float16_rewrite:
+    rewrite_options = config.session_config.graph_options.rewrite_options
+    rewrite_options.auto_mixed_precision = rewrite_options.ON
   return tf.estimator.Estimator(model_fn, config=config,
                                 params={'optimizer': optimizer})
 
@@ -170,3 +173,35 @@ def test_overflow_on_one_shard_skips_the_step_on_every_tower(
     # The scale halved, once, as on one device (2**15 to start).
     assert values['current_loss_scale'] == 2.**14
     assert values['good_steps'] == 0
+
+
+def _adam():
+  return tf1.train.AdamOptimizer(0.05)
+
+
+def _keras_adam():
+  return tf.keras.optimizers.legacy.Adam(0.05)
+
+
+@pytest.mark.parametrize('optimizer,wrapped,towers,aggregation', [
+    (_adam, _graph_rewrite, 3, 'all_reduce'),
+    (_keras_adam, _keras_scale, 2, 'global_loss'),
+    (_adam, _graph_rewrite, 1, 'global_loss'),
+], ids=['tf1-3-all_reduce', 'keras-2-global_loss', 'tf1-1-tower'])
+def test_float16_rewrite_scales_an_unwrapped_optimizer(
+    tmp_path, data, optimizer, wrapped, towers, aggregation):
+  # make_run_config(mixed_precision='float16') refuses CPU towers, so the
+  # rewrite is switched on by hand here (on CPUs it converts nothing).
+  x, y = data
+  input_fn = dataset_input_fn({'x': x}, y, batch_size=BATCH)
+  dirs = [tmp_path / 'one', tmp_path / 'towers']
+  save_start_checkpoint(float16_model_fn, input_fn, dirs,
+                        params={'optimizer': wrapped})
+  one = _estimator(dirs[0], 1, wrapped)
+  replicated = _estimator(dirs[1], towers, optimizer, float16_rewrite=True,
+                          aggregation=aggregation)
+  for estimator in (one, replicated):
+    estimator.train(input_fn, steps=3)
+  expected, actual = variables_of(one), variables_of(replicated)
+  assert_same_variables(expected, actual, rtol=RTOL, atol=ATOL)
+  assert actual['good_steps'] == 3
