@@ -7,15 +7,15 @@ plain float32, with `--xla`, and with `--mixed-precision=bfloat16`:
   cifar_cnn  --model=cifar_cnn on synthetic 32x32x3 images
 
 A measurement is one task process; its figure is the median of the
-examples/sec the task logs every `--log-every` steps, the first report
-(graph build, XLA compilation, warm-up) left out. Rounds are INTERLEAVED:
-each round runs every variant of a model once in a shuffled order, so that
-the ratios printed (xla / plain, bfloat16 / plain, per round, then their
-median) compare runs made moments apart on a shared machine.
+examples/sec the task logs (every 50 MLP or 10 CNN steps), the first two
+reports (graph build, XLA compilation, warm-up) left out. Rounds are
+INTERLEAVED: each round runs every variant of a model once in a shuffled
+order, so that the ratios printed (xla / plain, bfloat16 / plain, per
+round, then their median) compare runs made moments apart on a shared machine.
 
 No GPU path is measured (float16 needs GPU towers). No timing is asserted.
 
-  .venv/bin/python bench/bench_precision.py            # ~4 minutes
+  .venv/bin/python bench/bench_precision.py            # ~10 min, loaded
   .venv/bin/python bench/bench_precision.py --quick    # smoke run
 """
 
@@ -32,6 +32,9 @@ _MODELS = {
     'mlp': ['--model=dnn'],
     'cifar_cnn': ['--model=cifar_cnn', '--input-format=synthetic_images'],
 }
+# (steps, log every) per model: the CNN runs ~100x fewer examples/sec. XLA
+# compiles during the first report (and sometimes the second).
+_STEPS = {'mlp': (300, 50), 'cifar_cnn': (40, 10)}
 _VARIANTS = {
     'plain': [],
     'xla': ['--xla'],
@@ -41,13 +44,16 @@ _RATE = re.compile(r'examples/sec=([0-9.]+)')
 
 
 def _rate(model: str, variant: str, args) -> float:
-  """Median examples/sec of one task run, first report left out."""
+  """Median examples/sec of one task run, first two reports left out."""
+  steps, log_every = _STEPS[model]
+  if args.quick:
+    steps, log_every = steps // 2, log_every // 2
   with tempfile.TemporaryDirectory() as job_dir:
     command = [sys.executable, '-m', 'trainer.task', f'--job-dir={job_dir}',
                f'--cpu-towers={args.towers}', '--num-gpus=0',
-               f'--train-steps={args.steps}', '--eval-steps=1',
-               f'--log-step-count-steps={args.log_every}',
-               f'--save-checkpoints-steps={args.steps}',
+               f'--train-steps={steps}', '--eval-steps=1',
+               f'--log-step-count-steps={log_every}',
+               f'--save-checkpoints-steps={steps}',
                f'--train-batch-size={args.batch}', '--verbosity=info',
                *_MODELS[model], *_VARIANTS[variant]]
     result = subprocess.run(command, capture_output=True, text=True,
@@ -55,10 +61,9 @@ def _rate(model: str, variant: str, args) -> float:
   if result.returncode != 0:
     raise RuntimeError(f'{model}/{variant} failed:\n{result.stderr[-2000:]}')
   rates = [float(r) for r in _RATE.findall(result.stderr + result.stdout)]
-  if len(rates) < 2:
-    raise RuntimeError(f'{model}/{variant}: too few rate reports {rates}; '
-                       'raise --steps or lower --log-every.')
-  return statistics.median(rates[1:])
+  if len(rates) < 3:
+    raise RuntimeError(f'{model}/{variant}: too few rate reports {rates}.')
+  return statistics.median(rates[2:])
 
 
 def main() -> None:
@@ -67,13 +72,11 @@ def main() -> None:
   parser.add_argument('--rounds', type=int, default=2)
   parser.add_argument('--towers', type=int, default=2)
   parser.add_argument('--batch', type=int, default=128)
-  parser.add_argument('--steps', type=int, default=300)
-  parser.add_argument('--log-every', type=int, default=50)
   args = parser.parse_args()
   if args.quick:
-    args.rounds, args.steps, args.log_every = 1, 60, 20
+    args.rounds = 1
   print(f'{args.towers} virtual CPU towers, global batch {args.batch}, '
-        f'{args.steps} steps per run, {args.rounds} interleaved rounds')
+        f'steps per run {_STEPS}, {args.rounds} interleaved rounds')
   for model in _MODELS:
     rates: Dict[str, List[float]] = {v: [] for v in _VARIANTS}
     for _ in range(args.rounds):

@@ -58,10 +58,11 @@ def _keras_scale():
 
 
 def float16_model_fn(features, labels, mode, params):
-  """Keras layers under the 'mixed_float16' policy; float32 variables."""
-  hidden = tf.keras.layers.Dense(8, activation='tanh', dtype='mixed_float16',
+  """Keras layers under the 'mixed_float16' policy (or params['policy'])."""
+  policy = params.get('policy', 'mixed_float16')
+  hidden = tf.keras.layers.Dense(8, activation='tanh', dtype=policy,
                                  kernel_initializer=seeded(1))(features['x'])
-  logits = tf.keras.layers.Dense(2, dtype='mixed_float16',
+  logits = tf.keras.layers.Dense(2, dtype=policy,
                                  kernel_initializer=seeded(2))(hidden)
   loss = tf1.losses.sparse_softmax_cross_entropy(
       labels, tf.cast(logits, tf.float32))
@@ -77,7 +78,8 @@ def float16_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def _estimator(model_dir, towers, optimizer, float16_rewrite=False, **kwargs):
+def _estimator(model_dir, towers, optimizer, float16_rewrite=False,
+               params=None, **kwargs):
   model_fn = float16_model_fn
   if towers > 1 or kwargs:
     model_fn = trainer.replicate_model_fn(model_fn, **kwargs)
@@ -87,8 +89,9 @@ def _estimator(model_dir, towers, optimizer, float16_rewrite=False, **kwargs):
   if float16_rewrite:
     rewrite_options = config.session_config.graph_options.rewrite_options
     rewrite_options.auto_mixed_precision = rewrite_options.ON
-  return tf.estimator.Estimator(model_fn, config=config,
-                                params={'optimizer': optimizer})
+  return tf.estimator.Estimator(
+      model_fn, config=config, params={'optimizer': optimizer,
+                                       **(params or {})})
 
 
 def _train_both(tmp_path, optimizer, towers, aggregation, input_fn, steps):
@@ -205,3 +208,22 @@ def test_float16_rewrite_scales_an_unwrapped_optimizer(
   expected, actual = variables_of(one), variables_of(replicated)
   assert_same_variables(expected, actual, rtol=RTOL, atol=ATOL)
   assert actual['good_steps'] == 3
+
+
+def test_mixed_bfloat16_layers_match_one_device(tmp_path, data):
+  # No loss scale: bfloat16 has float32's range. Its 8 significant bits
+  # (unit roundoff 2**-8 ~ 3.9e-3) are why the tolerance is 8 times
+  # float16's.
+  x, y = data
+  input_fn = dataset_input_fn({'x': x}, y, batch_size=BATCH)
+  params = {'policy': 'mixed_bfloat16'}
+  dirs = [tmp_path / 'one', tmp_path / 'towers']
+  save_start_checkpoint(float16_model_fn, input_fn, dirs,
+                        params={'optimizer': _adam, **params})
+  one = _estimator(dirs[0], 1, _adam, params=params)
+  replicated = _estimator(dirs[1], 3, _adam, params=params,
+                          aggregation='round_robin')
+  for estimator in (one, replicated):
+    estimator.train(input_fn, steps=3)
+  assert_same_variables(variables_of(one), variables_of(replicated),
+                        rtol=8 * RTOL, atol=8 * ATOL)

@@ -327,8 +327,9 @@ def _ops_run(session_config):
     y = tf.reduce_sum(tf.square(tf.nn.relu(tf.matmul(x, w)) * 2. + 1.))
   metadata = tf.compat.v1.RunMetadata()
   with tf.compat.v1.Session(graph=graph, config=session_config) as sess:
-    sess.run(y, {x: np.ones([8, 16]), w: np.full([16, 4], 0.5)}, options=tf.compat.v1.RunOptions(
-        output_partition_graphs=True), run_metadata=metadata)
+    sess.run(y, {x: np.ones([8, 16]), w: np.full([16, 4], 0.5)},
+             options=tf.compat.v1.RunOptions(output_partition_graphs=True),
+             run_metadata=metadata)
   return {(node.op, tf.dtypes.as_dtype(node.attr['T'].type).name
            if node.attr['T'].type else None)
           for graph_def in metadata.partition_graphs
