@@ -15,7 +15,7 @@ round, then their median) compare runs made moments apart on a shared machine.
 
 No GPU path is measured (float16 needs GPU towers). No timing is asserted.
 
-  .venv/bin/python bench/bench_precision.py            # ~10 min, loaded
+  .venv/bin/python bench/bench_precision.py            # ~15 min, loaded
   .venv/bin/python bench/bench_precision.py --quick    # smoke run
 """
 
