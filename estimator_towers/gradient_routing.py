@@ -38,6 +38,7 @@ _V1_METHODS = {'minimize': UPDATE, 'compute_gradients': GRADIENTS,
 _KERAS_METHODS = {'minimize': UPDATE, 'get_updates': UPDATE,
                   'get_gradients': GRADIENTS, '_compute_gradients': GRADIENTS,
                   'apply_gradients': APPLY}
+_NEW_KERAS_METHODS = {'minimize': UPDATE, 'apply_gradients': APPLY}
 # The public gradients functions, captured before any patching: the
 # wrapper's own differentiation calls these.
 TF1_GRADIENTS = tf1.gradients
@@ -138,11 +139,23 @@ def keras_legacy_optimizer() -> Optional[type]:
     return None
 
 
+def _keras_new_optimizer() -> Optional[type]:
+  """The base class of the non-legacy Keras optimizers, if installed."""
+  try:
+    return tf.keras.optimizers.Optimizer
+  except (AttributeError, ImportError):
+    return None
+
+
 def _bases() -> List[Tuple[type, Dict[str, str], bool]]:
   bases = [(tf1.train.Optimizer, _V1_METHODS, False)]
   keras = keras_legacy_optimizer()
   if keras is not None:
     bases.append((keras, _KERAS_METHODS, True))
+  new = _keras_new_optimizer()
+  if new is not None and new is not keras:
+    # Only to refuse them (see `refusal`).
+    bases.append((new, _NEW_KERAS_METHODS, True))
   return bases
 
 
@@ -310,6 +323,14 @@ def refusal(call: Call) -> Optional[str]:
   if optimizer is None:
     return None
   name = type(optimizer).__name__
+  new_keras = _keras_new_optimizer()
+  legacy = keras_legacy_optimizer()
+  if (new_keras is not None and new_keras is not legacy and
+      isinstance(optimizer, new_keras)):
+    return (
+        f'{name} is one of the new (non-legacy) tf.keras.optimizers, which '
+        'do not run in graph mode as tf.estimator builds it: use '
+        f'tf.keras.optimizers.legacy.{name}.')
   if isinstance(optimizer, tf1.train.SyncReplicasOptimizer):
     return (
         f'{name} aggregates gradients across worker replicas itself (it '

@@ -43,13 +43,16 @@ import contextlib
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
+from absl import logging
 import tensorflow as tf
 
 from estimator_towers import gradient_routing as calls
 from estimator_towers import loss_scaling
 
 tf1 = tf.compat.v1
-_Optimizer = tf1.train.Optimizer
+_SUMMARY_OPS = frozenset(['ScalarSummary', 'HistogramSummary',
+                          'WriteScalarSummary', 'WriteHistogramSummary',
+                          'WriteSummary'])
 # The optimizers' gradient methods: their gradients must be applied through
 # an optimizer (tf.gradients' may be used otherwise).
 _OPTIMIZER_GRADIENT_METHODS = ('compute_gradients', 'get_gradients',
@@ -67,6 +70,8 @@ class OneUpdate:
       created in any tower; see `VariableSharing.unshared`.
     replicas: For the 'all_reduce' aggregation, the towers' copies of the
       variables (a `replicas.Replicas`); None for one shared set.
+    training: False in EVAL and PREDICT: `tf.gradients` then stays each
+      tower's own (what it computes may be an output; no update runs).
     automatic_loss_scale: Wrap the optimizers in a dynamic loss scale (the
       float16 rewrite is on); see loss_scaling.AutomaticScaling.
   """
@@ -74,8 +79,10 @@ class OneUpdate:
   def __init__(self, num_towers: int,
                weigh: Callable[[List[tf.Tensor]], List[tf.Tensor]],
                unshared: Callable[[], contextlib.AbstractContextManager],
-               replicas=None, automatic_loss_scale: bool = False):
+               replicas=None, training: bool = True,
+               automatic_loss_scale: bool = False):
     self._num_towers = num_towers
+    self._training = training
     self._scaling = (loss_scaling.AutomaticScaling() if automatic_loss_scale
                      else None)
     self._weigh = weigh
@@ -123,6 +130,8 @@ class OneUpdate:
         tf1.get_default_graph() is not self._graph):
       return call.run()
     if call.name == 'gradients':
+      if not self._training:
+        return call.run()
       variables = calls.variables_of_gradients_call(call)
       if variables is None:
         return call.run()  # Gradients w.r.t. tensors: the tower's own.
@@ -396,6 +405,11 @@ class OneUpdate:
         pending.extend(output.consumers())
     if not tainted:
       return
+    if index == 0 and any(op.type in _SUMMARY_OPS for op in tainted):
+      logging.warning(
+          'A summary of tower 0 reads gradients of the loss w.r.t. '
+          'variables; under replicate_model_fn they are the whole batch\'s '
+          'only in the last tower, so TensorBoard shows zeros for them.')
     targets = [('the loss', spec.loss)]
     targets += [('a prediction', t) for t in tf.nest.flatten(spec.predictions)]
     targets += [('the loss given to an optimizer call', losses[index])

@@ -238,6 +238,7 @@ class _TowerBuilder:
         first_ids)
     self._update = one_update.OneUpdate(
         num_towers, weigh, self._sharing.unshared, self._replicas,
+        training=self._mode == ModeKeys.TRAIN,
         automatic_loss_scale=self._automatic_loss_scale)
     if self._mode == ModeKeys.TRAIN:
       self._statistics = moving_statistics.MovingStatistics(num_towers, sizes)

@@ -63,7 +63,8 @@ class WeightDecayAdam(tf1.train.Optimizer):
 
 def _layer_norm(x, scope):
   with tf1.variable_scope(scope):
-    gain = tf1.get_variable('gamma', [WIDTH], initializer=tf1.ones_initializer())
+    gain = tf1.get_variable('gamma', [WIDTH],
+                            initializer=tf1.ones_initializer())
     shift = tf1.get_variable('beta', [WIDTH],
                              initializer=tf1.zeros_initializer())
   mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
@@ -133,10 +134,10 @@ def bert_start(tmp_path_factory, data):
 
 @pytest.mark.parametrize('towers,aggregation,gradients', [
     (2, 'global_loss', 'tf.gradients'),
-    (3, 'global_loss', 'tf.compat.v1.gradients'),
-    (3, 'round_robin', 'tf.gradients'),
+    (3, 'round_robin', 'tf.compat.v1.gradients'),
     (2, 'all_reduce', 'tf.compat.v1.gradients'),
-])  # 3 towers under all_reduce: see the resume test.
+])  # 3 towers under all_reduce: see the resume test. round_robin builds
+# global_loss's backward pass; its 3 towers stand for both (test time).
 def test_bert_style_training_equals_one_device(tmp_path, data, bert_start,
                                                towers, aggregation, gradients):
   start, one = bert_start
@@ -153,9 +154,10 @@ def test_bert_style_training_equals_one_device(tmp_path, data, bert_start,
 
 def test_bert_style_training_resumes_under_all_reduce(tmp_path, data,
                                                       bert_start):
-  # Resumes one device's checkpoint on 3 towers: the copies are set from the restored primaries; the optimizer's own
-  # slots, which the copies do not have, come back from the checkpoint.
-  start, one = bert_start
+  # Resumes one device's checkpoint on 3 towers: the copies are set from the
+  # restored primaries; the optimizer's own slots, which the copies do not
+  # have, come back from the checkpoint.
+  _, one = bert_start
   shutil.copytree(one.model_dir, tmp_path / 'one', dirs_exist_ok=True)
   resumed_one = make_estimator(bert_like_model_fn, tmp_path / 'one', 1,
                                {'gradients': 'tf.gradients'})
@@ -163,7 +165,6 @@ def test_bert_style_training_resumes_under_all_reduce(tmp_path, data,
   many = make_estimator(bert_like_model_fn, tmp_path / 'many', 3,
                         {'gradients': 'tf.gradients'},
                         aggregation='all_reduce')
-  del start
   resumed_one.train(_input_fn(data), steps=2)
   many.train(_input_fn(data), steps=2)
   assert many.get_variable_value('global_step') == STEPS + 2
@@ -328,6 +329,15 @@ def _plain_model_fn(optimizer_fn, gradients=None):
   return model_fn
 
 
+def test_cross_shard_optimizer_is_refused_with_what_to_use():
+  model_fn = _plain_model_fn(lambda: tf1.tpu.CrossShardOptimizer(
+      tf1.train.GradientDescentOptimizer(0.1)))
+  with pytest.raises(ValueError, match=(
+      'CrossShardOptimizer sums gradients across TPU shards.*Use the '
+      'optimizer it wraps directly')):
+    build_replicated(model_fn, 2)
+
+
 @pytest.mark.parametrize('gradients,message', [
     (lambda loss, logits: tf.gradients(
         loss, tf1.trainable_variables() + [logits]),
@@ -352,3 +362,42 @@ def test_gradients_functions_are_restored_and_plain_afterwards():
   assert (tf.gradients, tf1.gradients,
           tf1.train.Optimizer.minimize) == originals
   assert '__init_subclass__' not in vars(tf1.train.Optimizer)
+
+
+def test_optimizer_class_defined_inside_the_model_fn_is_routed():
+  seen = []
+
+  def model_fn(features, labels, mode):
+
+    class Recording(tf1.train.GradientDescentOptimizer):
+
+      def minimize(self, loss, global_step=None):
+        seen.append(loss)
+        return super().minimize(loss, global_step)
+
+    logits = tf1.layers.dense(features['x'], 2)
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    train_op = Recording(0.1).minimize(loss,
+                                       tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  build_replicated(model_fn, 3)
+  # Called once, by the last tower, with the towers' weighted sum.
+  assert len(seen) == 1
+  assert seen[0].op.name.startswith('global_loss/AddN')
+
+
+def test_summary_of_routed_gradients_warns_that_it_shows_zeros(caplog):
+
+  def model_fn(features, labels, mode):
+    logits = tf1.layers.dense(features['x'], 2)
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    variables = tf1.trainable_variables()
+    grads = tf.gradients(loss, variables)
+    tf1.summary.histogram('kernel_gradient', grads[0])
+    train_op = tf1.train.GradientDescentOptimizer(0.1).apply_gradients(
+        zip(grads, variables), tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  build_replicated(model_fn, 2)
+  assert 'TensorBoard shows zeros' in caplog.text
