@@ -109,6 +109,17 @@ class Call:
     Args:
       replace: {index after self, or argument name: new value}.
     """
+    bound = self._replaced(replace)
+    return self._function(*bound.args, **bound.kwargs)
+
+  def arguments(self, replace: Optional[Dict[Any, Any]] = None
+                ) -> Tuple[tuple, dict]:
+    """(args after self, kwargs), some replaced as in `run`: to make the
+    same call on another object (a wrapper of the optimizer)."""
+    bound = self._replaced(replace)
+    return bound.args[self._offset:], bound.kwargs
+
+  def _replaced(self, replace) -> inspect.BoundArguments:
     bound = inspect.BoundArguments(self._signature,
                                    dict(self._bound.arguments))
     for key, value in (replace or {}).items():
@@ -117,7 +128,7 @@ class Call:
       if parameter.kind == parameter.VAR_POSITIONAL:
         value = (value,) + tuple(bound.arguments.get(name, ())[1:])
       bound.arguments[name] = value
-    return self._function(*bound.args, **bound.kwargs)
+    return bound
 
 
 def keras_legacy_optimizer() -> Optional[type]:
@@ -335,26 +346,5 @@ def refusal(call: Call) -> Optional[str]:
         f'{name} sums gradients across TPU shards with a cross-replica op '
         'that runs only on TPUs. Use the optimizer it wraps directly: the '
         'towers already make one update from the whole batch.')
-  loss_scaling = [tf1.mixed_precision.MixedPrecisionLossScaleOptimizer]
-  keras_loss_scale = getattr(getattr(tf.keras, 'mixed_precision', None),
-                             'LossScaleOptimizer', None)
-  if keras_loss_scale is not None:
-    loss_scaling.append(keras_loss_scale)
-  if isinstance(optimizer, tuple(loss_scaling)):
-    return (
-        f'{name} overrides {", ".join(_own_methods(type(optimizer)))} to '
-        'scale the loss and skip non-finite steps itself, which '
-        'replicate_model_fn does not support yet. Use '
-        'the optimizer it wraps directly; for loss scaling, scale the loss '
-        'in the model_fn and unscale the gradients before applying them.')
   return None
 
-
-def _own_methods(cls: type) -> List[str]:
-  """The routed methods `cls` or a class between it and its base defines."""
-  names = []
-  for base, methods, _ in _bases():
-    if issubclass(cls, base):
-      for klass in cls.__mro__[:cls.__mro__.index(base)]:
-        names += [n for n in methods if n in klass.__dict__ and n not in names]
-  return names

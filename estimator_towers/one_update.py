@@ -33,6 +33,10 @@ differentiates the global loss w.r.t. each tower's copies and all-reduces
 the gradients, and the base `apply_gradients` updates every copy; an
 overriding `apply_gradients` (or `minimize`) updates the primaries, after
 which each copy is set from its primary. See replicas.py.
+
+Loss-scale optimizers are such wrappers. When the session's float16 rewrite
+is on, the last tower's outermost call is made on a loss-scale wrapper of
+the model_fn's optimizer instead; see loss_scaling.py.
 """
 
 import contextlib
@@ -43,6 +47,7 @@ from absl import logging
 import tensorflow as tf
 
 from estimator_towers import gradient_routing as calls
+from estimator_towers import loss_scaling
 
 tf1 = tf.compat.v1
 _SUMMARY_OPS = frozenset(['ScalarSummary', 'HistogramSummary',
@@ -67,14 +72,19 @@ class OneUpdate:
       variables (a `replicas.Replicas`); None for one shared set.
     training: False in EVAL and PREDICT: `tf.gradients` then stays each
       tower's own (what it computes may be an output; no update runs).
+    automatic_loss_scale: Wrap the optimizers in a dynamic loss scale (the
+      float16 rewrite is on); see loss_scaling.AutomaticScaling.
   """
 
   def __init__(self, num_towers: int,
                weigh: Callable[[List[tf.Tensor]], List[tf.Tensor]],
                unshared: Callable[[], contextlib.AbstractContextManager],
-               replicas=None, training: bool = True):
+               replicas=None, training: bool = True,
+               automatic_loss_scale: bool = False):
     self._num_towers = num_towers
     self._training = training
+    self._scaling = (loss_scaling.AutomaticScaling() if automatic_loss_scale
+                     else None)
     self._weigh = weigh
     self._unshared = unshared
     self._replicas = replicas
@@ -164,11 +174,15 @@ class OneUpdate:
           'same number of times.')
     with self._global_phase(key):
       total = self._global_loss(index)
-      if call.kind == calls.UPDATE:
-        return self._update(call, {0: total})
-      result = (call.run({0: total}) if call.overriding
-                else self._differentiate(call, total))
-      self._routed_outputs[tower].extend(_ops_of(result))
+      if self._scaled(call):
+        result = self._scaling.run(call, {0: total})
+      elif call.kind == calls.UPDATE:
+        result = self._update(call, {0: total})
+      else:
+        result = (call.run({0: total}) if call.overriding
+                  else self._differentiate(call, total))
+      if call.kind == calls.GRADIENTS:
+        self._routed_outputs[tower].extend(_ops_of(result))
       return result
 
   def _outer_apply(self, call: calls.Call) -> Any:
@@ -188,7 +202,14 @@ class OneUpdate:
     if tower < self._num_towers - 1:
       return tf.no_op(name='update_in_last_tower')
     with self._global_phase(key):
+      if self._scaled(call):
+        return self._scaling.run(call)
       return self._update(call)
+
+  def _scaled(self, call: calls.Call) -> bool:
+    """Whether the last tower makes `call` on a loss-scale wrapper (whose
+    methods come back here as inner calls)."""
+    return self._scaling is not None and self._scaling.wraps(call)
 
   @contextlib.contextmanager
   def _global_phase(self, key: tuple) -> Iterator[None]:

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from estimator_towers import aggregation as aggregation_lib
 from estimator_towers import loss_reduction as reduction_lib
+from estimator_towers import loss_scaling
 from estimator_towers import moving_statistics
 from estimator_towers import one_update
 from estimator_towers import optimizer_iterations
@@ -171,7 +172,9 @@ def replicate_model_fn(model_fn: ModelFn,
     if mode == ModeKeys.PREDICT and not replicate_serving and (
         _is_serving_graph(features)):
       return tpu_spec.as_estimator_spec(model_fn(features=features, **kwargs))
-    if len(tower_devices) == 1:
+    # One tower with the float16 rewrite still needs the one update's loss
+    # scale, so it is built as towers are.
+    if len(tower_devices) == 1 and not loss_scaling.automatic(config):
       if devices is None:  # One device of the session: as if unwrapped.
         return tpu_spec.as_estimator_spec(
             model_fn(features=features, **kwargs))
@@ -182,7 +185,8 @@ def replicate_model_fn(model_fn: ModelFn,
         return tpu_spec.as_estimator_spec(
             model_fn(features=features, **kwargs))
     builder = _TowerBuilder(model_fn, tower_devices, variables_device,
-                            loss_reduction, mode, aggregation)
+                            loss_reduction, mode, aggregation,
+                            loss_scaling.automatic(config))
     return builder.build(features, labels, kwargs)
 
   return replicated_model_fn
@@ -192,8 +196,9 @@ class _TowerBuilder:
   """Builds the towers of one model_fn call and merges their specs."""
 
   def __init__(self, model_fn, devices, variables_device, loss_reduction,
-               mode, aggregation):
+               mode, aggregation, automatic_loss_scale=False):
     self._model_fn = model_fn
+    self._automatic_loss_scale = automatic_loss_scale
     self._devices = devices
     self._reduction = loss_reduction
     self._mode = mode
@@ -231,9 +236,10 @@ class _TowerBuilder:
     weigh = reduction_lib.TowerWeights(
         self._reduction, sizes, list(zip(feature_shards, label_shards)),
         first_ids)
-    self._update = one_update.OneUpdate(num_towers, weigh,
-                                        self._sharing.unshared, self._replicas,
-                                        training=self._mode == ModeKeys.TRAIN)
+    self._update = one_update.OneUpdate(
+        num_towers, weigh, self._sharing.unshared, self._replicas,
+        training=self._mode == ModeKeys.TRAIN,
+        automatic_loss_scale=self._automatic_loss_scale)
     if self._mode == ModeKeys.TRAIN:
       self._statistics = moving_statistics.MovingStatistics(num_towers, sizes)
     specs, update_ops = [], []

@@ -12,6 +12,12 @@ that number up and wraps the result in a `RunConfig` without losing the
 defaults `RunConfig` derives from the `TF_CONFIG` environment variable.
 `session_device_counts` reads a `ConfigProto` back into the number of GPU and
 CPU devices a session built from it will have.
+
+Two switches trade exactness for speed: `mixed_precision` turns on grappler's
+automatic mixed precision rewrite ('float16' on GPUs, 'bfloat16' through
+oneDNN on CPUs) and `xla` the XLA JIT for the whole graph. Neither needs a
+change to the model_fn or its optimizer; float16's loss scaling is done by
+`replicate_model_fn` (see loss_scaling.py).
 """
 
 import collections.abc
@@ -21,8 +27,11 @@ from typing import Any, List, Optional, Sequence, Tuple
 from absl import logging
 import tensorflow as tf
 from tensorflow.core.protobuf import rewriter_config_pb2
+from tensorflow.python.client import pywrap_tf_session
+from tensorflow.python.util import _pywrap_util_port
 
 __all__ = [
+    'MIXED_PRECISIONS',
     'available_gpu_count',
     'build_session_config',
     'make_run_config',
@@ -31,6 +40,13 @@ __all__ = [
 
 _GPU = 'GPU'
 _CPU = 'CPU'
+MIXED_PRECISIONS = ('float16', 'bfloat16')
+_ON = rewriter_config_pb2.RewriterConfig.ON
+
+# Without this, a session's global_jit_level compiles GPU clusters only. It is
+# read when the process creates its first session (so it is set on import),
+# and is inert in sessions whose config does not ask for XLA.
+pywrap_tf_session.TF_SetTfXlaCpuGlobalJit(True)
 
 
 def available_gpu_count() -> int:
@@ -54,6 +70,8 @@ def make_run_config(model_dir: Optional[str] = None,
                     inter_op_threads: int = 0,
                     intra_op_threads: int = 0,
                     fallback_to_available_gpus: bool = False,
+                    mixed_precision: Optional[str] = None,
+                    xla: bool = False,
                     **run_config_kwargs: Any) -> tf.estimator.RunConfig:
   """Returns a `RunConfig` whose session has the requested devices.
 
@@ -74,6 +92,16 @@ def make_run_config(model_dir: Optional[str] = None,
     intra_op_threads: Threads used inside one op; 0 lets TF pick.
     fallback_to_available_gpus: Instead of failing when more GPUs are asked
       for than exist, log a warning and use the ones that exist.
+    mixed_precision: None (float32), 'float16' (GPU towers: grappler's
+      auto_mixed_precision rewrite, with a dynamic loss scale applied by
+      replicate_model_fn) or 'bfloat16' (CPU towers: the oneDNN bfloat16
+      rewrite; no loss scale needed). The model_fn and its optimizer stay
+      as they are; results then match one device only within the
+      precision's rounding.
+    xla: Compile the graph with the XLA JIT (global_jit_level ON_1). CPU
+      devices are compiled too when this module was imported before the
+      process's first session (TensorFlow reads its CPU auto-clustering
+      switch then).
     **run_config_kwargs: Passed on to `tf.estimator.RunConfig` (for example
       tf_random_seed, save_checkpoints_steps, keep_checkpoint_max).
 
@@ -84,15 +112,17 @@ def make_run_config(model_dir: Optional[str] = None,
   Raises:
     TypeError: If an argument has the wrong type.
     ValueError: If an argument is out of range, more GPUs are requested than
-      exist (without fallback), or `session_config` is passed.
+      exist (without fallback), `session_config` is passed, or
+      `mixed_precision` cannot work on the session's devices.
   """
   if 'session_config' in run_config_kwargs:
     raise ValueError(
         'make_run_config builds session_config itself, so it cannot be passed '
         'in; use its arguments instead (num_gpus, gpu_ids, cpu_devices, '
         'allow_soft_placement, allow_growth, gpu_memory_fraction, '
-        'log_device_placement, inter_op_threads, intra_op_threads), or call '
-        'RunConfig.replace(session_config=...) on the result.')
+        'log_device_placement, inter_op_threads, intra_op_threads, '
+        'mixed_precision, xla), or call RunConfig.replace(session_config=...) '
+        'on the result.')
   session_config = build_session_config(
       num_gpus=num_gpus,
       gpu_ids=gpu_ids,
@@ -104,6 +134,8 @@ def make_run_config(model_dir: Optional[str] = None,
       inter_op_threads=inter_op_threads,
       intra_op_threads=intra_op_threads,
       fallback_to_available_gpus=fallback_to_available_gpus,
+      mixed_precision=mixed_precision,
+      xla=xla,
       available_gpus=available_gpu_count())
   # Built without session_config first: RunConfig only derives its
   # distributed defaults from TF_CONFIG when it is given no session_config.
@@ -123,7 +155,9 @@ def build_session_config(*,
                          log_device_placement: bool = False,
                          inter_op_threads: int = 0,
                          intra_op_threads: int = 0,
-                         fallback_to_available_gpus: bool = False
+                         fallback_to_available_gpus: bool = False,
+                         mixed_precision: Optional[str] = None,
+                         xla: bool = False
                         ) -> tf.compat.v1.ConfigProto:
   """Validates device options and returns the matching `ConfigProto`.
 
@@ -139,16 +173,20 @@ def build_session_config(*,
     inter_op_threads: See `make_run_config`.
     intra_op_threads: See `make_run_config`.
     fallback_to_available_gpus: See `make_run_config`.
+    mixed_precision: See `make_run_config`.
+    xla: See `make_run_config`.
 
   Returns:
     A `tf.compat.v1.ConfigProto` with device_count['GPU'] always set,
-    device_count['CPU'] set when `cpu_devices` is, and
-    gpu_options.visible_device_list set when `gpu_ids` is.
+    device_count['CPU'] set when `cpu_devices` is,
+    gpu_options.visible_device_list set when `gpu_ids` is, and the
+    rewrite and JIT options of `mixed_precision` and `xla`.
 
   Raises:
     TypeError: If an argument has the wrong type.
-    ValueError: If an argument is out of range or more GPUs are requested
-      than exist and `fallback_to_available_gpus` is False.
+    ValueError: If an argument is out of range, more GPUs are requested
+      than exist and `fallback_to_available_gpus` is False, or
+      `mixed_precision` cannot work on the session's devices.
   """
   available_gpus = _check_int('available_gpus', available_gpus, minimum=0)
   if num_gpus is not None:
@@ -165,8 +203,9 @@ def build_session_config(*,
                       ('allow_growth', allow_growth),
                       ('log_device_placement', log_device_placement),
                       ('fallback_to_available_gpus',
-                       fallback_to_available_gpus)):
+                       fallback_to_available_gpus), ('xla', xla)):
     _check_bool(name, value)
+  _check_mixed_precision(mixed_precision)
 
   gpu_count, gpu_ids = _resolve_gpus(num_gpus, gpu_ids, available_gpus,
                                      fallback_to_available_gpus)
@@ -185,6 +224,12 @@ def build_session_config(*,
     config.gpu_options.visible_device_list = ','.join(map(str, gpu_ids))
   if gpu_memory_fraction is not None:
     config.gpu_options.per_process_gpu_memory_fraction = gpu_memory_fraction
+  if mixed_precision is not None:
+    _set_mixed_precision(config.graph_options.rewrite_options,
+                         mixed_precision, gpu_count)
+  if xla:
+    config.graph_options.optimizer_options.global_jit_level = (
+        tf.compat.v1.OptimizerOptions.ON_1)
   return config
 
 
@@ -298,6 +343,45 @@ def _estimator_default_graph_options() -> tf.compat.v1.GraphOptions:
   rewrite_options = rewriter_config_pb2.RewriterConfig(
       meta_optimizer_iterations=rewriter_config_pb2.RewriterConfig.ONE)
   return tf.compat.v1.GraphOptions(rewrite_options=rewrite_options)
+
+
+def _check_mixed_precision(value: Any) -> None:
+  if value is not None and value not in MIXED_PRECISIONS:
+    choices = ', '.join(map(repr, MIXED_PRECISIONS))
+    raise ValueError(
+        f'mixed_precision must be None or one of {choices}, got {value!r}.')
+
+
+def _set_mixed_precision(rewrite_options, mixed_precision: str,
+                         gpu_count: int) -> None:
+  """Switches on the grappler rewrite of `mixed_precision`, if it can work.
+
+  Grappler's float16 rewrite converts GPU ops only (on CPUs it leaves every
+  op in float32; its CPU variant merely rounds through float16 around
+  float32 kernels, slower than float32), and the oneDNN bfloat16 rewrite
+  converts CPU ops only. A rewrite that would change nothing on the
+  session's towers is refused rather than silently ignored.
+  """
+  if mixed_precision == 'float16':
+    if gpu_count == 0:
+      raise ValueError(
+          "mixed_precision='float16' needs GPU towers: TensorFlow's float16 "
+          'rewrite converts GPU ops only, and on CPU towers it would train '
+          "in float32. On CPUs use mixed_precision='bfloat16'.")
+    rewrite_options.auto_mixed_precision = _ON
+    return
+  if gpu_count > 0:
+    raise ValueError(
+        "mixed_precision='bfloat16' is the oneDNN rewrite of CPU ops; it "
+        f'would leave the {gpu_count} GPU towers in float32. On GPUs use '
+        "mixed_precision='float16' (or num_gpus=0 with cpu_devices=N to "
+        'train on CPUs).')
+  if not _pywrap_util_port.IsMklEnabled():
+    raise ValueError(
+        "mixed_precision='bfloat16' needs TensorFlow's oneDNN CPU ops, which "
+        'are off in this process (TF_ENABLE_ONEDNN_OPTS=0?); unset '
+        'TF_ENABLE_ONEDNN_OPTS or leave mixed_precision unset.')
+  rewrite_options.auto_mixed_precision_onednn_bfloat16 = _ON
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:

@@ -26,6 +26,14 @@ def test_one_cpu_tower_keeps_onednn(clean_env):
   assert 'TF_ENABLE_ONEDNN_OPTS' not in os.environ
 
 
+@pytest.mark.parametrize('args', [['--mixed-precision=bfloat16'],
+                                  ['--mixed_precision', 'bfloat16']])
+def test_bfloat16_keeps_onednn_on_cpu_towers(clean_env, args):
+  # The bfloat16 rewrite is oneDNN's: without it training stays float32.
+  environment.configure(['task', '--cpu-towers=2', *args])
+  assert 'TF_ENABLE_ONEDNN_OPTS' not in os.environ
+
+
 def test_flags_in_a_flagfile_count_too(clean_env, tmp_path):
   inner = tmp_path / 'inner.cfg'
   inner.write_text('--cpu-towers=2\n')

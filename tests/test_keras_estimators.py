@@ -182,20 +182,3 @@ def test_model_to_estimator_equals_one_device_and_resumes(tmp_path, data,
   assert _global_step(many) == STEPS + 2
   assert_same_variables(variables_of(one), variables_of(many))
 
-
-def test_keras_loss_scale_optimizer_is_refused(tmp_path, data):
-  # It scales the loss and skips non-finite steps itself, once per call.
-  def model_fn(features, labels, mode):
-    logits = tf1.layers.dense(features['x'], 1)
-    loss = tf1.losses.sigmoid_cross_entropy(labels, logits)
-    optimizer = tf.keras.mixed_precision.LossScaleOptimizer(
-        tf.keras.optimizers.legacy.SGD(0.1))
-    train_op = optimizer.get_updates(loss, tf1.trainable_variables())[0]
-    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
-
-  x, y = data
-  estimator = tf.estimator.Estimator(
-      trainer.replicate_model_fn(model_fn),
-      config=trainer.make_run_config(str(tmp_path), cpu_devices=2))
-  with pytest.raises(ValueError, match='LossScaleOptimizer overrides'):
-    estimator.train(dataset_input_fn({'x': x}, y[:, None], BATCH), steps=1)

@@ -3,8 +3,10 @@
 import json
 import logging
 
+import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.core.protobuf import rewriter_config_pb2
 
 from estimator_towers import run_config as rc
 
@@ -255,3 +257,92 @@ def test_session_device_counts(fields, available, expected):
 
 def test_session_device_counts_of_none_uses_this_machine(gpus):
   assert rc.session_device_counts(None) == (gpus, 1)
+
+
+# mixed_precision and xla: the session-config fields, the refusals, and
+# (on a real session) that the switch changes what runs.
+
+_ON = rewriter_config_pb2.RewriterConfig.ON
+
+
+def test_bfloat16_switches_on_the_onednn_rewrite_for_cpu_towers():
+  rewrite_options = rc.make_run_config(
+      num_gpus=0, cpu_devices=2,
+      mixed_precision='bfloat16').session_config.graph_options.rewrite_options
+  assert rewrite_options.auto_mixed_precision_onednn_bfloat16 == _ON
+  assert rewrite_options.auto_mixed_precision != _ON
+  # The Estimator default survives the added switch.
+  assert rewrite_options.meta_optimizer_iterations == ONE
+
+
+def test_float16_switches_on_the_gpu_rewrite_for_gpu_towers():
+  rewrite_options = rc.build_session_config(
+      available_gpus=2, mixed_precision='float16').graph_options.rewrite_options
+  assert rewrite_options.auto_mixed_precision == _ON
+  assert rewrite_options.auto_mixed_precision_onednn_bfloat16 != _ON
+
+
+def test_float16_on_cpu_towers_is_refused():
+  # Grappler's float16 rewrite converts GPU ops only: on CPU towers it would
+  # train in float32 while the user believes otherwise.
+  with pytest.raises(ValueError, match="float16' needs GPU towers.*'bfloat16'"):
+    rc.build_session_config(available_gpus=0, cpu_devices=2,
+                            mixed_precision='float16')
+
+
+def test_bfloat16_on_gpu_towers_is_refused():
+  with pytest.raises(ValueError, match="2 GPU towers in float32.*'float16'"):
+    rc.build_session_config(available_gpus=2, mixed_precision='bfloat16')
+
+
+@pytest.mark.parametrize('value', ['fp16', 'float32', 16])
+def test_unknown_mixed_precision_is_refused(value):
+  with pytest.raises(ValueError, match=f"one of 'float16', 'bfloat16', got "
+                     f'{value!r}'):
+    rc.build_session_config(available_gpus=0, mixed_precision=value)
+
+
+def test_xla_sets_the_global_jit_level():
+  default = rc.make_run_config(num_gpus=0).session_config
+  assert (default.graph_options.optimizer_options.global_jit_level ==
+          tf.compat.v1.OptimizerOptions.DEFAULT)
+  session_config = rc.make_run_config(num_gpus=0, xla=True).session_config
+  assert (session_config.graph_options.optimizer_options.global_jit_level ==
+          tf.compat.v1.OptimizerOptions.ON_1)
+
+
+def test_xla_must_be_a_bool():
+  with pytest.raises(TypeError, match="xla must be True or False, got 'on'"):
+    rc.make_run_config(xla='on')
+
+
+def _ops_run(session_config):
+  """The (op type, dtype) pairs a session runs for a small dense layer."""
+  graph = tf.Graph()
+  with graph.as_default():
+    # Fed, so that grappler cannot fold the layer into a constant.
+    x = tf.compat.v1.placeholder(tf.float32, [8, 16])
+    w = tf.compat.v1.placeholder(tf.float32, [16, 4])
+    # Enough ops for XLA's auto-clustering (which skips tiny clusters).
+    y = tf.reduce_sum(tf.square(tf.nn.relu(tf.matmul(x, w)) * 2. + 1.))
+  metadata = tf.compat.v1.RunMetadata()
+  with tf.compat.v1.Session(graph=graph, config=session_config) as sess:
+    sess.run(y, {x: np.ones([8, 16]), w: np.full([16, 4], 0.5)},
+             options=tf.compat.v1.RunOptions(output_partition_graphs=True),
+             run_metadata=metadata)
+  return {(node.op, tf.dtypes.as_dtype(node.attr['T'].type).name
+           if node.attr['T'].type else None)
+          for graph_def in metadata.partition_graphs
+          for node in graph_def.node}
+
+
+def test_bfloat16_session_multiplies_in_bfloat16_and_xla_compiles():
+  plain = _ops_run(rc.make_run_config(num_gpus=0,
+                                      cpu_devices=2).session_config)
+  assert not any(dtype == 'bfloat16' for _, dtype in plain)
+  bfloat16 = _ops_run(rc.make_run_config(
+      num_gpus=0, cpu_devices=2, mixed_precision='bfloat16').session_config)
+  assert any('MatMul' in op and dtype == 'bfloat16' for op, dtype in bfloat16)
+  compiled = _ops_run(rc.make_run_config(num_gpus=0, cpu_devices=2,
+                                         xla=True).session_config)
+  assert {'_XlaCompile', '_XlaRun'} <= {op for op, _ in compiled}

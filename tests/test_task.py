@@ -165,6 +165,27 @@ def test_default_run_trains_on_embedded_digits(tmp_path):
   assert float(eval_line(result)['accuracy']) > 0.9
 
 
+def test_bfloat16_and_xla_train_on_cpu_towers(tmp_path):
+  result = run_module('trainer.task', f'--job-dir={tmp_path}',
+                      '--train-steps=50', '--cpu-towers=2',
+                      '--mixed-precision=bfloat16', '--xla')
+  assert float(eval_line(result)['accuracy']) > 0.8
+  saved = json.loads((tmp_path / 'trainer_config.json').read_text())
+  assert (saved['mixed_precision'], saved['xla']) == ('bfloat16', True)
+
+
+def test_float16_on_cpu_towers_fails_in_one_line(tmp_path):
+  result = run_module('trainer.task', f'--job-dir={tmp_path}',
+                      '--cpu-towers=2', '--mixed-precision=float16',
+                      check=False, timeout=120)
+  assert result.returncode == 1
+  # The last line (run_module lets TensorFlow's C++ start-up errors through).
+  assert result.stderr.strip().splitlines()[-1:] == [
+      "task: error: mixed_precision='float16' needs GPU towers: TensorFlow's "
+      'float16 rewrite converts GPU ops only, and on CPU towers it would '
+      "train in float32. On CPUs use mixed_precision='bfloat16'."]
+
+
 def test_helpfull_lists_every_flag():
   result = run_module('trainer.task', '--helpfull')
   for flag in ('--job-dir', '--train-files', '--eval-files', '--model',

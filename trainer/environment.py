@@ -75,7 +75,8 @@ def configure(argv: List[str]) -> None:
   With several virtual CPU towers, a batch smaller than the tower count
   leaves some towers an empty shard in evaluation; TF 2.15's oneDNN
   convolution returns a wrongly shaped result for an empty batch (the
-  default Eigen kernel does not), so CPU-tower runs use the default kernels.
+  default Eigen kernel does not), so CPU-tower runs use the default kernels;
+  except with `--mixed-precision=bfloat16`, which is oneDNN's rewrite.
   """
   # 3 hides the C++ runtime's import-time noise (e.g. CUDA plugin
   # registration errors on machines without GPUs); real failures still
@@ -87,7 +88,8 @@ def configure(argv: List[str]) -> None:
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL',
                         '3' if level is None else _CPP_LEVEL[level])
   towers = _flag_value(expanded, 'cpu-towers')
-  if towers and towers.isdigit() and int(towers) > 1:
+  bfloat16 = _flag_value(expanded, 'mixed-precision') == 'bfloat16'
+  if towers and towers.isdigit() and int(towers) > 1 and not bfloat16:
     os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
 
 

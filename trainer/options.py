@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from absl import flags
 
 from estimator_towers.aggregation import AGGREGATIONS
+from estimator_towers.run_config import MIXED_PRECISIONS
 from trainer import cli
 from trainer import hptuning
 
@@ -255,6 +256,13 @@ class TaskOptions:
   intra_op_threads: int = _option(
       _INT, 0, 'Threads inside one op; 0 lets TensorFlow choose.',
       lower_bound=0)
+  mixed_precision: Optional[str] = _option(
+      _ENUM, None, 'Train in mixed precision: float16 (GPU towers; loss '
+      'scaled dynamically) or bfloat16 (CPU towers, oneDNN). Numbers then '
+      'match one device only within that precision\'s rounding.',
+      enum_values=list(MIXED_PRECISIONS))
+  xla: bool = _option(_BOOL, False, 'Compile the training graph with the '
+                      'XLA JIT.')
   # Checkpoints and export.
   save_checkpoints_steps: int = _option(
       _INT, 500, 'Checkpoint (and evaluate) every this many steps.',

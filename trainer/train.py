@@ -314,6 +314,7 @@ class _Run:
         allow_growth=options.allow_growth,
         inter_op_threads=options.inter_op_threads,
         intra_op_threads=options.intra_op_threads,
+        mixed_precision=options.mixed_precision, xla=options.xla,
         tf_random_seed=options.tf_random_seed,
         save_checkpoints_steps=options.save_checkpoints_steps,
         keep_checkpoint_max=options.keep_checkpoint_max,
