@@ -192,7 +192,10 @@ def _keras_adam():
     (_adam, _graph_rewrite, 3, 'all_reduce'),
     (_keras_adam, _keras_scale, 2, 'global_loss'),
     (_adam, _graph_rewrite, 1, 'global_loss'),
-], ids=['tf1-3-all_reduce', 'keras-2-global_loss', 'tf1-1-tower'])
+    # Already wrapped: its own scale, not a second one around it.
+    (_keras_scale, _keras_scale, 2, 'round_robin'),
+], ids=['tf1-3-all_reduce', 'keras-2-global_loss', 'tf1-1-tower',
+        'keras_wrapped-2-round_robin'])
 def test_float16_rewrite_scales_an_unwrapped_optimizer(
     tmp_path, data, optimizer, wrapped, towers, aggregation):
   # make_run_config(mixed_precision='float16') refuses CPU towers, so the
