@@ -544,7 +544,7 @@ def _refuse_inside_control_flow(call: calls.Call, graph: tf.Graph,
       'inside a tf.cond, tf.while_loop or tf.function, where '
       'replicate_model_fn cannot turn it into the one update of every '
       "device's copy of the variables. Use aggregation='global_loss' for "
-      'such a model_fn (e.g. gradient accumulation applied every k steps), '
+      'such a model_fn (an update made only on some steps), '
       'or make the call outside control flow.')
 
 
