@@ -126,8 +126,12 @@ class OneUpdate:
       self._tower = None
 
   def _handle(self, call: calls.Call) -> Any:
-    if (self._tower is None or threading.get_ident() != self._thread or
-        tf1.get_default_graph() is not self._graph):
+    if self._tower is None or threading.get_ident() != self._thread:
+      return call.run()
+    graph = tf1.get_default_graph()
+    if graph is not self._graph:
+      if self._replicas is not None and not self.applying:
+        _refuse_inside_control_flow(call, graph, self._graph)
       return call.run()
     if call.name == 'gradients':
       if not self._training:
@@ -520,6 +524,28 @@ def _gradient_parts(call: calls.Call):
     return (variables, keras, list, lambda loss: keras(loss, variables))
   pair = lambda grads: list(zip(grads, variables))  # pylint: disable=unnecessary-lambda-assignment
   return variables, keras, pair, lambda loss: pair(keras(loss, variables))
+
+
+def _refuse_inside_control_flow(call: calls.Call, graph: tf.Graph,
+                                towers_graph: tf.Graph) -> None:
+  """Refuses an optimizer call of the model_fn inside its `tf.cond`,
+  `tf.while_loop` or `tf.function` (a graph nested in the towers' graph):
+  it cannot be routed there, and run as it is under 'all_reduce' it would
+  update one tower's variables (or hang on the all-reduce)."""
+  while graph is not None and graph is not towers_graph:
+    graph = getattr(graph, 'outer_graph', None)
+  if graph is None:
+    return  # Another graph altogether: not the towers' business.
+  if call.name == 'gradients' and (
+      calls.variables_of_gradients_call(call) is None):
+    return  # Gradients w.r.t. tensors: the tower's own.
+  raise ValueError(
+      f"aggregation='all_reduce': the model_fn calls {call.qualified_name} "
+      'inside a tf.cond, tf.while_loop or tf.function, where '
+      'replicate_model_fn cannot turn it into the one update of every '
+      "device's copy of the variables. Use aggregation='global_loss' for "
+      'such a model_fn (an update made only on some steps), '
+      'or make the call outside control flow.')
 
 
 def _next_op_id(graph: tf.Graph) -> int:

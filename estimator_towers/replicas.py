@@ -203,8 +203,8 @@ class Replicas:
               f'but none in towers {missing}; every tower must build the '
               'same model.')
         sums = cross_device.all_sum(grads, self._devices)
-        self._sums[id(sums[0])] = sums
-        result.append(sums[0])
+        result.append(_running_all(sums, self._devices[0]))
+        self._sums[id(result[-1])] = sums
     return result
 
   # ----------------------------------------------------------------------
@@ -372,6 +372,21 @@ class _SyncingScaffold(tf1.train.Scaffold):
             tf1.train.Scaffold.default_local_init_op)
       self._local_init_op = self._replicas.sync_op(base)
     return super().finalize()
+
+
+def _running_all(sums: list, device: str):
+  """Tower 0's sum, computed only together with every device's sum.
+
+  A collective completes only when every device takes part. The model_fn
+  sees tower 0's sum alone and may consume it where the other devices' sums
+  are not (e.g. accumulated every step, applied inside a `tf.cond`): each
+  step that computes it must compute them all, or the step waits forever.
+  Sparse sums are gathered without a collective and need no such tie.
+  """
+  if isinstance(sums[0], tf.IndexedSlices):
+    return sums[0]
+  with tf.device(device), tf.control_dependencies(sums[1:]):
+    return tf.identity(sums[0])
 
 
 def _handle_name(variable) -> str:

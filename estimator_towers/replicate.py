@@ -252,7 +252,7 @@ class _TowerBuilder:
                                         kwargs)
         specs.append(spec)
         update_ops.append(added[tf1.GraphKeys.UPDATE_OPS])
-    self._tables.order_accesses(first_ids[0])
+    self._tables.order_accesses(first_ids)
     if self._mode == ModeKeys.TRAIN:
       moving_statistics.check_single_writers(update_ops)
       effects = []

@@ -9,9 +9,12 @@ and under its one-device name, and the k-th table a later tower creates
 uses the resource of tower 0's k-th table. Only tower 0's table is saved.
 
 Within a step, the towers' accesses are ordered to give one device's
-result on the whole batch: writes (insert, remove) happen in tower order,
-so the last of repeated keys wins as in one insert of the whole batch, and
-after every read that does not itself wait for a write (a lookup before an
+result on the whole batch: the k-th write (insert, remove) of a table runs
+in every tower, in tower order, before any tower's (k+1)-th write, as one
+device runs its k-th write on the whole batch before its next (so a remove
+then an insert leaves the batch's inserted keys, whichever tower removed
+them); within one write the last of repeated keys wins as in one insert of
+the whole batch. Writes come after every read that does not itself wait for a write (a lookup before an
 insert sees the table as it was before the step, in every tower). A read
 that waits for a write of the same step, in a table more than one tower
 writes, would see only the earlier towers' writes: it is refused. So is a
@@ -26,9 +29,10 @@ Read-only tables (`StaticHashTable`, feature-column vocabularies) are left
 per tower: their copies hold the same contents.
 """
 
+import bisect
 import contextlib
 import threading
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -142,17 +146,19 @@ class TableSharing:
           'must build the same model.')
     return first
 
-  def order_accesses(self, first_id: int) -> None:
+  def order_accesses(self, first_ids: Sequence[int]) -> None:
     """Orders the towers' accesses of each shared table (see module doc).
 
     Args:
-      first_id: The id of the first op of tower 0; earlier ops are not the
-        towers'.
+      first_ids: For each tower, the id of its first op; ops before tower 0's
+        are not the towers'. Called once all towers are built.
 
     Raises:
       ValueError: A read waits for a write of the same step to a table that
-        several towers write, or a function uses a shared table.
+        several towers write, a function uses a shared table, or the towers
+        write a table different numbers of times.
     """
+    first_id = first_ids[0]
     for table in self._created:
       users = sorted(
           (op for op in table.resource_handle.consumers()
@@ -180,11 +186,34 @@ class TableSharing:
               "the whole batch's. Read the table before writing it in the "
               'step (e.g. lookup, then insert), or keep the table out of '
               'replicate_model_fn.')
+      writes = _write_major(table, writes, first_ids)
       for before, after in zip(writes, writes[1:]):
         after._add_control_inputs([before])  # pylint: disable=protected-access
       for write in writes:
         write._add_control_inputs(  # pylint: disable=protected-access
             [r for r in reads if r not in write.control_inputs])
+
+
+def _write_major(table, writes: List[tf.Operation],
+                 first_ids: Sequence[int]) -> List[tf.Operation]:
+  """`writes` (in op order) as every tower's first write, then second, ...
+
+  Tower by tower would be wrong when a table is written twice in a step:
+  a later tower's remove would undo an earlier tower's insert, which one
+  device, removing for the whole batch before inserting, never does.
+  """
+  by_tower = [[] for _ in first_ids]
+  for op in writes:
+    by_tower[bisect.bisect_right(first_ids, op._id) - 1].append(op)  # pylint: disable=protected-access
+  counts = [len(ops) for ops in by_tower]
+  if len(set(counts)) > 1:
+    raise ValueError(
+        f'The towers write lookup table {table.name!r} different numbers of '
+        f'times in a step ({counts} write ops per tower: '
+        f'{[op.name for op in writes]}); they cannot be matched to one '
+        "device's writes. Every tower must build the same model: do not make "
+        'table writes depend on the tower index.')
+  return [ops[k] for k in range(counts[0]) for ops in by_tower]
 
 
 def _unless_idle(method: Callable, real: tf.Tensor,

@@ -434,3 +434,54 @@ def test_all_reduce_on_a_lone_chief_and_other_strategies_in_clusters_build(
       {'cluster': {'chief': ['127.0.0.1:1'], 'ps': ['127.0.0.1:3']},
        'task': {'type': 'chief', 'index': 0}}))
   build_replicated(classifier_model_fn, 2, aggregation='round_robin')
+
+
+def _apply_every_other_step_model_fn(features, labels, mode):
+  """Gradient accumulation's shape: apply_gradients inside a tf.cond."""
+  logits = tf1.layers.dense(features['x'], 2)
+  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+  variables = tf1.trainable_variables()
+  grads = tf.gradients(loss, variables)
+  step = tf1.train.get_or_create_global_step()
+  optimizer = tf1.train.GradientDescentOptimizer(0.5)
+  apply = tf.cond(
+      tf.equal(step % 2, 1),
+      lambda: optimizer.apply_gradients(
+          [(g * 0.5, v) for g, v in zip(grads, variables)]),
+      tf.no_op)
+  with tf.control_dependencies([apply]):
+    train_op = step.assign_add(1)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_all_reduce_refuses_an_update_inside_a_cond():
+  # Unrouted there, it would update the primaries only (a silent drift of
+  # the copies), or wait forever on the all-reduce of the other devices.
+  with pytest.raises(ValueError, match="all_reduce.*apply_gradients inside "
+                     "a tf.cond.*aggregation='global_loss'"):
+    build_replicated(_apply_every_other_step_model_fn, 2,
+                     aggregation='all_reduce')
+
+
+def test_all_reduce_gradient_fetched_alone_completes():
+  """A routed gradient run without the update (a hook's fetch) completes:
+  tower 0's all-reduce result runs every device's, as a collective needs."""
+
+  def model_fn(features, labels, mode):
+    logits = tf1.layers.dense(features['x'], 2)
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    grads = tf.gradients(loss, tf1.trainable_variables())
+    tf1.add_to_collection('routed_gradients', grads[-1])  # The bias's.
+    train_op = tf1.train.GradientDescentOptimizer(0.5).apply_gradients(
+        [(g * 0.5, v) for g, v in zip(grads, tf1.trainable_variables())],
+        tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  graph, spec = build_replicated(model_fn, 2, aggregation='all_reduce')
+  config = estimator_towers.make_run_config(cpu_devices=2).session_config
+  config.operation_timeout_in_ms = 60_000  # A hang fails, not blocks.
+  with graph.as_default(), tf1.train.MonitoredSession(
+      tf1.train.ChiefSessionCreator(scaffold=spec.scaffold,
+                                    config=config)) as sess:
+    gradient = sess.run(tf1.get_collection('routed_gradients')[-1])
+  assert np.abs(gradient).sum() > 0

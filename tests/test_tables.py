@@ -139,3 +139,48 @@ def test_table_inside_a_cond_is_refused(tmp_path, data):
   many = make_estimator(model_fn, tmp_path, 2)
   with pytest.raises(ValueError, match="table 'ids' is used inside If"):
     many.train(_input_fn(data), steps=1)
+
+
+def two_writes_model_fn(features, labels, mode):
+  """Writes each table twice in a step, a remove and an insert each way."""
+  logits = tf1.layers.dense(features['x'], 1, kernel_initializer=seeded(3))
+  loss = tf1.losses.sigmoid_cross_entropy(labels, logits)
+  evict_then_add = _table('mutable', 'evict_then_add')
+  removed = evict_then_add.remove(features['evict'])
+  with tf.control_dependencies([removed]):
+    added = evict_then_add.insert(features['id'], features['row'])
+  add_then_evict = _table('mutable', 'add_then_evict')
+  inserted = add_then_evict.insert(features['id'], features['row'])
+  with tf.control_dependencies([inserted]):
+    evicted = add_then_evict.remove(features['evict'])
+  train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=tf.group(train_op, added, evicted))
+
+
+def test_a_table_written_twice_in_a_step_equals_one_device(tmp_path, data):
+  x, y = data
+  # Id 5 comes first in the batch (tower 0) and is evicted by the last
+  # example (tower 1): one device removes before it inserts, so 5 stays in
+  # evict_then_add and leaves add_then_evict; tower by tower would not.
+  ids = np.array([5, 1, 2, 3, 4, 6, 7] * 2, np.int64)
+  evict = np.array([0, 0, 0, 0, 0, 0, 5] * 2, np.int64)
+  features = {'x': x[:14], 'id': ids, 'evict': evict,
+              'row': np.arange(14, dtype=np.float32)}
+  found = []
+  for towers in (1, 2):
+    estimator = make_estimator(two_writes_model_fn, tmp_path / str(towers),
+                               towers)
+    estimator.train(dataset_input_fn(features, y[:14, None].astype(
+        np.float32), BATCH), steps=2)
+    tables = {}
+    for name in ('evict_then_add', 'add_then_evict'):
+      keys = estimator.get_variable_value(f'{name}-keys')
+      values = estimator.get_variable_value(f'{name}-values')
+      tables[name] = dict(sorted(
+          (int(k), float(v)) for k, v in zip(keys, values) if k >= 0))
+    found.append(tables)
+  assert 5 in found[0]['evict_then_add']
+  assert 5 not in found[0]['add_then_evict']
+  assert found[1] == found[0]
