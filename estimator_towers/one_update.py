@@ -41,7 +41,8 @@ the model_fn's optimizer instead; see loss_scaling.py.
 
 import contextlib
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import (Any, Callable, Dict, Iterator, List, Optional, Set,
+                    Tuple)
 
 from absl import logging
 import tensorflow as tf
@@ -106,6 +107,9 @@ class OneUpdate:
     self._total: Optional[tf.Tensor] = None
     self._terms: List[tf.Tensor] = []
     self.applying = False
+    # Op-id ranges [first, end) of the last tower's routed calls: the one
+    # update, whose writes are not a tower's writes from its shard.
+    self._update_ranges: List[Tuple[int, int]] = []
 
   @contextlib.contextmanager
   def routing(self) -> Iterator[None]:
@@ -219,12 +223,23 @@ class OneUpdate:
     every tower (each op on its tower's device), and slot and non-slot
     variables get checkpoint-compatible names.
     """
+    graph = tf1.get_default_graph()
+    first = _next_op_id(graph)
     self.applying = True
     try:
       with self._first_tower_scope(key), self._unshared():
         yield
     finally:
       self.applying = False
+      self._update_ranges.append((first, _next_op_id(graph)))
+
+  def update_op_names(self) -> Set[str]:
+    """Names of the ops the last tower's routed calls created (the one
+    update), which write variables once, from the whole batch."""
+    graph = self._graph or tf1.get_default_graph()
+    return {op.name for op in graph.get_operations()
+            if any(first <= op._id < end  # pylint: disable=protected-access
+                   for first, end in self._update_ranges)}
 
   # --------------------------------------------------------------------------
   # Calls made inside the last tower's outermost call, and the call itself.
