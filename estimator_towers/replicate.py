@@ -257,6 +257,9 @@ class _TowerBuilder:
       moving_statistics.check_single_writers(update_ops)
       effects = []
       one_update_ops = self._update.update_op_names()
+      self._update.check_batch_free_update(reduction_lib.ExampleDependence(
+          (feature_shards[-1], label_shards[-1]), first_ids[-1],
+          one_update_ops))
       for i, spec in enumerate(specs):
         # The last tower's effects run in its own train_op; its shard
         # writes are still checked and idle-masked.
