@@ -205,12 +205,16 @@ class OneUpdate:
     self._record_call(tower, key)
     if self._counts['apply'][tower] > self._counts['losses'][tower]:
       raise ValueError(
-          f'{call.qualified_name} was called with gradients that did not '
-          'come from a gradient call replicate_model_fn routes. Under '
-          'replicate_model_fn compute them with optimizer.compute_gradients'
-          '(loss) or tf.gradients(loss, variables) (Keras: '
-          'optimizer.get_gradients, or call minimize / get_updates), so that '
-          'they are the gradients of the whole batch.')
+          f'{call.qualified_name} was called more often than the model_fn '
+          'computed gradients: replicate_model_fn pairs each '
+          'apply_gradients with one gradient call of its own, so gradients '
+          'must come from optimizer.compute_gradients(loss) or '
+          'tf.gradients(loss, variables) (Keras: optimizer.get_gradients, or '
+          'call minimize / get_updates), and one gradient call cannot be '
+          'split over several apply_gradients (e.g. layer-wise learning '
+          'rates with two optimizers). Make one compute_gradients per '
+          'optimizer (each with its var_list), or use one optimizer and '
+          'scale the gradients of each variable before apply_gradients.')
     if tower < self._num_towers - 1:
       return tf.no_op(name='update_in_last_tower')
     with self._global_phase(key):

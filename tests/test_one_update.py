@@ -92,7 +92,7 @@ def test_gradients_not_from_a_routed_call_are_a_clear_error():
         zip(grads, variables), tf1.train.get_or_create_global_step())
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
-  with pytest.raises(ValueError, match='did not come from a gradient call'):
+  with pytest.raises(ValueError, match='one gradient call of its own'):
     build_replicated(model_fn, 2)
 
 
@@ -176,3 +176,20 @@ def test_update_computed_from_the_batch_size_is_refused(tmp_path, data, form):
                              {'form': form})
   with pytest.raises(ValueError, match="only that tower's share"):
     estimator.train(dataset_input_fn({'x': x}, y, 7), steps=1)
+
+
+def test_one_gradient_call_split_over_two_optimizers_says_so():
+
+  def model_fn(features, labels, mode):
+    hidden = tf1.layers.dense(features['x'], 3, name='h')
+    loss = tf1.losses.sparse_softmax_cross_entropy(
+        labels, tf1.layers.dense(hidden, 2, name='o'))
+    first = tf1.train.MomentumOptimizer(0.1, 0.9)
+    pairs = first.compute_gradients(loss)
+    train_op = tf.group(
+        first.apply_gradients(pairs[:2], tf1.train.get_global_step()),
+        tf1.train.MomentumOptimizer(0.01, 0.9).apply_gradients(pairs[2:]))
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  with pytest.raises(ValueError, match='one compute_gradients per optimizer'):
+    build_replicated(model_fn, 2)
