@@ -236,9 +236,12 @@ class ExampleDependence:
   Args:
     shard: The tower's features and labels (any nest of tensors).
     first_id: The id of the first op the tower's model_fn call created.
+    whole_batch: Names of ops whose values are the whole batch's, not the
+      tower's (the one update's, e.g. routed gradients): the walk stops
+      there.
   """
 
-  def __init__(self, shard, first_id: int):
+  def __init__(self, shard, first_id: int, whole_batch=frozenset()):
     leaves = tf.nest.flatten(shard, expand_composites=True)
     self._shard_ops = {t.op.name for t in leaves if isinstance(t, tf.Tensor)}
     dense = [t for t in tf.nest.flatten(shard) if isinstance(t, tf.Tensor)]
@@ -247,7 +250,7 @@ class ExampleDependence:
     self.batch_size = (dense[0].shape[0] if dense and dense[0].shape.rank
                        else None)
     self._first_id = first_id
-    self._memo: Dict[str, bool] = {}
+    self._memo: Dict[str, bool] = {name: False for name in whole_batch}
 
   def __call__(self, tensor: tf.Tensor) -> bool:
     root = tensor.op

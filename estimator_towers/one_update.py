@@ -41,7 +41,8 @@ the model_fn's optimizer instead; see loss_scaling.py.
 
 import contextlib
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import (Any, Callable, Dict, Iterator, List, Optional, Set,
+                    Tuple)
 
 from absl import logging
 import tensorflow as tf
@@ -106,6 +107,15 @@ class OneUpdate:
     self._total: Optional[tf.Tensor] = None
     self._terms: List[tf.Tensor] = []
     self.applying = False
+    # Op-id ranges [first, end) of the last tower's routed calls: the one
+    # update, whose writes are not a tower's writes from its shard.
+    self._update_ranges: List[Tuple[int, int]] = []
+    # Op-id ranges of the gradients and global losses built there: values of
+    # the whole batch, though they read the last tower's activations.
+    self._whole_batch_ranges: List[Tuple[int, int]] = []
+    # The last tower's updates (minimize, get_updates, apply_gradients):
+    # their results and op-id ranges.
+    self._updates: List[Tuple[Any, Tuple[int, int]]] = []
 
   @contextlib.contextmanager
   def routing(self) -> Iterator[None]:
@@ -187,7 +197,9 @@ class OneUpdate:
                   else self._differentiate(call, total))
       if call.kind == calls.GRADIENTS:
         self._routed_outputs[tower].extend(_ops_of(result))
-      return result
+    if call.kind == calls.UPDATE:
+      self._updates.append((result, self._update_ranges[-1]))
+    return result
 
   def _outer_apply(self, call: calls.Call) -> Any:
     tower = self._tower
@@ -197,18 +209,25 @@ class OneUpdate:
     self._record_call(tower, key)
     if self._counts['apply'][tower] > self._counts['losses'][tower]:
       raise ValueError(
-          f'{call.qualified_name} was called with gradients that did not '
-          'come from a gradient call replicate_model_fn routes. Under '
-          'replicate_model_fn compute them with optimizer.compute_gradients'
-          '(loss) or tf.gradients(loss, variables) (Keras: '
-          'optimizer.get_gradients, or call minimize / get_updates), so that '
-          'they are the gradients of the whole batch.')
+          f'{call.qualified_name} was called more often than the model_fn '
+          'computed gradients: replicate_model_fn pairs each '
+          'apply_gradients with one gradient call of its own, so gradients '
+          'must come from optimizer.compute_gradients(loss) or '
+          'tf.gradients(loss, variables) (Keras: optimizer.get_gradients, or '
+          'call minimize / get_updates), and one gradient call cannot be '
+          'split over several apply_gradients (e.g. layer-wise learning '
+          'rates with two optimizers). Make one compute_gradients per '
+          'optimizer (each with its var_list), or use one optimizer and '
+          'scale the gradients of each variable before apply_gradients.')
     if tower < self._num_towers - 1:
       return tf.no_op(name='update_in_last_tower')
     with self._global_phase(key):
       if self._scaled(call):
-        return self._scaling.run(call)
-      return self._update(call)
+        result = self._scaling.run(call)
+      else:
+        result = self._update(call)
+    self._updates.append((result, self._update_ranges[-1]))
+    return result
 
   def _scaled(self, call: calls.Call) -> bool:
     """Whether the last tower makes `call` on a loss-scale wrapper (whose
@@ -223,12 +242,75 @@ class OneUpdate:
     every tower (each op on its tower's device), and slot and non-slot
     variables get checkpoint-compatible names.
     """
+    graph = tf1.get_default_graph()
+    first = _next_op_id(graph)
     self.applying = True
     try:
       with self._first_tower_scope(key), self._unshared():
         yield
     finally:
       self.applying = False
+      self._update_ranges.append((first, _next_op_id(graph)))
+
+  def update_op_names(self) -> Set[str]:
+    """Names of the ops the last tower's routed calls created (the one
+    update), which write variables once, from the whole batch."""
+    graph = self._graph or tf1.get_default_graph()
+    return {op.name for op in graph.get_operations()
+            if _in_ranges(op, self._update_ranges)}
+
+  @contextlib.contextmanager
+  def _whole_batch(self) -> Iterator[None]:
+    """Marks the ops made inside as the whole batch's values."""
+    graph = tf1.get_default_graph()
+    first = _next_op_id(graph)
+    try:
+      yield
+    finally:
+      self._whole_batch_ranges.append((first, _next_op_id(graph)))
+
+  def check_batch_free_update(self, depends_on_shard: Callable[
+      [tf.Tensor], bool]) -> None:
+    """Fails when the one update reads the last tower's shard.
+
+    The last tower builds the update for the whole batch, but a value it
+    computes from its batch (a learning rate scaled by `tf.shape(x)[0]`,
+    gradients divided by it) sees its share of the batch only.
+
+    Args:
+      depends_on_shard: Whether a tensor depends on the last tower's shard
+        (a `loss_reduction.ExampleDependence` that stops at the one
+        update's ops).
+
+    Raises:
+      ValueError: An input of the update depends on the last tower's shard.
+    """
+    if self._num_towers < 2:
+      return
+    for result, (first, end) in self._updates:
+      pending, seen = _operations_of(result), set()
+      while pending:
+        op = pending.pop()
+        if op.name in seen or _in_ranges(op, self._whole_batch_ranges):
+          continue
+        seen.add(op.name)
+        if not first <= op._id < end:  # pylint: disable=protected-access
+          continue
+        pending.extend(op.control_inputs)
+        for tensor in op.inputs:
+          if (first <= tensor.op._id < end or  # pylint: disable=protected-access
+              not depends_on_shard(tensor)):
+            pending.append(tensor.op)
+            continue
+          raise ValueError(
+              f'The optimizer update reads {tensor.name} (in op {op.name}), '
+              "which the model_fn computed from the tower's batch (e.g. "
+              'from tf.shape(features)[0]). Under replicate_model_fn the '
+              'last tower builds the one update of the whole batch, and '
+              "there this value sees only that tower's share of the batch, "
+              'not the whole batch. Use the static global batch size (from '
+              'params or a Python constant) instead, or fold the scaling '
+              'into the loss, which the wrapper weighs exactly.')
 
   # --------------------------------------------------------------------------
   # Calls made inside the last tower's outermost call, and the call itself.
@@ -243,10 +325,11 @@ class OneUpdate:
   def _differentiate(self, call: calls.Call, loss: tf.Tensor) -> Any:
     """A base gradient method's result for `loss`, on the towers' devices."""
     variables, per_tower, pack, direct = _gradient_parts(call)
-    if self._replicas is None:
-      return direct(loss)
-    return pack(self._replicas.gradients(self._tower_terms(loss), variables,
-                                         per_tower))
+    with self._whole_batch():
+      if self._replicas is None:
+        return direct(loss)
+      return pack(self._replicas.gradients(self._tower_terms(loss),
+                                           variables, per_tower))
 
   def _tower_terms(self, loss: tf.Tensor) -> List[tf.Tensor]:
     """Per tower, a loss whose gradient w.r.t. the tower's copies is its
@@ -322,7 +405,7 @@ class OneUpdate:
   def _global_loss(self, call: int) -> tf.Tensor:
     """The weighted sum of the towers' losses of optimizer call `call`."""
     losses = [self._losses[call][t] for t in range(self._num_towers)]
-    with tf.name_scope('global_loss'):
+    with tf.name_scope('global_loss'), self._whole_batch():
       weights = self._weigh(losses)
       weighted = lambda t: losses[t] * tf.cast(weights[t], losses[t].dtype)  # pylint: disable=unnecessary-lambda-assignment
       if self._replicas is not None:
@@ -443,6 +526,16 @@ def _loss_of(call: calls.Call) -> tf.Tensor:
           f'{call.qualified_name} got the callable {loss!r}.')
     loss = loss()
   return loss
+
+
+def _operations_of(result) -> List[tf.Operation]:
+  return [getattr(item, 'op', item) for item in tf.nest.flatten(result)
+          if isinstance(item, (tf.Tensor, tf.Operation))]
+
+
+def _in_ranges(op: tf.Operation, ranges: List[Tuple[int, int]]) -> bool:
+  return any(first <= op._id < end  # pylint: disable=protected-access
+             for first, end in ranges)
 
 
 def _gradient_variables(call: calls.Call) -> List:

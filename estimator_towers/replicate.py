@@ -256,16 +256,21 @@ class _TowerBuilder:
     if self._mode == ModeKeys.TRAIN:
       moving_statistics.check_single_writers(update_ops)
       effects = []
+      one_update_ops = self._update.update_op_names()
+      self._update.check_batch_free_update(reduction_lib.ExampleDependence(
+          (feature_shards[-1], label_shards[-1]), first_ids[-1],
+          one_update_ops))
       for i, spec in enumerate(specs):
         # The last tower's effects run in its own train_op; its shard
         # writes are still checked and idle-masked.
         found = tower_effects.shard_effects(
             spec.train_op, first_ids[i],
             reduction_lib.ExampleDependence(
-                (feature_shards[i], label_shards[i]), first_ids[i]),
+                (feature_shards[i], label_shards[i]), first_ids[i],
+                one_update_ops),
             self._update.call_dependencies[i], sizes[i] > 0,
             {_op_of(u).name for u in update_ops[i]} |
-            self._statistics.exact_writes)
+            self._statistics.exact_writes | one_update_ops)
         if i < num_towers - 1:
           effects.extend(found)
       spec = spec_merge.merge_train(specs, weigh, sizes,

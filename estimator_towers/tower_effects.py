@@ -89,8 +89,9 @@ def shard_effects(train_op: tf.Operation, first_id: int,
     call_dependencies: Control inputs the model_fn put around the tower's
       optimizer calls.
     active: A scalar bool tensor, whether the tower has real examples.
-    exempt: Write ops another module makes exact (the tower's UPDATE_OPS,
-      see moving_statistics), by `moving_statistics.write_key`.
+    exempt: Names of ops another module makes exact: the tower's
+      UPDATE_OPS (see moving_statistics) and the one update's ops (see
+      one_update), which write once from the whole batch.
 
   Returns:
     The ops to group into the merged train_op, without repeats.
@@ -109,11 +110,13 @@ def shard_effects(train_op: tf.Operation, first_id: int,
     seen.add(op.name)
     if op.type in _CHECKS:
       found.setdefault(op.name, op)
+    elif op.name in exempt:
+      pass  # Made exact elsewhere; what it reads is still walked.
     elif op.type in _CALLS and any(map(depends_on_shard, op.inputs)):
       _check_no_writes_inside(op, exempt)
       if op.type in _CONDITIONALS:
         found.setdefault(op.name, op)
-    elif (op.type in _WRITES and op.name not in exempt and
+    elif (op.type in _WRITES and
           any(map(depends_on_shard, op.inputs[1:]))):
       if op.type not in _SHARED:
         _check_adds_up(op, depends_on_shard)

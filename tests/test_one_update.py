@@ -92,7 +92,7 @@ def test_gradients_not_from_a_routed_call_are_a_clear_error():
         zip(grads, variables), tf1.train.get_or_create_global_step())
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
-  with pytest.raises(ValueError, match='did not come from a gradient call'):
+  with pytest.raises(ValueError, match='one gradient call of its own'):
     build_replicated(model_fn, 2)
 
 
@@ -147,3 +147,49 @@ def test_sync_replicas_optimizer_is_refused_with_what_to_use():
       r'itself.*Use the optimizer it wraps directly')):
     build_replicated(model_fn, 2)
   assert tf1.train.SyncReplicasOptimizer.apply_gradients is original
+
+
+def batch_sized_model_fn(features, labels, mode, params):
+  """Uses the (dynamic) batch size outside the loss: a learning rate scaled
+  by it, or gradients of a summed loss divided by it."""
+  logits = tf1.layers.dense(features['x'], 2, kernel_initializer=seeded(7))
+  examples = tf.cast(tf.shape(labels)[0], tf.float32)
+  step = tf1.train.get_or_create_global_step()
+  if params['form'] == 'learning_rate':
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    train_op = tf1.train.GradientDescentOptimizer(
+        0.1 * examples).minimize(loss, step)
+  else:
+    loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=logits))
+    variables = tf1.trainable_variables()
+    grads = [g / examples for g in tf.gradients(loss, variables)]
+    train_op = tf1.train.GradientDescentOptimizer(0.5).apply_gradients(
+        zip(grads, variables), step)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize('form', ['learning_rate', 'gradients'])
+def test_update_computed_from_the_batch_size_is_refused(tmp_path, data, form):
+  x, y = data
+  estimator = make_estimator(batch_sized_model_fn, tmp_path, 2,
+                             {'form': form})
+  with pytest.raises(ValueError, match="only that tower's share"):
+    estimator.train(dataset_input_fn({'x': x}, y, 7), steps=1)
+
+
+def test_one_gradient_call_split_over_two_optimizers_says_so():
+
+  def model_fn(features, labels, mode):
+    hidden = tf1.layers.dense(features['x'], 3, name='h')
+    loss = tf1.losses.sparse_softmax_cross_entropy(
+        labels, tf1.layers.dense(hidden, 2, name='o'))
+    first = tf1.train.MomentumOptimizer(0.1, 0.9)
+    pairs = first.compute_gradients(loss)
+    train_op = tf.group(
+        first.apply_gradients(pairs[:2], tf1.train.get_global_step()),
+        tf1.train.MomentumOptimizer(0.01, 0.9).apply_gradients(pairs[2:]))
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  with pytest.raises(ValueError, match='one compute_gradients per optimizer'):
+    build_replicated(model_fn, 2)

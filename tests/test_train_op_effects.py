@@ -210,3 +210,39 @@ def test_count_and_sum_in_the_train_op_equal_one_device(tmp_path, data,
   assert one['seen'] == 15
   np.testing.assert_allclose(one['total'], 2 * x[:, 0].sum(), rtol=1e-5)
   assert_same_variables(one, many)
+
+
+class _SignDescent(tf1.train.GradientDescentOptimizer):
+  """Its own dense update: a write the one update makes, not a tower."""
+
+  def _apply_dense(self, grad, var):
+    return var.assign_sub(0.05 * tf.sign(grad))
+
+  _resource_apply_dense = _apply_dense
+
+
+class _KerasSignDescent(tf.keras.optimizers.legacy.SGD):
+
+  def _resource_apply_dense(self, grad, var, apply_state=None):
+    return var.assign_sub(0.05 * tf.sign(grad))
+
+
+def own_update_model_fn(features, labels, mode, params):
+  """An optimizer subclass whose update is its own assign_sub."""
+  loss = _loss(features, labels)
+  step = tf1.train.get_or_create_global_step()
+  if params['keras']:
+    updates = _KerasSignDescent(0.1).get_updates(
+        loss, tf1.trainable_variables())
+    train_op = tf.group(updates, step.assign_add(1))
+  else:
+    train_op = _SignDescent(0.1).minimize(loss, step)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize('keras', [False, True])
+def test_optimizer_with_its_own_update_equals_one_device(tmp_path, data,
+                                                         keras):
+  one, many = _train_both(tmp_path, data, own_update_model_fn, 2,
+                          {'keras': keras})
+  assert_same_variables(variables_of(one), variables_of(many))
