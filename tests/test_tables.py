@@ -65,10 +65,10 @@ def _input_fn(data, repeat=True, batch=BATCH):
                           repeat)
 
 
-def _tables_of(estimator):
-  """Each checkpointed table as a sorted {key: value}."""
+def _tables_of(estimator, names=('last_row', 'counts')):
+  """Each checkpointed table of `names` as a sorted {key: value}."""
   found = {}
-  for name in ('last_row', 'counts'):
+  for name in names:
     keys = estimator.get_variable_value(f'{name}-keys')
     values = estimator.get_variable_value(f'{name}-values')
     found[name] = dict(sorted(
@@ -174,13 +174,8 @@ def test_a_table_written_twice_in_a_step_equals_one_device(tmp_path, data):
                                towers)
     estimator.train(dataset_input_fn(features, y[:14, None].astype(
         np.float32), BATCH), steps=2)
-    tables = {}
-    for name in ('evict_then_add', 'add_then_evict'):
-      keys = estimator.get_variable_value(f'{name}-keys')
-      values = estimator.get_variable_value(f'{name}-values')
-      tables[name] = dict(sorted(
-          (int(k), float(v)) for k, v in zip(keys, values) if k >= 0))
-    found.append(tables)
+    found.append(_tables_of(estimator,
+                            ('evict_then_add', 'add_then_evict')))
   assert 5 in found[0]['evict_then_add']
   assert 5 not in found[0]['add_then_evict']
   assert found[1] == found[0]
