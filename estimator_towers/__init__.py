@@ -22,10 +22,13 @@ if not (3, 9) <= sys.version_info[:2] <= (3, 11):
       'with python3.11 (run.sh does this).')
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+from estimator_towers import cluster_server
 from estimator_towers.replicate import replicate_model_fn
 from estimator_towers.run_config import make_run_config
 from estimator_towers.tower import tower_context
 from estimator_towers.tower import TowerContext
+
+cluster_server.install()
 
 __all__ = ['TowerContext', 'make_run_config', 'replicate_model_fn',
            'tower_context']

@@ -50,31 +50,37 @@ def check(aggregation: str, variables_device: Optional[str]) -> None:
 
 
 def check_tasks(aggregation: str, config) -> None:
-  """Fails when 'all_reduce' would train in a cluster of several tasks.
+  """Fails when `aggregation` cannot train in the TF_CONFIG cluster.
 
-  Its per-device copies and collective ops span the towers of one task:
-  across tasks, each task's copies would miss the others' updates of the
-  shared variables, and the tasks' collectives wait for one another forever.
+  With ps tasks, the tasks train asynchronously on the ps's variables:
+  'all_reduce' keeps copies per device of one task and cannot. Without ps
+  tasks, each task holds its own variables and only 'all_reduce' keeps them
+  equal (task_sync): the others would train each task's copy on its own
+  batches, and the workers' steps would be lost.
 
   Args:
     aggregation: The `aggregation` argument of replicate_model_fn.
     config: The Estimator's RunConfig (its TF_CONFIG cluster).
 
   Raises:
-    ValueError: 'all_reduce' with workers or parameter servers besides this
-      task.
+    ValueError: 'all_reduce' with parameter servers, or another strategy in
+      a cluster of training tasks without parameter servers.
   """
-  if aggregation != 'all_reduce':
-    return
   workers = getattr(config, 'num_worker_replicas', 1) or 1
   ps = getattr(config, 'num_ps_replicas', 0) or 0
-  if workers > 1 or ps > 0:
+  if aggregation == 'all_reduce' and ps > 0:
     raise ValueError(
-        "aggregation='all_reduce' keeps one copy of the variables per device "
-        'of one task, but TF_CONFIG names a cluster of several tasks '
-        f'({workers} worker(s) with the chief, {ps} parameter server(s)); use '
-        "aggregation='global_loss' or 'round_robin', which share the "
-        "cluster's variables.")
+        "aggregation='all_reduce' trains a cluster synchronously, without "
+        f'parameter servers, but TF_CONFIG names {ps} ps task(s). Remove '
+        "the ps tasks, or use aggregation='global_loss' or 'round_robin' "
+        'for asynchronous training on the ps.')
+  if aggregation != 'all_reduce' and workers > 1 and ps == 0:
+    raise ValueError(
+        f'TF_CONFIG names {workers} training tasks and no ps task, so every '
+        f"task keeps its own variables, which aggregation={aggregation!r} "
+        "would train apart. Use aggregation='all_reduce' (synchronous "
+        'training across the tasks), or add ps tasks for asynchronous '
+        'training.')
 
 
 class Placement:

@@ -172,9 +172,17 @@ def _static_value(tensor: tf.Tensor):
       return None
     pending.extend(t.op for t in op.inputs)
     pending.extend(op.control_inputs)
-  config = tf.compat.v1.ConfigProto(allow_soft_placement=True)
-  with tf.compat.v1.Session(graph=tensor.graph, config=config) as session:
-    return session.run(tensor)
+  # Only the tensor's own ops, without devices: the model graph may pin ops
+  # to devices a scratch session lacks (other tasks of a cluster).
+  graph_def = tf.compat.v1.graph_util.extract_sub_graph(
+      tensor.graph.as_graph_def(add_shapes=False), [tensor.op.name])
+  for node in graph_def.node:
+    node.device = ''
+  with tf.Graph().as_default() as scratch:
+    (copy,) = tf.graph_util.import_graph_def(
+        graph_def, return_elements=[tensor.name], name='')
+  with tf.compat.v1.Session(graph=scratch) as session:
+    return session.run(copy)
 
 
 def _reduces_all(tensor: tf.Tensor, how: str, depends) -> bool:
@@ -276,13 +284,16 @@ class ExampleDependence:
 
 
 def exact_weights(losses: List[tf.Tensor], reductions: List[Reduction],
-                  active: tf.Tensor) -> Optional[List[tf.Tensor]]:
+                  active: tf.Tensor, total_of=None
+                  ) -> Optional[List[tf.Tensor]]:
   """Tower weights that make the weighted sum the global-batch loss.
 
   Args:
     losses: The towers' losses.
     reductions: `analyze` of each, all SUM or all RATIO.
     active: A bool per tower: False for idle towers (their weight is 0).
+    total_of: Turns this task's total divisor into the global batch's (a
+      sum over the tasks of a synchronous cluster); None on one machine.
 
   Returns:
     For SUM, 1 for active towers. For RATIO with one divisor per tower,
@@ -301,6 +312,8 @@ def exact_weights(losses: List[tf.Tensor], reductions: List[Reduction],
                      tf.cast(tf.stop_gradient(r.divisors[0]), tf.float32),
                      0.0) for t, r in enumerate(reductions)]
   total = tf.add_n(counts)
+  if total_of is not None:
+    total = total_of(total)
   return [tf.math.divide_no_nan(counts[t], total) for t in range(num)]
 
 
@@ -315,11 +328,15 @@ class TowerWeights:
     sizes: Each tower's number of real examples (an int32 vector).
     shards: Each tower's features and labels.
     first_ids: For each tower, the id of the first op its model_fn created.
+    task_group: In a synchronous cluster, the training tasks
+      (task_sync.TaskGroup), whose towers share the global batch; None on
+      one machine.
   """
 
   def __init__(self, requested: str, sizes: tf.Tensor, shards: List,
-               first_ids: List[int]):
+               first_ids: List[int], task_group=None):
     self._requested = requested
+    self._task_group = task_group
     self._sizes = sizes
     self._shards = shards
     self._first_ids = first_ids
@@ -348,7 +365,7 @@ class TowerWeights:
                        tf.zeros([], loss.dtype))
               for t, loss in enumerate(losses)]
     if all(r.kind == RATIO for r in reductions):
-      exact = exact_weights(losses, reductions, active)
+      exact = exact_weights(losses, reductions, active, self._total_of)
       if exact is not None:
         return exact
       return self._shares_checked(reductions, losses[0])
@@ -387,9 +404,15 @@ class TowerWeights:
           "at 'auto', or pass the reduction the loss has.")
     return found.kind
 
+  def _total_of(self, local: tf.Tensor) -> tf.Tensor:
+    """The global batch's total of what `local` counts in this task."""
+    if self._task_group is None:
+      return local
+    return self._task_group.sum([local])[0]
+
   def _shares(self) -> List[tf.Tensor]:
     sizes = tf.cast(self._sizes, tf.float32)
-    total = tf.maximum(tf.reduce_sum(sizes), 1.0)
+    total = tf.maximum(self._total_of(tf.reduce_sum(sizes)), 1.0)
     return tf.unstack(sizes / total, num=len(self._shards))
 
   def _shares_checked(self, reductions: List[Reduction],
@@ -410,7 +433,8 @@ class TowerWeights:
       counts = [tf.where(active[t],
                          tf.cast(tf.stop_gradient(r.divisors[k]), tf.float32),
                          0.0) for t, r in enumerate(reductions)]
-      fractions = tf.math.divide_no_nan(tf.stack(counts), tf.add_n(counts))
+      fractions = tf.math.divide_no_nan(tf.stack(counts),
+                                        self._total_of(tf.add_n(counts)))
       checks.append(tf.debugging.assert_near(
           fractions, tf.stack(shares), atol=1e-6, message=(
               f'The loss {loss.op.name!r} adds several ratios whose divisors '

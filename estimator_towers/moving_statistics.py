@@ -50,10 +50,15 @@ class MovingStatistics:
     num_towers: How many towers are built.
     sizes: Each tower's number of real examples (int32 [num_towers]); an
       idle tower (0) trains on a padding copy and must weigh nothing.
+    task_group: In a synchronous cluster, the training tasks
+      (task_sync.TaskGroup): the moments are combined over their towers
+      too, so every task applies the same global-batch update. None on one
+      machine.
   """
 
-  def __init__(self, num_towers: int, sizes: tf.Tensor):
+  def __init__(self, num_towers: int, sizes: tf.Tensor, task_group=None):
     self._num_towers = num_towers
+    self._task_group = task_group
     self._sizes = sizes
     self._graph = tf1.get_default_graph()
     self._tower = None
@@ -173,14 +178,15 @@ class MovingStatistics:
     with tf.name_scope('global_batch_mean'):
       dtype = shards[0].value.dtype
       weights = self._weights(shards, dtype)
-      return _weighted_mean([s.value for s in shards], weights)
+      return _weighted_mean([s.value for s in shards], weights,
+                            self._task_group)
 
   def _variance(self, shards: Sequence[_Shard]) -> tf.Tensor:
     with tf.name_scope('global_batch_variance'):
       dtype = shards[0].value.dtype
       weights = self._weights(shards, dtype)
       means = [s.mean for s in shards]
-      mean = _weighted_mean(means, weights)
+      mean = _weighted_mean(means, weights, self._task_group)
       terms = []
       for shard, shard_mean in zip(shards, means):
         variance = shard.value
@@ -188,9 +194,11 @@ class MovingStatistics:
           count = tf.cast(shard.count, dtype)
           variance = variance * (count - 1) / count
         terms.append(variance + tf.square(shard_mean - mean))
-      variance = _weighted_mean(terms, weights)
+      variance = _weighted_mean(terms, weights, self._task_group)
       if shards[0].corrected:
         total = tf.add_n(weights)
+        if self._task_group is not None:
+          total = self._task_group.sum([total])[0]
         variance = variance * total / (total - 1)
       return variance
 
@@ -242,11 +250,17 @@ def _check_supported(layer) -> None:
 
 
 def _weighted_mean(values: Sequence[tf.Tensor],
-                   weights: Sequence[tf.Tensor]) -> tf.Tensor:
-  """sum_i w_i v_i / sum_i w_i; a zero weight drops a NaN value."""
+                   weights: Sequence[tf.Tensor], task_group=None) -> tf.Tensor:
+  """sum_i w_i v_i / sum_i w_i; a zero weight drops a NaN value.
+
+  With a task_group, both sums run over the towers of every task.
+  """
   terms = [tf.where(w > 0, w * v, tf.zeros_like(v))
            for v, w in zip(values, weights)]
-  return tf.add_n(terms) / tf.add_n(weights)
+  numerator, denominator = tf.add_n(terms), tf.add_n(weights)
+  if task_group is not None:
+    numerator, denominator = task_group.sum([numerator, denominator])
+  return numerator / denominator
 
 
 def _target(op: tf.Operation):

@@ -57,12 +57,17 @@ class Replicas:
       freely (see `VariableSharing.unshared`).
     placement: The aggregation.AllReduce placement, which lets the all-reduce
       ops keep the devices given here.
+    task_group: In a synchronous cluster, the training tasks
+      (task_sync.TaskGroup): gradients are also summed over them, and the
+      chief's variables are broadcast to them at the start. None on one
+      machine.
   """
 
   def __init__(self, devices: Sequence[str],
                unshared: Callable[[], contextlib.AbstractContextManager],
-               placement):
+               placement, task_group=None):
     self._devices = list(devices)
+    self.task_group = task_group
     self._unshared = unshared
     self._placement = placement
     self._copies: Dict[int, List[tf.Variable]] = {}  # id(primary) -> copies
@@ -189,6 +194,8 @@ class Replicas:
     for tower, loss in enumerate(weighted_losses):
       per_tower.append(differentiate(
           loss, [self.tower_variable(p, tower) for p in primaries]))
+    if self.task_group is not None:
+      return self._gradients_over_tasks(primaries, per_tower)
     result = []
     with self._placement.deferring(), tf.name_scope('all_reduce'):
       for k in range(len(primaries)):
@@ -204,6 +211,37 @@ class Replicas:
               'same model.')
         sums = cross_device.all_sum(grads, self._devices)
         result.append(_running_all(sums, self._devices[0]))
+        self._sums[id(result[-1])] = sums
+    return result
+
+  def _gradients_over_tasks(self, primaries: List, per_tower: List[List]
+                            ) -> List:
+    """`gradients` in a synchronous cluster: summed over towers and tasks.
+
+    The towers' gradients are added on tower 0's device, the dense sums of
+    all variables then travel packed in one collective per dtype, and the
+    result is sent to every tower device.
+    """
+    local: List = []
+    with self._placement.deferring(), tf.name_scope('all_reduce'):
+      for k, primary in enumerate(primaries):
+        grads = [g[k] for g in per_tower]
+        local.append(_local_sum(primary, grads, self._devices[0]))
+      dense = [k for k, g in enumerate(local)
+               if g is not None and not isinstance(g, tf.IndexedSlices)]
+      totals = dict(zip(dense, self.task_group.sum([local[k]
+                                                     for k in dense])))
+      result = []
+      for k, grad in enumerate(local):
+        if grad is None:
+          result.append(None)
+          continue
+        if k in totals:
+          total = totals[k]
+        else:
+          total = self.task_group.gather_slices(grad)
+        sums = [_on_device(d, total) for d in self._devices]
+        result.append(sums[0])
         self._sums[id(result[-1])] = sums
     return result
 
@@ -361,6 +399,12 @@ class _SyncingScaffold(tf1.train.Scaffold):
     super().__init__(copy_from_scaffold=scaffold)
     self._replicas = replicas
     self._synced = False
+    group = replicas.task_group
+    if group is not None and not group.is_chief:
+      # A worker neither restores nor waits for a chief's initialisation of
+      # its variables (no ps holds them): local_init_op initialises them and
+      # then takes the chief's values.
+      self._ready_for_local_init_op = tf.constant([], tf.string)
 
   def finalize(self):
     if not self._synced:
@@ -370,8 +414,57 @@ class _SyncingScaffold(tf1.train.Scaffold):
         base = tf1.train.Scaffold.get_or_default(
             'local_init_op', tf1.GraphKeys.LOCAL_INIT_OP,
             tf1.train.Scaffold.default_local_init_op)
+      group = self._replicas.task_group
+      if group is not None:
+        base = self._start_over_tasks(group, base)
       self._local_init_op = self._replicas.sync_op(base)
     return super().finalize()
+
+  def _start_over_tasks(self, group, base: tf.Operation) -> tf.Operation:
+    """base, preceded (on workers) by initialisation, then the broadcast."""
+    guard = group.restart_guard()
+    first = [guard]
+    if not group.is_chief:
+      init = self._init_op
+      if init is None:
+        init = tf1.global_variables_initializer()
+      with tf.control_dependencies([guard]):
+        first = [tf.group(init)]
+    with tf.control_dependencies(first):
+      base = tf.group(base)
+    with tf.control_dependencies([base]):
+      return tf.group(base, group.broadcast_op(tf1.global_variables()))
+
+
+def _local_sum(primary, grads: list, device: str):
+  """The towers' gradients of `primary` added on `device`; None if none."""
+  missing = [t for t, g in enumerate(grads) if g is None]
+  if len(missing) == len(grads):
+    return None
+  if missing:
+    raise ValueError(
+        f'Variable {primary.name} has a gradient in some towers but none in '
+        f'towers {missing}; every tower must build the same model.')
+  with tf.device(device):
+    if isinstance(grads[0], tf.IndexedSlices):
+      if not all(isinstance(g, tf.IndexedSlices) for g in grads):
+        raise ValueError(
+            f'Variable {primary.name} has sparse gradients in some towers '
+            'and dense ones in others; every tower must build the same '
+            'model.')
+      return tf.IndexedSlices(tf.concat([g.values for g in grads], 0),
+                              tf.concat([g.indices for g in grads], 0),
+                              grads[0].dense_shape)
+    return tf.add_n(grads) if len(grads) > 1 else tf.identity(grads[0])
+
+
+def _on_device(device: str, value):
+  """`value` (a Tensor or IndexedSlices) sent to `device`."""
+  with tf.device(device):
+    if isinstance(value, tf.IndexedSlices):
+      return tf.IndexedSlices(tf.identity(value.values),
+                              tf.identity(value.indices), value.dense_shape)
+    return tf.identity(value)
 
 
 def _running_all(sums: list, device: str):

@@ -25,6 +25,7 @@ from estimator_towers import replicas as replicas_lib
 from estimator_towers import sharding
 from estimator_towers import spec_merge
 from estimator_towers import table_sharing
+from estimator_towers import task_sync
 from estimator_towers import tower as tower_lib
 from estimator_towers import tower_effects
 from estimator_towers import tpu_spec
@@ -59,7 +60,9 @@ def replicate_model_fn(model_fn: ModelFn,
                        variables_device: Optional[str] = None,
                        loss_reduction: str = 'auto',
                        replicate_serving: bool = False,
-                       aggregation: str = 'global_loss') -> ModelFn:
+                       aggregation: str = 'global_loss',
+                       sync_timeout_secs: float = (
+                           task_sync.DEFAULT_TIMEOUT_SECS)) -> ModelFn:
   """Wraps a one-device `model_fn` so that it uses several devices.
 
   The returned function is a `model_fn` for `tf.estimator.Estimator`. In
@@ -118,7 +121,15 @@ def replicate_model_fn(model_fn: ModelFn,
       'all_reduce': one copy of each trainable variable per tower device;
       each tower differentiates its own loss, the gradients are summed by
       an all-reduce (NCCL on GPUs, collective ops otherwise) and every copy
-      takes the same update.
+      takes the same update. In a TF_CONFIG cluster of a chief and workers
+      without ps tasks, 'all_reduce' trains synchronously: every task's
+      batch is part of the step's global batch (chief first, then the
+      workers by index), the sums also run over the tasks, and every task
+      applies the same update (see docs/cluster.md). The other strategies
+      need ps tasks in a cluster.
+    sync_timeout_secs: In a synchronous cluster, how long a task waits for
+      the others at a collective (including the start, when the chief
+      broadcasts its variables) before it fails instead of hanging.
 
   Returns:
     A model_fn with the signature `(features, labels, mode, params, config)`.
@@ -135,6 +146,9 @@ def replicate_model_fn(model_fn: ModelFn,
   """
   if not callable(model_fn):
     raise TypeError(f'model_fn must be callable, got {model_fn!r}.')
+  if not sync_timeout_secs > 0:
+    raise ValueError(f'sync_timeout_secs={sync_timeout_secs!r}; it must be '
+                     'a positive number of seconds.')
   if loss_reduction not in _LOSS_REDUCTIONS:
     raise ValueError(f'loss_reduction={loss_reduction!r}; use one of '
                      f'{_LOSS_REDUCTIONS}.')
@@ -157,8 +171,12 @@ def replicate_model_fn(model_fn: ModelFn,
 
   def replicated_model_fn(features, labels, mode, params, config):
     tower_devices = _tower_devices(devices, config)
+    task_group = None
     if mode == ModeKeys.TRAIN:
       aggregation_lib.check_tasks(aggregation, config)
+      if task_sync.is_sync_cluster(config):
+        task_group = task_sync.TaskGroup(config, tower_devices[0],
+                                         sync_timeout_secs)
     if variables_device is not None:
       _check_variables_device(variables_device, config)
     kwargs = {'mode': mode, 'params': params, 'config': config}
@@ -174,7 +192,8 @@ def replicate_model_fn(model_fn: ModelFn,
       return tpu_spec.as_estimator_spec(model_fn(features=features, **kwargs))
     # One tower with the float16 rewrite still needs the one update's loss
     # scale, so it is built as towers are.
-    if len(tower_devices) == 1 and not loss_scaling.automatic(config):
+    if len(tower_devices) == 1 and not loss_scaling.automatic(config) and (
+        task_group is None):
       if devices is None:  # One device of the session: as if unwrapped.
         return tpu_spec.as_estimator_spec(
             model_fn(features=features, **kwargs))
@@ -186,7 +205,7 @@ def replicate_model_fn(model_fn: ModelFn,
             model_fn(features=features, **kwargs))
     builder = _TowerBuilder(model_fn, tower_devices, variables_device,
                             loss_reduction, mode, aggregation,
-                            loss_scaling.automatic(config))
+                            loss_scaling.automatic(config), task_group)
     return builder.build(features, labels, kwargs)
 
   return replicated_model_fn
@@ -196,8 +215,10 @@ class _TowerBuilder:
   """Builds the towers of one model_fn call and merges their specs."""
 
   def __init__(self, model_fn, devices, variables_device, loss_reduction,
-               mode, aggregation, automatic_loss_scale=False):
+               mode, aggregation, automatic_loss_scale=False,
+               task_group=None):
     self._model_fn = model_fn
+    self._task_group = task_group
     self._automatic_loss_scale = automatic_loss_scale
     self._devices = devices
     self._reduction = loss_reduction
@@ -209,11 +230,13 @@ class _TowerBuilder:
     self._statistics = None
     self._placement = aggregation_lib.make(aggregation, devices,
                                            variables_device)
+    if task_group is not None:
+      task_group.placement = self._placement
     self._replicas = None
     if aggregation == 'all_reduce' and mode == ModeKeys.TRAIN:
       # Other modes read the primaries, which are tower 0's variables.
       self._replicas = replicas_lib.Replicas(devices, self._sharing.unshared,
-                                             self._placement)
+                                             self._placement, task_group)
       self._sharing.tower_variable = self._replicas.tower_variable
 
   def build(self, features, labels, kwargs) -> tf.estimator.EstimatorSpec:
@@ -235,13 +258,14 @@ class _TowerBuilder:
     self._tables.sizes = sizes
     weigh = reduction_lib.TowerWeights(
         self._reduction, sizes, list(zip(feature_shards, label_shards)),
-        first_ids)
+        first_ids, self._task_group)
     self._update = one_update.OneUpdate(
         num_towers, weigh, self._sharing.unshared, self._replicas,
         training=self._mode == ModeKeys.TRAIN,
         automatic_loss_scale=self._automatic_loss_scale)
     if self._mode == ModeKeys.TRAIN:
-      self._statistics = moving_statistics.MovingStatistics(num_towers, sizes)
+      self._statistics = moving_statistics.MovingStatistics(
+          num_towers, sizes, self._task_group)
     specs, update_ops = [], []
     graph = tf1.get_default_graph()
     with self._update.routing(), (
@@ -280,6 +304,9 @@ class _TowerBuilder:
       if self._replicas is not None:
         self._replicas.check_no_other_writes(first_ids[0])
         spec = spec._replace(scaffold=self._replicas.scaffold(spec.scaffold))
+      if self._task_group is not None:
+        # The loss logged (and checked for NaN) is the global batch's.
+        spec = spec._replace(loss=self._task_group.sum([spec.loss])[0])
       return spec
     if self._mode == ModeKeys.EVAL:
       return self._finish_tpu_spec(

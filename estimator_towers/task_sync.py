@@ -1,0 +1,299 @@
+"""Synchronous training across the tasks of a TF_CONFIG cluster without ps.
+
+With `aggregation='all_reduce'`, every task (the chief, then the workers by
+index) holds its own copy of the variables and trains on its part of the
+step's global batch. What makes the tasks one computation:
+
+* sums over tasks: every quantity the towers of one task add up (the
+  examples that weigh the losses, the gradients, batch-norm moments) is
+  also summed over the tasks, by TensorFlow's collective all-reduce between
+  the tasks' gRPC servers. Dense tensors of one dtype travel packed in one
+  collective; sparse gradients (embedding rows) are gathered in task order.
+  Every task receives the same bits, so the copies stay identical;
+* one start: after the chief restores (or initialises) the variables, its
+  values are broadcast to every worker before step 1, inside the
+  Scaffold's local_init_op;
+* one failure policy: a collective that waits longer than the timeout, or a
+  session the Estimator re-creates after a peer died, ends the task with an
+  error instead of a hang or an endless retry (see `restart_guard`).
+
+Collectives are keyed: a group key for the tasks, and an instance key per
+collective op that must be the same on every task for the same tensor and
+must not name two different collectives in one process (the servers cache
+them). Keys are hashes of what the op carries and of its rank among the
+collectives of its graph, so every task, building the same model_fn,
+derives the same keys without talking.
+
+Within a task, the towers' sums are plain `add_n`s: a collective of the
+local devices would also be resolved by the cluster's group leader, where
+every task's local group has the same key.
+"""
+
+import contextlib
+import hashlib
+import threading
+import weakref
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
+
+tf1 = tf.compat.v1
+
+TRAINING_JOBS = ('chief', 'master', 'worker')
+DEFAULT_TIMEOUT_SECS = 300.0
+_GROUP_KEY = 0x7E58_0001
+_KEY_SPACE = 2**30
+# Every key this process handed out: key -> what it carries.
+_issued: Dict[int, str] = {}
+_issued_lock = threading.Lock()
+# graph -> how many collectives it has so far.
+_ranks = weakref.WeakKeyDictionary()
+
+
+def is_sync_cluster(config) -> bool:
+  """True when `config` names a cluster of training tasks and no ps.
+
+  Args:
+    config: A tf.estimator.RunConfig (or None).
+  """
+  workers = getattr(config, 'num_worker_replicas', 1) or 1
+  ps = getattr(config, 'num_ps_replicas', 0) or 0
+  return (workers > 1 and ps == 0 and
+          getattr(config, 'task_type', None) in TRAINING_JOBS)
+
+
+def leader(cluster_spec: Dict[str, List[str]]) -> str:
+  """The group leader of a cluster: the chief (or master)."""
+  job = 'chief' if 'chief' in cluster_spec else 'master'
+  return f'/job:{job}/replica:0/task:0'
+
+
+def server_config(session_config: Optional[tf1.ConfigProto],
+                  cluster_spec: Dict[str, List[str]]) -> tf1.ConfigProto:
+  """The ConfigProto a training task's gRPC server must start with.
+
+  The server, not the session, decides which devices exist (virtual CPUs
+  included) and who leads collective groups.
+
+  Args:
+    session_config: The RunConfig's session config (device counts, GPU
+      options); None for TensorFlow's defaults.
+    cluster_spec: The TF_CONFIG cluster, as a dict.
+
+  Returns:
+    A new ConfigProto.
+  """
+  config = tf1.ConfigProto()
+  if session_config is not None:
+    for key, count in session_config.device_count.items():
+      config.device_count[key] = count
+    config.gpu_options.CopyFrom(session_config.gpu_options)
+    config.intra_op_parallelism_threads = (
+        session_config.intra_op_parallelism_threads)
+    config.inter_op_parallelism_threads = (
+        session_config.inter_op_parallelism_threads)
+  if any(job in cluster_spec for job in ('chief', 'master')):
+    config.experimental.collective_group_leader = leader(cluster_spec)
+  return config
+
+
+class TaskGroup:
+  """The training tasks of one cluster, as seen from one of them.
+
+  Args:
+    config: The Estimator's RunConfig (a cluster where `is_sync_cluster`).
+    tower_device: This task's first tower device ('/device:GPU:0'); the
+      collectives run on that device of every task.
+    timeout_secs: How long a collective may wait for the other tasks.
+  """
+
+  def __init__(self, config, tower_device: str,
+               timeout_secs: float = DEFAULT_TIMEOUT_SECS):
+    self.size = config.num_worker_replicas
+    self.index = config.global_id_in_cluster
+    self.is_chief = config.is_chief
+    self.task = f'{config.task_type}:{config.task_id}'
+    spec = tf.DeviceSpec.from_string(tower_device)
+    self.device = spec.replace(job=config.task_type, replica=0,
+                               task=config.task_id).to_string()
+    self._timeout = float(timeout_secs)
+    # The tower builder's aggregation.Placement: its device functions must
+    # let the collectives keep this task's collective device.
+    self.placement = None
+
+  @contextlib.contextmanager
+  def _on_device(self, scope: str) -> Iterator[None]:
+    deferring = (self.placement.deferring() if self.placement is not None
+                 else contextlib.nullcontext())
+    with deferring, tf.device(self.device), tf.name_scope(scope):
+      yield
+
+  # --------------------------------------------------------------------
+  # Sums.
+
+  def sum(self, tensors: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+    """Each tensor summed over the tasks, packed: one collective per dtype.
+
+    Args:
+      tensors: Dense tensors of fully known shapes, on any local device.
+
+    Returns:
+      The sums, in order, on this task's collective device.
+    """
+    results: List[Optional[tf.Tensor]] = [None] * len(tensors)
+    by_dtype: Dict[tf.DType, List[int]] = {}
+    for i, tensor in enumerate(tensors):
+      by_dtype.setdefault(tensor.dtype.base_dtype, []).append(i)
+    with self._on_device('sum_over_tasks'):
+      for dtype, positions in by_dtype.items():
+        parts = [tensors[i] for i in positions]
+        shapes = [_static_shape(t) for t in parts]
+        flat = tf.concat([tf.reshape(t, [-1]) for t in parts], 0)
+        total = collective_ops.all_reduce(
+            flat, self.size, _GROUP_KEY,
+            self._key(f'sum:{dtype.name}:{shapes}'), 'Add', 'Id',
+            timeout=self._timeout)
+        sizes = [_num_elements(s) for s in shapes]
+        for i, piece, shape in zip(positions, tf.split(total, sizes),
+                                   shapes):
+          results[i] = tf.reshape(piece, shape)
+    return results
+
+  def gather_slices(self, slices: tf.IndexedSlices) -> tf.IndexedSlices:
+    """Every task's rows of a sparse gradient, in task order.
+
+    Tasks may hold different numbers of rows, so each pads its rows to the
+    largest count before the all-gather and the padding is cut out after.
+    """
+    with self._on_device('gather_over_tasks'):
+      values = slices.values
+      indices = tf.cast(slices.indices, tf.int64)
+      rows = tf.shape(indices, out_type=tf.int64)[:1]
+      name = f'{values.dtype.name}:{_static_shape(values)[1:]}'
+      counts = collective_ops.all_gather(
+          rows, self.size, _GROUP_KEY, self._key(f'rows:{name}'),
+          timeout=self._timeout)
+      most = tf.reduce_max(counts)
+      pad = most - rows[0]
+      values = tf.pad(values, [[0, pad]] + [[0, 0]] * (values.shape.rank - 1))
+      indices = tf.pad(indices, [[0, pad]])
+      all_values = collective_ops.all_gather(
+          values, self.size, _GROUP_KEY, self._key(f'values:{name}'),
+          timeout=self._timeout)
+      all_indices = collective_ops.all_gather(
+          indices, self.size, _GROUP_KEY, self._key(f'indices:{name}'),
+          timeout=self._timeout)
+      keep = tf.reshape(
+          tf.sequence_mask(counts, most), [-1])
+      return tf.IndexedSlices(
+          tf.boolean_mask(all_values, keep),
+          tf.cast(tf.boolean_mask(all_indices, keep), slices.indices.dtype),
+          slices.dense_shape)
+
+  # --------------------------------------------------------------------
+  # The start.
+
+  def broadcast_op(self, variables: Sequence[tf.Variable]) -> tf.Operation:
+    """The chief's values of `variables`, assigned on every other task.
+
+    Runs in local_init_op, after the chief's restore or initialisation.
+
+    Raises:
+      ValueError: a variable's shape is not fully known, or its dtype
+        cannot be broadcast.
+    """
+    by_dtype: Dict[tf.DType, List[tf.Variable]] = {}
+    for variable in variables:
+      dtype = variable.dtype.base_dtype
+      if dtype not in (tf.float16, tf.bfloat16, tf.float32, tf.float64,
+                       tf.int32, tf.int64):
+        raise ValueError(
+            f'Variable {variable.name} has dtype {dtype.name}, which the '
+            'tasks of a synchronous cluster cannot broadcast from the '
+            'chief. Make it float or int, or train with ps tasks.')
+      by_dtype.setdefault(dtype, []).append(variable)
+    ops = []
+    with self._on_device('broadcast_from_chief'):
+      for dtype, group in by_dtype.items():
+        shapes = [_static_shape(v) for v in group]
+        sizes = [_num_elements(s) for s in shapes]
+        key = self._key(f'start:{dtype.name}:{[v.name for v in group]}:'
+                        f'{shapes}')
+        if self.is_chief:
+          flat = tf.concat([tf.reshape(v.read_value(), [-1]) for v in group],
+                           0)
+          ops.append(collective_ops.broadcast_send(
+              flat, flat.shape, dtype, self.size, _GROUP_KEY, key,
+              timeout=self._timeout).op)
+          continue
+        flat = collective_ops.broadcast_recv(
+            [sum(sizes)], dtype, self.size, _GROUP_KEY, key,
+            timeout=self._timeout)
+        for variable, piece, shape in zip(group, tf.split(flat, sizes),
+                                          shapes):
+          ops.append(variable.assign(tf.reshape(piece, shape)).op)
+    return tf.group(*ops)
+
+  def restart_guard(self) -> tf.Operation:
+    """An op that fails when the session is created a second time.
+
+    The Estimator's MonitoredSession re-creates its session after an
+    UnavailableError (a peer died) and then waits, on the broadcast, for a
+    peer that is gone or restarted with a new collective state: in a
+    synchronous cluster no task can go on alone. This op, run first in
+    local_init_op, turns the second creation into an error that ends the
+    task, so the cluster can be restarted from the last checkpoint.
+    """
+    created = [0]
+    task = self.task
+
+    def check():
+      created[0] += 1
+      if created[0] > 1:
+        raise RuntimeError(
+            f'{task}: a task of the synchronous cluster failed or restarted '
+            '(its collectives broke off), and this task cannot train alone. '
+            'Restart every task; they resume from the chief\'s last '
+            'checkpoint.')
+      return 0
+
+    with tf.device(tf.DeviceSpec.from_string(self.device).replace(
+        device_type='CPU', device_index=0).to_string()):
+      return tf1.py_func(check, [], tf.int64, stateful=True,
+                         name='restart_guard').op
+
+  # --------------------------------------------------------------------
+
+  def _key(self, carries: str) -> int:
+    """An instance key, the same on every task for the same collective."""
+    graph = tf1.get_default_graph()
+    rank = _ranks.get(graph, 0)
+    _ranks[graph] = rank + 1
+    signature = f'{self.size}:{rank}:{carries}'
+    digest = hashlib.sha256(signature.encode()).digest()
+    key = 1 + int.from_bytes(digest[:8], 'big') % (_KEY_SPACE - 1)
+    with _issued_lock:
+      if _issued.setdefault(key, signature) != signature:
+        raise ValueError(
+            f'Two collectives of this process hash to instance key {key} '
+            f'({_issued[key]!r} and {signature!r}). Build the training '
+            'graph in a fresh process.')
+    return key
+
+
+def _static_shape(tensor) -> List[int]:
+  shape = tensor.shape
+  if not shape.is_fully_defined():
+    raise ValueError(
+        f'{getattr(tensor, "name", tensor)} has shape {shape}, not fully '
+        'known; tasks of a synchronous cluster sum or broadcast only tensors '
+        'of known shapes.')
+  return shape.as_list()
+
+
+def _num_elements(shape: Sequence[int]) -> int:
+  count = 1
+  for dim in shape:
+    count *= dim
+  return count

@@ -1,0 +1,140 @@
+"""A synchronous loopback cluster, for tests/test_task_sync.py.
+
+    python tests/sync_cluster_task.py pair MODEL_DIR STEPS ROWS...
+
+(run inside a network namespace of its own: `unshare --net`) starts a chief
+and a worker on free loopback ports and waits for both; it exits non-zero
+if either fails or both are not done within 240 s.
+
+    python tests/sync_cluster_task.py task MODEL_DIR STEPS ROWS...
+
+is one task; TF_CONFIG names the cluster and the task. Each step's global batch is
+`sum(ROWS)` rows of `global_batches`; task k (chief first, then workers by
+index, as `global_id_in_cluster` counts them) trains on rows
+[sum(ROWS[:k]), sum(ROWS[:k+1])) of it, on 2 virtual CPU towers, through
+`tf.estimator.train_and_evaluate`.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import estimator_towers  # pylint: disable=g-import-not-at-top
+from trainer.cluster import private_network  # pylint: disable=g-import-not-at-top
+
+tf1 = tf.compat.v1
+VOCAB = 7
+
+
+def model_fn(features, labels, mode):
+  """Embedding (sparse gradients), dense layer, batch norm and Adam."""
+  table = tf1.get_variable('embedding', [VOCAB, 3],
+                           initializer=tf1.random_normal_initializer())
+  hidden = tf.concat([features['x'],
+                      tf.nn.embedding_lookup(table, features['ids'])], 1)
+  hidden = tf1.layers.dense(hidden, 5, activation=tf.nn.tanh)
+  hidden = tf1.layers.batch_normalization(
+      hidden, training=mode == tf.estimator.ModeKeys.TRAIN, momentum=0.5)
+  predictions = tf1.layers.dense(hidden, 1)
+  loss = tf1.losses.mean_squared_error(labels, predictions)
+  if mode != tf.estimator.ModeKeys.TRAIN:
+    return tf.estimator.EstimatorSpec(mode, loss=loss)
+  optimizer = tf1.train.AdamOptimizer(0.05)
+  with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+    train_op = optimizer.minimize(loss, tf1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def global_batches(rows: int, steps: int):
+  """`steps` global batches of `rows` rows, the same in every process."""
+  rng = np.random.RandomState(7)
+  x = rng.normal(size=(steps, rows, 4)).astype(np.float32)
+  ids = rng.randint(0, VOCAB, size=(steps, rows)).astype(np.int64)
+  y = (x.sum(-1, keepdims=True) + rng.normal(size=(steps, rows, 1))
+       ).astype(np.float32)
+  return tf.data.Dataset.from_tensor_slices(({'x': x, 'ids': ids}, y))
+
+
+def task_input_fn(rows, steps):
+  """The input_fn of the task the config names: its slice of each batch."""
+  def input_fn(config):
+    index = config.global_id_in_cluster
+    begin, end = sum(rows[:index]), sum(rows[:index + 1])
+    return global_batches(sum(rows), steps).map(
+        lambda f, l: ({k: v[begin:end] for k, v in f.items()},
+                      l[begin:end]))
+  return input_fn
+
+
+class _SaveFinalVariables(tf1.train.SessionRunHook):
+  """Writes this task's variables to MODEL_DIR/final-<task>.npz at the end."""
+
+  def __init__(self, path):
+    self._path = path
+
+  def end(self, session):
+    variables = tf1.global_variables()
+    values = session.run(variables)
+    np.savez(self._path, **{v.op.name: x for v, x in zip(variables, values)})
+
+
+def run_task(argv):
+  model_dir, steps, rows = argv[0], int(argv[1]), [int(r) for r in argv[2:]]
+  config = estimator_towers.make_run_config(model_dir=model_dir,
+                                            cpu_devices=2)
+  estimator = tf.estimator.Estimator(
+      estimator_towers.replicate_model_fn(model_fn, aggregation='all_reduce',
+                                          sync_timeout_secs=60),
+      config=config)
+  input_fn = task_input_fn(rows, steps)
+  task = f'{config.task_type}-{config.task_id}'
+  tf.estimator.train_and_evaluate(
+      estimator, tf.estimator.TrainSpec(
+          input_fn, max_steps=steps,
+          hooks=[_SaveFinalVariables(os.path.join(model_dir,
+                                                  f'final-{task}.npz'))]),
+      tf.estimator.EvalSpec(input_fn, steps=1))
+  print('TASK DONE', flush=True)
+
+
+def run_pair(argv, timeout_secs=240):
+  """Starts a chief and a worker in this namespace; their exit code."""
+  private_network.bring_up_loopback()
+  cluster = {'chief': [f'127.0.0.1:{private_network.free_port()}'],
+             'worker': [f'127.0.0.1:{private_network.free_port()}']}
+  children = []
+  for job in ('chief', 'worker'):
+    tf_config = {'cluster': cluster, 'task': {'type': job, 'index': 0}}
+    children.append(subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), 'task', *argv],
+        env={**os.environ, 'TF_CONFIG': json.dumps(tf_config)},
+        stdin=subprocess.DEVNULL,
+        preexec_fn=private_network.die_with_parent))
+  deadline = time.monotonic() + timeout_secs
+  try:
+    while time.monotonic() < deadline:
+      codes = [child.poll() for child in children]
+      if any(code not in (None, 0) for code in codes):
+        return 1
+      if all(code == 0 for code in codes):
+        return 0
+      time.sleep(0.5)
+    print(f'the cluster was not done within {timeout_secs} s', flush=True)
+    return 1
+  finally:
+    for child in children:
+      if child.poll() is None:
+        child.kill()
+        child.wait()
+
+
+if __name__ == '__main__':
+  if sys.argv[1] == 'pair':
+    sys.exit(run_pair(sys.argv[2:]))
+  run_task(sys.argv[2:])

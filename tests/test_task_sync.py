@@ -1,0 +1,103 @@
+"""Synchronous training across the tasks of a cluster (task_sync).
+
+A chief and a worker on loopback, 2 virtual CPU towers each, trained through
+`tf.estimator.train_and_evaluate`, must end with the variables (Adam slots,
+batch-norm statistics and global_step included) of one process on 4 towers
+fed the concatenated batch. The tasks run in a network namespace of their
+own (their gRPC servers listen on every interface).
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from estimator_towers import aggregation
+from estimator_towers import task_sync
+from tests import conftest
+from tests import sync_cluster_task
+from trainer.cluster import private_network
+
+_TASK_SCRIPT = sync_cluster_task.__file__
+_STEPS = 4
+_ROWS = (5, 4)  # Chief, worker: towers of 3+2 and 2+2, as one process's 9.
+
+
+def _run_pair(model_dir, steps=_STEPS, rows=_ROWS):
+  command = private_network.unshare_command() + [
+      '--', sys.executable, _TASK_SCRIPT, 'pair', str(model_dir), str(steps),
+      *map(str, rows)]
+  return subprocess.run(command, capture_output=True, text=True, timeout=300,
+                        stdin=subprocess.DEVNULL,
+                        env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'})
+
+
+def _start_input_fn():
+  return sync_cluster_task.global_batches(sum(_ROWS), _STEPS).take(1)
+
+
+def _one_process(model_dir):
+  estimator = conftest.make_estimator(sync_cluster_task.model_fn, model_dir,
+                                      towers=4, aggregation='all_reduce')
+  estimator.train(
+      lambda: sync_cluster_task.global_batches(sum(_ROWS), _STEPS),
+      max_steps=_STEPS)
+  return conftest.variables_of(estimator)
+
+
+def test_chief_and_worker_train_as_one_process_on_the_global_batch(
+    tmp_path):
+  private_network.check_unshare_works()
+  cluster_dir, one_dir = tmp_path / 'cluster', tmp_path / 'one'
+  conftest.save_start_checkpoint(sync_cluster_task.model_fn, _start_input_fn,
+                                 [cluster_dir, one_dir])
+  done = _run_pair(cluster_dir)
+  assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+  expected = _one_process(one_dir)
+  chief = tf.train.load_checkpoint(str(cluster_dir))
+  actual = {name: chief.get_tensor(name)
+            for name in chief.get_variable_to_shape_map()}
+  assert int(actual['global_step']) == _STEPS
+  # Adam's slots and the batch-norm statistics are among them.
+  assert {'embedding/Adam', 'batch_normalization/moving_variance'} <= set(
+      actual)
+  conftest.assert_same_variables(expected, actual, rtol=1e-4, atol=1e-5)
+  # The worker ends with the chief's variables, bit for bit.
+  chief_final = np.load(cluster_dir / 'final-chief-0.npz')
+  worker_final = np.load(cluster_dir / 'final-worker-0.npz')
+  assert sorted(chief_final) == sorted(worker_final)
+  for name in chief_final:
+    np.testing.assert_array_equal(worker_final[name], chief_final[name],
+                                  err_msg=name)
+
+
+class _Config:
+  """The RunConfig fields aggregation.check_tasks reads."""
+
+  def __init__(self, workers, ps):
+    self.num_worker_replicas, self.num_ps_replicas = workers, ps
+
+
+@pytest.mark.parametrize('strategy', ['global_loss', 'round_robin'])
+def test_other_strategies_are_refused_in_a_cluster_without_ps(strategy):
+  with pytest.raises(ValueError, match="aggregation='all_reduce'"):
+    aggregation.check_tasks(strategy, _Config(workers=2, ps=0))
+
+
+def test_all_reduce_is_refused_with_ps_tasks():
+  with pytest.raises(ValueError, match='Remove the ps tasks'):
+    aggregation.check_tasks('all_reduce', _Config(workers=2, ps=1))
+
+
+def test_the_server_keeps_virtual_cpus_and_leads_from_the_chief():
+  session = tf.compat.v1.ConfigProto(device_count={'CPU': 3},
+                                     intra_op_parallelism_threads=2)
+  config = task_sync.server_config(
+      session, {'chief': ['a:1'], 'worker': ['b:1']})
+  assert config.device_count['CPU'] == 3
+  assert config.intra_op_parallelism_threads == 2
+  assert (config.experimental.collective_group_leader ==
+          '/job:chief/replica:0/task:0')
