@@ -409,31 +409,37 @@ def test_variable_constraints_apply_to_every_copy(tmp_path, data,
   np.testing.assert_allclose(norms, 0.3, rtol=1e-4)
 
 
-@pytest.mark.parametrize('cluster', [
-    {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
-    {'chief': ['127.0.0.1:1'], 'ps': ['127.0.0.1:3']},
-])
-def test_all_reduce_in_a_cluster_of_several_tasks_is_refused(monkeypatch,
-                                                             cluster):
-  # Each task would all-reduce only its own towers, its copies blind to the
-  # other tasks' updates; the collectives waited forever for each other.
+def _as_task(monkeypatch, cluster):
   monkeypatch.setenv('TF_CONFIG', json.dumps(
       {'cluster': cluster, 'task': {'type': 'chief', 'index': 0}}))
-  with pytest.raises(ValueError, match=r"aggregation='all_reduce' keeps .* "
-                     r"one task.*global_loss.*round_robin"):
+
+
+def test_all_reduce_with_ps_tasks_is_refused(monkeypatch):
+  # Its per-device copies cannot hold the ps's variables.
+  _as_task(monkeypatch, {'chief': ['127.0.0.1:1'], 'ps': ['127.0.0.1:3']})
+  with pytest.raises(ValueError, match=r'1 ps task.*Remove the ps tasks'):
     build_replicated(classifier_model_fn, 2, aggregation='all_reduce')
+
+
+@pytest.mark.parametrize('strategy', ['global_loss', 'round_robin'])
+def test_shared_variable_strategies_without_ps_tasks_are_refused(
+    monkeypatch, strategy):
+  # Each task would train its own variables; the workers' steps were lost.
+  _as_task(monkeypatch, {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']})
+  with pytest.raises(ValueError, match=r"2 training tasks and no ps task.*"
+                     r"aggregation='all_reduce'"):
+    build_replicated(classifier_model_fn, 2, aggregation=strategy)
 
 
 def test_all_reduce_on_a_lone_chief_and_other_strategies_in_clusters_build(
     monkeypatch):
-  monkeypatch.setenv('TF_CONFIG', json.dumps(
-      {'cluster': {'chief': ['127.0.0.1:1']},
-       'task': {'type': 'chief', 'index': 0}}))
+  _as_task(monkeypatch, {'chief': ['127.0.0.1:1']})
   build_replicated(classifier_model_fn, 2, aggregation='all_reduce')
-  monkeypatch.setenv('TF_CONFIG', json.dumps(
-      {'cluster': {'chief': ['127.0.0.1:1'], 'ps': ['127.0.0.1:3']},
-       'task': {'type': 'chief', 'index': 0}}))
+  _as_task(monkeypatch, {'chief': ['127.0.0.1:1'], 'ps': ['127.0.0.1:3']})
   build_replicated(classifier_model_fn, 2, aggregation='round_robin')
+  # Without ps: synchronous (tests/test_task_sync.py trains it).
+  _as_task(monkeypatch, {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']})
+  build_replicated(classifier_model_fn, 2, aggregation='all_reduce')
 
 
 def _apply_every_other_step_model_fn(features, labels, mode):

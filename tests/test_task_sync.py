@@ -12,10 +12,8 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 import tensorflow as tf
 
-from estimator_towers import aggregation
 from estimator_towers import task_sync
 from tests import conftest
 from tests import sync_cluster_task
@@ -72,24 +70,6 @@ def test_chief_and_worker_train_as_one_process_on_the_global_batch(
   for name in chief_final:
     np.testing.assert_array_equal(worker_final[name], chief_final[name],
                                   err_msg=name)
-
-
-class _Config:
-  """The RunConfig fields aggregation.check_tasks reads."""
-
-  def __init__(self, workers, ps):
-    self.num_worker_replicas, self.num_ps_replicas = workers, ps
-
-
-@pytest.mark.parametrize('strategy', ['global_loss', 'round_robin'])
-def test_other_strategies_are_refused_in_a_cluster_without_ps(strategy):
-  with pytest.raises(ValueError, match="aggregation='all_reduce'"):
-    aggregation.check_tasks(strategy, _Config(workers=2, ps=0))
-
-
-def test_all_reduce_is_refused_with_ps_tasks():
-  with pytest.raises(ValueError, match='Remove the ps tasks'):
-    aggregation.check_tasks('all_reduce', _Config(workers=2, ps=1))
 
 
 def test_the_server_keeps_virtual_cpus_and_leads_from_the_chief():
