@@ -7,6 +7,7 @@ fed the concatenated batch. The tasks run in a network namespace of their
 own (their gRPC servers listen on every interface).
 """
 
+import glob
 import os
 import subprocess
 import sys
@@ -37,6 +38,17 @@ def _start_input_fn():
   return sync_cluster_task.global_batches(sum(_ROWS), _STEPS).take(1)
 
 
+def _first_logged_loss(model_dir):
+  """The 'loss' summary of the first step the chief (or process) wrote."""
+  for path in sorted(glob.glob(os.path.join(str(model_dir), 'events.*'))):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        if value.tag == 'loss':
+          return event.step, tf.make_ndarray(value.tensor) if value.HasField(
+              'tensor') else value.simple_value
+  raise AssertionError(f'no loss summary in {model_dir}')
+
+
 def _one_process(model_dir):
   estimator = conftest.make_estimator(sync_cluster_task.model_fn, model_dir,
                                       towers=4, aggregation='all_reduce')
@@ -63,6 +75,11 @@ def test_chief_and_worker_train_as_one_process_on_the_global_batch(
   assert {'embedding/Adam', 'batch_normalization/moving_variance'} <= set(
       actual)
   conftest.assert_same_variables(expected, actual, rtol=1e-4, atol=1e-5)
+  # The logged loss is the global batch's, not the chief's share of it.
+  one_step, one_loss = _first_logged_loss(one_dir)
+  chief_step, chief_loss = _first_logged_loss(cluster_dir)
+  assert chief_step == one_step
+  np.testing.assert_allclose(chief_loss, one_loss, rtol=1e-5)
   # The worker ends with the chief's variables, bit for bit.
   chief_final = np.load(cluster_dir / 'final-chief-0.npz')
   worker_final = np.load(cluster_dir / 'final-worker-0.npz')
