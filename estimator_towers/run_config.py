@@ -30,6 +30,8 @@ from tensorflow.core.protobuf import rewriter_config_pb2
 from tensorflow.python.client import pywrap_tf_session
 from tensorflow.python.util import _pywrap_util_port
 
+from estimator_towers import task_sync
+
 __all__ = [
     'MIXED_PRECISIONS',
     'available_gpu_count',
@@ -108,6 +110,8 @@ def make_run_config(model_dir: Optional[str] = None,
   Returns:
     A `tf.estimator.RunConfig` carrying the built `session_config`, plus the
     device filters and graph options `RunConfig` derives from `TF_CONFIG`.
+    In a cluster without ps tasks (synchronous training), workers start
+    without train_and_evaluate's staggered delay.
 
   Raises:
     TypeError: If an argument has the wrong type.
@@ -141,6 +145,11 @@ def make_run_config(model_dir: Optional[str] = None,
   # distributed defaults from TF_CONFIG when it is given no session_config.
   run_config = tf.estimator.RunConfig(model_dir=model_dir, **run_config_kwargs)
   _merge_distributed_defaults(session_config, run_config.session_config)
+  if (task_sync.is_sync_cluster(run_config) and
+      'experimental_max_worker_delay_secs' not in run_config_kwargs):
+    # train_and_evaluate delays worker k by 5(k+1) s (up to 60), which helps
+    # asynchronous training; a synchronous step waits for every worker.
+    run_config = run_config.replace(experimental_max_worker_delay_secs=0)
   return run_config.replace(session_config=session_config)
 
 

@@ -346,3 +346,18 @@ def test_bfloat16_session_multiplies_in_bfloat16_and_xla_compiles():
   compiled = _ops_run(rc.make_run_config(num_gpus=0, cpu_devices=2,
                                          xla=True).session_config)
   assert {'_XlaCompile', '_XlaRun'} <= {op for op, _ in compiled}
+
+
+def test_a_synchronous_cluster_starts_workers_without_delay(monkeypatch):
+  # train_and_evaluate staggers workers by 5 s each; a synchronous step would
+  # wait for the last one.
+  monkeypatch.setenv('TF_CONFIG', json.dumps(
+      {'cluster': {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
+       'task': {'type': 'worker', 'index': 0}}))
+  assert rc.make_run_config().experimental_max_worker_delay_secs == 0
+  assert rc.make_run_config(
+      experimental_max_worker_delay_secs=7
+  ).experimental_max_worker_delay_secs == 7
+  # With ps tasks (asynchronous), the staggering stays.
+  _set_tf_config(monkeypatch, 'worker')
+  assert rc.make_run_config().experimental_max_worker_delay_secs is None
