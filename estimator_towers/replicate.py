@@ -277,6 +277,14 @@ class _TowerBuilder:
         specs.append(spec)
         update_ops.append(added[tf1.GraphKeys.UPDATE_OPS])
     self._tables.order_accesses(first_ids)
+    written = self._tables.written(first_ids[0])
+    if self._task_group is not None and written:
+      # A table is not a variable: it is neither summed nor broadcast.
+      raise ValueError(
+          f'The model_fn writes the mutable lookup table(s) {written} while '
+          'training. In a synchronous cluster each task would insert only '
+          'its own part of the batch, and the tables would drift apart. '
+          'Train with ps tasks (asynchronous), or on one machine.')
     if self._mode == ModeKeys.TRAIN:
       moving_statistics.check_single_writers(update_ops)
       effects = []

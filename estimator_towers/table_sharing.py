@@ -146,6 +146,12 @@ class TableSharing:
           'must build the same model.')
     return first
 
+  def written(self, first_id: int) -> List[str]:
+    """Names of the shared tables some op from `first_id` on writes."""
+    return [table.name for table in self._created
+            if any(op.type in _WRITES and op._id >= first_id  # pylint: disable=protected-access
+                   for op in table.resource_handle.consumers())]
+
   def order_accesses(self, first_ids: Sequence[int]) -> None:
     """Orders the towers' accesses of each shared table (see module doc).
 

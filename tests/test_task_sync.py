@@ -8,11 +8,13 @@ own (their gRPC servers listen on every interface).
 """
 
 import glob
+import json
 import os
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from estimator_towers import task_sync
@@ -98,3 +100,29 @@ def test_the_server_keeps_virtual_cpus_and_leads_from_the_chief():
   assert config.intra_op_parallelism_threads == 2
   assert (config.experimental.collective_group_leader ==
           '/job:chief/replica:0/task:0')
+
+
+def _counting_model_fn(features, labels, mode):
+  """Counts the examples it sees in a mutable table while training."""
+  counts = tf.lookup.experimental.MutableHashTable(tf.int64, tf.float32, 0.0)
+  seen = tf.cast(tf.shape(features['x'])[:1], tf.float32)
+  logits = tf.compat.v1.layers.dense(features['x'], 2)
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  with tf.control_dependencies([counts.insert(
+      tf.constant([0], tf.int64), counts.lookup(tf.constant([0], tf.int64))
+      + seen)]):
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf.compat.v1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_a_table_written_while_training_is_refused_in_a_cluster(
+    monkeypatch):
+  # Not a variable: no task would see the others' inserts.
+  monkeypatch.setenv('TF_CONFIG', json.dumps(
+      {'cluster': {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
+       'task': {'type': 'worker', 'index': 0}}))
+  with pytest.raises(ValueError, match='mutable lookup table.*drift apart'):
+    conftest.build_replicated(_counting_model_fn, 2, aggregation='all_reduce')
+  monkeypatch.delenv('TF_CONFIG')
+  conftest.build_replicated(_counting_model_fn, 2, aggregation='all_reduce')
