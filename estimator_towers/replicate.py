@@ -302,7 +302,8 @@ class _TowerBuilder:
                 one_update_ops),
             self._update.call_dependencies[i], sizes[i] > 0,
             {_op_of(u).name for u in update_ops[i]} |
-            self._statistics.exact_writes | one_update_ops)
+            self._statistics.exact_writes | one_update_ops,
+            across_tasks=self._task_group is not None)
         if i < num_towers - 1:
           effects.extend(found)
       spec = spec_merge.merge_train(specs, weigh, sizes,

@@ -73,7 +73,8 @@ def shard_effects(train_op: tf.Operation, first_id: int,
                   depends_on_shard: Callable[[tf.Tensor], bool],
                   call_dependencies: Iterable[tf.Operation],
                   active: tf.Tensor,
-                  exempt: Collection[str] = ()) -> List[tf.Operation]:
+                  exempt: Collection[str] = (),
+                  across_tasks: bool = False) -> List[tf.Operation]:
   """The ops of a tower's train_op that act on the tower's shard.
 
   Call it for every tower: the merged train_op must run an earlier tower's
@@ -92,6 +93,9 @@ def shard_effects(train_op: tf.Operation, first_id: int,
     exempt: Names of ops another module makes exact: the tower's
       UPDATE_OPS (see moving_statistics) and the one update's ops (see
       one_update), which write once from the whole batch.
+    across_tasks: The towers are those of one task of a synchronous
+      cluster, whose variables are summed over tasks only through the one
+      update and batch norm: any other write from the shard is refused.
 
   Returns:
     The ops to group into the merged train_op, without repeats.
@@ -118,6 +122,14 @@ def shard_effects(train_op: tf.Operation, first_id: int,
         found.setdefault(op.name, op)
     elif (op.type in _WRITES and
           any(map(depends_on_shard, op.inputs[1:]))):
+      if across_tasks:
+        raise ValueError(
+            f'The train_op writes variable {op.inputs[0].op.name} (op '
+            f"{op.name}) from the tower's shard of the batch. In a "
+            'synchronous cluster each task would write only its own part '
+            "of the batch, and the tasks' variables would drift apart. "
+            'Compute it as a metric (EVAL), or train with ps tasks '
+            '(asynchronous) or on one machine.')
       if op.type not in _SHARED:
         _check_adds_up(op, depends_on_shard)
         _add_nothing_when_idle(op, active)

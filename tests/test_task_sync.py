@@ -126,3 +126,32 @@ def test_a_table_written_while_training_is_refused_in_a_cluster(
     conftest.build_replicated(_counting_model_fn, 2, aggregation='all_reduce')
   monkeypatch.delenv('TF_CONFIG')
   conftest.build_replicated(_counting_model_fn, 2, aggregation='all_reduce')
+
+
+def _example_counter_model_fn(features, labels, mode):
+  """Sums the labels seen in a variable: a write from the shard."""
+  seen = tf.compat.v1.get_variable('seen', [], tf.float32,
+                                   initializer=tf.zeros_initializer(),
+                                   trainable=False)
+  logits = tf.compat.v1.layers.dense(features['x'], 2)
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  count = seen.assign_add(tf.reduce_sum(tf.cast(labels, tf.float32)))
+  with tf.control_dependencies([count]):
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf.compat.v1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_a_variable_written_from_the_shard_is_refused_in_a_cluster(
+    monkeypatch):
+  # Exact over one task's towers (they add up), but the chief's checkpoint
+  # would hold only the chief's part of the sum.
+  monkeypatch.setenv('TF_CONFIG', json.dumps(
+      {'cluster': {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
+       'task': {'type': 'chief', 'index': 0}}))
+  with pytest.raises(ValueError, match='seen.*drift apart'):
+    conftest.build_replicated(_example_counter_model_fn, 2,
+                              aggregation='all_reduce')
+  monkeypatch.delenv('TF_CONFIG')
+  conftest.build_replicated(_example_counter_model_fn, 2,
+                            aggregation='all_reduce')
