@@ -60,17 +60,7 @@ case "$command" in
     ;;
   test)
     setup
-    # These modules fail when run after the rest of the suite in one process
-    # (21 failures, order-dependent state still being traced; each passes in
-    # a process of its own), so the whole suite runs them in a second pytest
-    # process. Remove this split once the leak is found.
-    own=(tests/test_gradient_routing.py tests/test_loss_scaling.py
-         tests/test_model_fns.py tests/test_step_order.py)
-    if [[ " $* " == *" tests"* ]]; then
-      exec .venv/bin/python -m pytest "$@"
-    fi
-    .venv/bin/python -m pytest "$@" "${own[@]/#/--ignore=}"
-    exec .venv/bin/python -m pytest "$@" "${own[@]}"
+    exec .venv/bin/python -m pytest "$@"
     ;;
   *)
     echo "usage: ./run.sh main [flags] | ./run.sh test [pytest args]" >&2
