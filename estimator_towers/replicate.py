@@ -247,6 +247,8 @@ class _TowerBuilder:
       batch = sharding.global_batch_size(
           sharding.named_leaves(features, labels))
       sizes = sharding.shard_sizes(batch, num_towers)
+      if self._task_group is not None:
+        self._task_group.has_rows = batch > 0
       # Idle towers get a copy of an example in TRAIN (weighted by zero) and
       # PREDICT (their rows are sliced off): an empty batch can make a mean
       # NaN, and oneDNN's CPU convolution mishandles it. EVAL keeps empty
