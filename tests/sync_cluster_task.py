@@ -34,6 +34,7 @@ import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import estimator_towers  # pylint: disable=g-import-not-at-top
+from model_fns import head  # pylint: disable=g-import-not-at-top
 from trainer.cluster import private_network  # pylint: disable=g-import-not-at-top
 
 tf1 = tf.compat.v1
@@ -84,6 +85,23 @@ def momentum_model_fn(features, labels, mode):
   """model_fn with momentum, whose sparse update touches only named rows."""
   return model_fn(features, labels, mode,
                   tf1.train.MomentumOptimizer(0.05, 0.9))
+
+
+def batch_norm_classifier(features, labels, mode, params):
+  """`--model=tests.sync_cluster_task:batch_norm_classifier` of the trainer.
+
+  Dense, batch norm, softmax, through the trainer's head. The moving
+  variance's n / (n - 1) and the towers' shards depend on the global batch,
+  so a cluster whose tasks read the whole batch each (a global batch of
+  every row twice) would not train as one process does, although a mean
+  loss of twice the rows is the same loss.
+  """
+  inputs = tf1.feature_column.input_layer(features, params['feature_columns'])
+  hidden = tf1.layers.dense(inputs, 8, activation=tf.nn.relu)
+  hidden = tf1.layers.batch_normalization(
+      hidden, training=mode == tf.estimator.ModeKeys.TRAIN, momentum=0.5)
+  return head.classifier_spec(
+      mode, tf1.layers.dense(hidden, params['n_classes']), labels, params)
 
 
 def sliced_batches(batch, total):

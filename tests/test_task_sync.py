@@ -48,32 +48,6 @@ def _one_process(model_dir):
   return conftest.variables_of(estimator)
 
 
-def test_chief_and_worker_train_as_one_process_on_the_global_batch(
-    tmp_path):
-  private_network.check_unshare_works()
-  cluster_dir, one_dir = tmp_path / 'cluster', tmp_path / 'one'
-  conftest.save_start_checkpoint(sync_cluster_task.model_fn, _start_input_fn,
-                                 [cluster_dir, one_dir])
-  done = _run_pair(cluster_dir)
-  assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-  expected = _one_process(one_dir)
-  chief = tf.train.load_checkpoint(str(cluster_dir))
-  actual = {name: chief.get_tensor(name)
-            for name in chief.get_variable_to_shape_map()}
-  assert int(actual['global_step']) == _STEPS
-  # Adam's slots and the batch-norm statistics are among them.
-  assert {'embedding/Adam', 'batch_normalization/moving_variance'} <= set(
-      actual)
-  conftest.assert_same_variables(expected, actual, rtol=1e-4, atol=1e-5)
-  # The worker ends with the chief's variables, bit for bit.
-  chief_final = np.load(cluster_dir / 'final-chief-0.npz')
-  worker_final = np.load(cluster_dir / 'final-worker-0.npz')
-  assert sorted(chief_final) == sorted(worker_final)
-  for name in chief_final:
-    np.testing.assert_array_equal(worker_final[name], chief_final[name],
-                                  err_msg=name)
-
-
 def test_sliced_global_batches_train_as_one_process_to_the_same_end(
     tmp_path):
   # 19 rows in global batches of 9: the tasks keep 5+4, 5+4, then 1+0 (the
@@ -102,6 +76,32 @@ def test_sliced_global_batches_train_as_one_process_to_the_same_end(
   worker_final = np.load(cluster_dir / 'final-worker-0.npz')
   np.testing.assert_array_equal(worker_final['embedding'],
                                 actual['embedding'])
+
+
+def test_chief_and_worker_train_as_one_process_on_the_global_batch(
+    tmp_path):
+  private_network.check_unshare_works()
+  cluster_dir, one_dir = tmp_path / 'cluster', tmp_path / 'one'
+  conftest.save_start_checkpoint(sync_cluster_task.model_fn, _start_input_fn,
+                                 [cluster_dir, one_dir])
+  done = _run_pair(cluster_dir)
+  assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+  expected = _one_process(one_dir)
+  chief = tf.train.load_checkpoint(str(cluster_dir))
+  actual = {name: chief.get_tensor(name)
+            for name in chief.get_variable_to_shape_map()}
+  assert int(actual['global_step']) == _STEPS
+  # Adam's slots and the batch-norm statistics are among them.
+  assert {'embedding/Adam', 'batch_normalization/moving_variance'} <= set(
+      actual)
+  conftest.assert_same_variables(expected, actual, rtol=1e-4, atol=1e-5)
+  # The worker ends with the chief's variables, bit for bit.
+  chief_final = np.load(cluster_dir / 'final-chief-0.npz')
+  worker_final = np.load(cluster_dir / 'final-worker-0.npz')
+  assert sorted(chief_final) == sorted(worker_final)
+  for name in chief_final:
+    np.testing.assert_array_equal(worker_final[name], chief_final[name],
+                                  err_msg=name)
 
 
 class _Config:
