@@ -91,11 +91,7 @@ def task_slice(batches: tf.data.Dataset, config) -> tf.data.Dataset:
 
   def keep(element):
     leaves = tf.nest.flatten(element)
-    if not leaves:
-      raise ValueError('task_slice got batches without any tensor.')
-    size = tf.compat.dimension_value(getattr(leaves[0], 'shape', [None])[0])
-    if size is None:
-      size = sharding.batch_size_of(leaves[0])
+    size = _batch_size(element)
     start, count = task_rows(size, num_tasks, index)
     return tf.nest.pack_sequence_as(
         element, [sharding.slice_rows(leaf, start, count) for leaf in leaves])
@@ -103,6 +99,25 @@ def task_slice(batches: tf.data.Dataset, config) -> tf.data.Dataset:
   if isinstance(batches.element_spec, tuple):
     return batches.map(lambda *element: keep(element))
   return batches.map(keep)
+
+
+def _batch_size(element):
+  """The rows of a batch: an int if its shape tells, else a Tensor.
+
+  Raises:
+    ValueError: the leaves disagree on it or have no batch dimension (the
+      dataset is not batched).
+  """
+  named = (sharding.named_leaves(*element) if
+           isinstance(element, tuple) and len(element) == 2 else
+           sharding.named_leaves(element, None))
+  try:
+    size = sharding.global_batch_size(named)
+  except ValueError as e:
+    raise ValueError(f'{e} task_slice takes batches of the global batch '
+                     'size: call it after Dataset.batch.') from e
+  static = tf.get_static_value(size)
+  return size if static is None else int(static)
 
 
 def check_same_order(dataset: tf.data.Dataset) -> None:

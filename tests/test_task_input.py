@@ -131,3 +131,13 @@ def test_seeded_shuffles_are_accepted(monkeypatch):
     graph.seed = 3  # The RunConfig's tf_random_seed, as the Estimator sets.
     task_input.task_slice(tf.data.Dataset.range(10).shuffle(10).batch(4),
                           config)
+
+
+def test_examples_that_are_not_batched_are_refused(monkeypatch):
+  # Slicing a single example would cut its features, not the batch.
+  config = _config(monkeypatch)
+  with tf.Graph().as_default():
+    examples = tf.data.Dataset.from_tensor_slices(
+        ({'pixels': np.zeros([10, 64], np.float32)}, np.zeros([10])))
+    with pytest.raises(ValueError, match='after Dataset.batch'):
+      task_input.task_slice(examples, config)
