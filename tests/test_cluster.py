@@ -7,10 +7,9 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import tensorflow as tf
-
-import numpy as np
 
 from cli_helpers import ROOT, read_json_lines, run_module, wait_until
 from cli_helpers import write_tabular_csv
