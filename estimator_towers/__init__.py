@@ -9,6 +9,7 @@ Public API:
   make_run_config: a RunConfig with devices, placement, memory and threads.
   replicate_model_fn: wraps a one-device model_fn into in-graph towers.
   tower_context: which tower the model_fn being built is (index, count).
+  task_slice: a task's part of each global batch in a synchronous cluster.
   TowerContext: what tower_context returns.
 """
 
@@ -25,10 +26,11 @@ if not (3, 9) <= sys.version_info[:2] <= (3, 11):
 from estimator_towers import cluster_server
 from estimator_towers.replicate import replicate_model_fn
 from estimator_towers.run_config import make_run_config
+from estimator_towers.task_input import task_slice
 from estimator_towers.tower import tower_context
 from estimator_towers.tower import TowerContext
 
 cluster_server.install()
 
 __all__ = ['TowerContext', 'make_run_config', 'replicate_model_fn',
-           'tower_context']
+           'task_slice', 'tower_context']

@@ -226,7 +226,11 @@ class Replicas:
     with self._placement.deferring(), tf.name_scope('all_reduce'):
       for k, primary in enumerate(primaries):
         grads = [g[k] for g in per_tower]
-        local.append(_local_sum(primary, grads, self._devices[0]))
+        grad = _local_sum(primary, grads, self._devices[0])
+        if grad is not None:
+          with tf.device(self._devices[0]):
+            grad = self.task_group.own_part(grad)
+        local.append(grad)
       dense = [k for k, g in enumerate(local)
                if g is not None and not isinstance(g, tf.IndexedSlices)]
       totals = dict(zip(dense, self.task_group.sum([local[k]

@@ -124,8 +124,9 @@ def replicate_model_fn(model_fn: ModelFn,
       takes the same update. In a TF_CONFIG cluster of a chief and workers
       without ps tasks, 'all_reduce' trains synchronously: every task's
       batch is part of the step's global batch (chief first, then the
-      workers by index), the sums also run over the tasks, and every task
-      applies the same update (see docs/cluster.md). The other strategies
+      workers by index; `task_slice` cuts these parts from one pipeline),
+      the sums also run over the tasks, and every task applies the same
+      update (see docs/cluster.md). The other strategies
       need ps tasks in a cluster.
     sync_timeout_secs: In a synchronous cluster, how long a task waits for
       the others at a collective (including the start, when the chief
@@ -247,6 +248,8 @@ class _TowerBuilder:
       batch = sharding.global_batch_size(
           sharding.named_leaves(features, labels))
       sizes = sharding.shard_sizes(batch, num_towers)
+      if self._task_group is not None:
+        self._task_group.has_rows = batch > 0
       # Idle towers get a copy of an example in TRAIN (weighted by zero) and
       # PREDICT (their rows are sliced off): an empty batch can make a mean
       # NaN, and oneDNN's CPU convolution mishandles it. EVAL keeps empty

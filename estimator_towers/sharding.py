@@ -40,7 +40,7 @@ def _check_leaf(name: str, leaf: Any) -> None:
         'or [batch, 1] in the input_fn.')
 
 
-def _batch_size(leaf: Any) -> tf.Tensor:
+def batch_size_of(leaf: Any) -> tf.Tensor:
   """The leading dimension of `leaf` as an int32 scalar tensor."""
   if isinstance(leaf, tf.SparseTensor):
     return tf.cast(leaf.dense_shape[0], tf.int32)
@@ -84,13 +84,13 @@ def global_batch_size(named_leaves: Sequence[Tuple[str, Any]]) -> tf.Tensor:
         'Features and labels must share one batch size, got ' +
         ', '.join(f'{name}: {size}' for name, size in known.items()) +
         '. Batch them together in the input_fn (e.g. one Dataset.batch).')
-  size = _batch_size(first)
+  size = batch_size_of(first)
   checks = []
   for name, leaf in named_leaves[1:]:
     if static[name] is not None and static[first_name] is not None:
       continue
     checks.append(tf.debugging.assert_equal(
-        _batch_size(leaf), size,
+        batch_size_of(leaf), size,
         message=(f'Features and labels must share one batch size: {name} '
                  f'differs from {first_name}.')))
   if checks:
@@ -106,7 +106,7 @@ def shard_sizes(batch_size: tf.Tensor, num_towers: int) -> tf.Tensor:
   return base + tf.cast(tf.range(num_towers) < remainder, tf.int32)
 
 
-def _slice(leaf: Any, start: tf.Tensor, size: tf.Tensor) -> Any:
+def slice_rows(leaf: Any, start: tf.Tensor, size: tf.Tensor) -> Any:
   """Rows [start, start + size) of a batched leaf."""
   if isinstance(leaf, tf.SparseTensor):
     rest = leaf.dense_shape[1:]
@@ -114,6 +114,23 @@ def _slice(leaf: Any, start: tf.Tensor, size: tf.Tensor) -> Any:
     extent = tf.concat([[tf.cast(size, tf.int64)], rest], 0)
     return tf.sparse.slice(leaf, begin, extent)
   return leaf[start:start + size]
+
+
+def _with_a_row(leaf: Any, batch: tf.Tensor) -> Any:
+  """`leaf`, or one row of zeros of its dtype and row shape if it has none."""
+  if (_static_batch_size(leaf) or 0) > 0:
+    return leaf  # Never empty: keep its static shape.
+
+  def zero_row():
+    if isinstance(leaf, tf.SparseTensor):  # One row without values.
+      return tf.SparseTensor(leaf.indices, leaf.values, tf.concat(
+          [tf.ones([1], leaf.dense_shape.dtype), leaf.dense_shape[1:]], 0))
+    if isinstance(leaf, tf.RaggedTensor):  # One empty row.
+      return tf.RaggedTensor.from_row_splits(
+          leaf.values, tf.zeros([2], leaf.row_splits.dtype), validate=False)
+    return tf.zeros(tf.concat([[1], tf.shape(leaf)[1:]], 0), leaf.dtype)
+
+  return tf.cond(batch > 0, lambda: leaf, zero_row)
 
 
 def split_batch(structure: Any, sizes: tf.Tensor, num_towers: int,
@@ -128,7 +145,10 @@ def split_batch(structure: Any, sizes: tf.Tensor, num_towers: int,
     pad_empty: Give an empty shard a copy of the first example instead. In
       training, an empty shard would make the tower's mean loss NaN, and
       0 * NaN poisons the gradients even at weight zero; the copy is finite
-      and is weighted by zero.
+      and is weighted by zero. An empty batch (a task of a synchronous
+      cluster whose part of a small last global batch is nothing) has no
+      example to copy: its shards get one row of zeros (empty strings, an
+      empty sparse or ragged row), also weighted by zero.
 
   Returns:
     A list of `num_towers` structures shaped like `structure`.
@@ -136,13 +156,15 @@ def split_batch(structure: Any, sizes: tf.Tensor, num_towers: int,
   if structure is None:
     return [None] * num_towers
   starts = tf.cumsum(sizes, exclusive=True)
+  leaves = tf.nest.flatten(structure)
   if pad_empty:
     starts = tf.where(sizes > 0, starts, tf.zeros_like(starts))
+    batch = tf.reduce_sum(sizes)
     sizes = tf.maximum(sizes, 1)
-  leaves = tf.nest.flatten(structure)
+    leaves = [_with_a_row(leaf, batch) for leaf in leaves]
   shards = []
   for i in range(num_towers):
-    tower_leaves = [_slice(leaf, starts[i], sizes[i]) for leaf in leaves]
+    tower_leaves = [slice_rows(leaf, starts[i], sizes[i]) for leaf in leaves]
     shards.append(tf.nest.pack_sequence_as(structure, tower_leaves))
   return shards
 

@@ -121,6 +121,34 @@ class TaskGroup:
     # The tower builder's aggregation.Placement: its device functions must
     # let the collectives keep this task's collective device.
     self.placement = None
+    # Whether this task's part of the step's global batch has any example
+    # (a bool scalar the tower builder sets). A task without one trains its
+    # towers on a row of zeros, whose gradients must not count: see
+    # `own_part`.
+    self.has_rows = None
+
+  def own_part(self, gradient):
+    """`gradient` as this task's part of the sum: nothing if it has no rows.
+
+    The zero row a task without examples trains on is weighted by zero, but
+    a model can still make its gradient NaN (a log of a zero feature), and
+    its sparse gradient touches rows (embedding row 0) that a momentum-like
+    optimizer would then update. So its dense gradients count as zeros and
+    its sparse ones as no rows at all.
+
+    Args:
+      gradient: A Tensor or tf.IndexedSlices, this task's towers' sum.
+
+    Returns:
+      The same kind of value.
+    """
+    if self.has_rows is None:
+      return gradient
+    if isinstance(gradient, tf.IndexedSlices):
+      rows = tf.shape(gradient.indices)[0] * tf.cast(self.has_rows, tf.int32)
+      return tf.IndexedSlices(gradient.values[:rows],
+                              gradient.indices[:rows], gradient.dense_shape)
+    return tf.where(self.has_rows, gradient, tf.zeros_like(gradient))
 
   @contextlib.contextmanager
   def _on_device(self, scope: str) -> Iterator[None]:
@@ -170,7 +198,8 @@ class TaskGroup:
       values = slices.values
       indices = tf.cast(slices.indices, tf.int64)
       rows = tf.shape(indices, out_type=tf.int64)[:1]
-      name = f'{values.dtype.name}:{_static_shape(values)[1:]}'
+      # The number of rows varies with the batch; a row's shape may not.
+      name = f'{values.dtype.name}:{_static_shape(values, first_dim=1)}'
       counts = collective_ops.all_gather(
           rows, self.size, _GROUP_KEY, self._key(f'rows:{name}'),
           timeout=self._timeout)
@@ -282,8 +311,9 @@ class TaskGroup:
     return key
 
 
-def _static_shape(tensor) -> List[int]:
-  shape = tensor.shape
+def _static_shape(tensor, first_dim: int = 0) -> List[int]:
+  """The tensor's shape from `first_dim` on, which must be fully known."""
+  shape = tensor.shape[first_dim:]
   if not shape.is_fully_defined():
     raise ValueError(
         f'{getattr(tensor, "name", tensor)} has shape {shape}, not fully '

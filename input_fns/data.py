@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import tensorflow as tf
 
+from estimator_towers.task_input import task_slice
 from input_fns import pipeline
 from input_fns import serving
 
@@ -115,7 +116,11 @@ class Data(abc.ABC):
         forever.
 
     Returns:
-      A no-argument input_fn for Estimator.train.
+      An input_fn for Estimator.train, taking an optional `config` (the
+      Estimator passes its RunConfig). In a synchronous cluster (training
+      tasks, no ps tasks) every task reads the same batches of
+      `batch_size` and keeps its part of each (`task_slice`), so that
+      `batch_size` stays the global batch and all tasks stop together.
 
     Raises:
       ValueError: batch_size, seed or num_epochs is not a valid int.
@@ -128,10 +133,12 @@ class Data(abc.ABC):
       raise ValueError(f'num_epochs={num_epochs!r}; pass an int >= 1, or '
                        'None to repeat forever.')
 
-    def input_fn():
+    def input_fn(config=None):
       examples = self._examples(TRAIN, shuffle=bool(shuffle), seed=seed)
-      return pipeline.batch_and_prefetch(examples.repeat(num_epochs),
-                                         batch_size)
+      batches = examples.repeat(num_epochs).batch(batch_size)
+      # In a synchronous cluster each task keeps its part of every global
+      # batch; elsewhere this is the batch itself.
+      return task_slice(batches, config).prefetch(pipeline.AUTOTUNE)
 
     return input_fn
 

@@ -13,6 +13,14 @@ is one task; TF_CONFIG names the cluster and the task. Each step's global batch 
 index, as `global_id_in_cluster` counts them) trains on rows
 [sum(ROWS[:k]), sum(ROWS[:k+1])) of it, on 2 virtual CPU towers, through
 `tf.estimator.train_and_evaluate`.
+
+    python tests/sync_cluster_task.py sliced-pair MODEL_DIR BATCH TOTAL
+
+is the same pair, training the model with momentum (which updates only the
+embedding rows a sparse gradient names) on one pass over TOTAL rows in
+global batches of BATCH, each task keeping its part with
+`estimator_towers.task_slice` (`sliced-task` is one of them). A last batch
+of fewer rows than tasks leaves the worker nothing.
 """
 
 import json
@@ -26,13 +34,14 @@ import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import estimator_towers  # pylint: disable=g-import-not-at-top
+from model_fns import head  # pylint: disable=g-import-not-at-top
 from trainer.cluster import private_network  # pylint: disable=g-import-not-at-top
 
 tf1 = tf.compat.v1
 VOCAB = 7
 
 
-def model_fn(features, labels, mode):
+def model_fn(features, labels, mode, optimizer=None):
   """Embedding (sparse gradients), dense layer, batch norm and Adam."""
   table = tf1.get_variable('embedding', [VOCAB, 3],
                            initializer=tf1.random_normal_initializer())
@@ -45,7 +54,7 @@ def model_fn(features, labels, mode):
   loss = tf1.losses.mean_squared_error(labels, predictions)
   if mode != tf.estimator.ModeKeys.TRAIN:
     return tf.estimator.EstimatorSpec(mode, loss=loss)
-  optimizer = tf1.train.AdamOptimizer(0.05)
+  optimizer = optimizer or tf1.train.AdamOptimizer(0.05)
   with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
     train_op = optimizer.minimize(loss, tf1.train.get_global_step())
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
@@ -72,6 +81,41 @@ def task_input_fn(rows, steps):
   return input_fn
 
 
+def momentum_model_fn(features, labels, mode):
+  """model_fn with momentum, whose sparse update touches only named rows."""
+  return model_fn(features, labels, mode,
+                  tf1.train.MomentumOptimizer(0.05, 0.9))
+
+
+def batch_norm_classifier(features, labels, mode, params):
+  """`--model=tests.sync_cluster_task:batch_norm_classifier` of the trainer.
+
+  Dense, batch norm, softmax, through the trainer's head. The moving
+  variance's n / (n - 1) and the towers' shards depend on the global batch,
+  so a cluster whose tasks read the whole batch each (a global batch of
+  every row twice) would not train as one process does, although a mean
+  loss of twice the rows is the same loss.
+  """
+  inputs = tf1.feature_column.input_layer(features, params['feature_columns'])
+  hidden = tf1.layers.dense(inputs, 8, activation=tf.nn.relu)
+  hidden = tf1.layers.batch_normalization(
+      hidden, training=mode == tf.estimator.ModeKeys.TRAIN, momentum=0.5)
+  return head.classifier_spec(
+      mode, tf1.layers.dense(hidden, params['n_classes']), labels, params)
+
+
+def sliced_batches(batch, total):
+  """One pass over `total` rows of `global_batches`, in batches of `batch`."""
+  return global_batches(total, 1).unbatch().batch(batch)
+
+
+def sliced_input_fn(batch, total):
+  """Every task's part of `sliced_batches`, as task_slice cuts it."""
+  def input_fn(config):
+    return estimator_towers.task_slice(sliced_batches(batch, total), config)
+  return input_fn
+
+
 class _SaveFinalVariables(tf1.train.SessionRunHook):
   """Writes this task's variables to MODEL_DIR/final-<task>.npz at the end."""
 
@@ -84,15 +128,19 @@ class _SaveFinalVariables(tf1.train.SessionRunHook):
     np.savez(self._path, **{v.op.name: x for v, x in zip(variables, values)})
 
 
-def run_task(argv):
+def run_task(argv, sliced=False):
   model_dir, steps, rows = argv[0], int(argv[1]), [int(r) for r in argv[2:]]
   config = estimator_towers.make_run_config(model_dir=model_dir,
                                             cpu_devices=2)
   estimator = tf.estimator.Estimator(
-      estimator_towers.replicate_model_fn(model_fn, aggregation='all_reduce',
-                                          sync_timeout_secs=60),
+      estimator_towers.replicate_model_fn(
+          momentum_model_fn if sliced else model_fn,
+          aggregation='all_reduce', sync_timeout_secs=60),
       config=config)
-  input_fn = task_input_fn(rows, steps)
+  if sliced:  # STEPS is the global batch, ROWS the total; the input ends.
+    input_fn, steps = sliced_input_fn(steps, rows[0]), 1000
+  else:
+    input_fn = task_input_fn(rows, steps)
   task = f'{config.task_type}-{config.task_id}'
   tf.estimator.train_and_evaluate(
       estimator, tf.estimator.TrainSpec(
@@ -103,7 +151,7 @@ def run_task(argv):
   print('TASK DONE', flush=True)
 
 
-def run_pair(argv, timeout_secs=240):
+def run_pair(argv, timeout_secs=240, mode='task'):
   """Starts a chief and a worker in this namespace; their exit code."""
   private_network.bring_up_loopback()
   cluster = {'chief': [f'127.0.0.1:{private_network.free_port()}'],
@@ -112,7 +160,7 @@ def run_pair(argv, timeout_secs=240):
   for job in ('chief', 'worker'):
     tf_config = {'cluster': cluster, 'task': {'type': job, 'index': 0}}
     children.append(subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), 'task', *argv],
+        [sys.executable, os.path.abspath(__file__), mode, *argv],
         env={**os.environ, 'TF_CONFIG': json.dumps(tf_config)},
         stdin=subprocess.DEVNULL,
         preexec_fn=private_network.die_with_parent))
@@ -135,6 +183,6 @@ def run_pair(argv, timeout_secs=240):
 
 
 if __name__ == '__main__':
-  if sys.argv[1] == 'pair':
-    sys.exit(run_pair(sys.argv[2:]))
-  run_task(sys.argv[2:])
+  if sys.argv[1].endswith('pair'):
+    sys.exit(run_pair(sys.argv[2:], mode=sys.argv[1].replace('pair', 'task')))
+  run_task(sys.argv[2:], sliced=sys.argv[1] == 'sliced-task')

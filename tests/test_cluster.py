@@ -7,10 +7,12 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
-from cli_helpers import ROOT, read_json_lines, wait_until
+from cli_helpers import ROOT, read_json_lines, run_module, wait_until
+from cli_helpers import write_tabular_csv
 
 TASK_ARGS = ('--hidden-units=16', '--train-batch-size=32',
              '--eval-batch-size=360')
@@ -110,8 +112,12 @@ def test_cluster_trains_evaluates_and_reports_in_a_private_network(tmp_path):
   assert code == 0, err[-3000:]
   assert _reached(job, 600)
   _assert_all_stopped(job)
-  # Towers inside each worker: the chief ran 2 of them.
+  # Towers inside each worker: the chief ran 2 of them, on the 2 virtual
+  # CPUs its server has (a server started without them soft-places every
+  # tower on one CPU).
   assert _log_has(job, 'chief-0', '2 towers')
+  assert _log_has(job, 'chief-0', 'Task chief:0 has the devices CPU:0, CPU:1')
+  assert _log_has(job, 'chief-0', 'trains asynchronously')
   # The chief scored the final checkpoint, exported it and reported the
   # tuning metric before it exited (the job may end with the chief); the
   # evaluator only scored checkpoints while training ran.
@@ -121,6 +127,53 @@ def test_cluster_trains_evaluates_and_reports_in_a_private_network(tmp_path):
   assert steps[-1] >= 600
   (export,) = os.listdir(job / 'export' / 'final')
   assert _log_has(job, 'chief-0', export)
+
+
+def _variables(checkpoint):
+  reader = tf.train.load_checkpoint(str(checkpoint))
+  return {name: reader.get_tensor(name)
+          for name in reader.get_variable_to_shape_map()}
+
+
+def test_sync_cluster_trains_as_one_process_on_the_global_batch(tmp_path):
+  # 19 rows, one epoch in global batches of 9: the chief and the worker keep
+  # 5+4, 5+4, then 1+0 rows (the worker has nothing in the last step), and
+  # both stop when the epoch ends; one process splits the same batches over
+  # its 4 towers. The model's batch norm tells a global batch from the same
+  # rows read twice (each task reading the whole batch).
+  train = write_tabular_csv(tmp_path / 'train.csv', rows=19)
+  flags = (f'--train-files={train}', '--label-column=label',
+           '--categorical-column=colour=red|green|blue', '--n-classes=2',
+           '--model=tests.sync_cluster_task:batch_norm_classifier',
+           '--learning-rate=0.05', '--tf-random-seed=5',
+           '--train-batch-size=9', '--eval-batch-size=19', '--num-epochs=1',
+           '--save-checkpoints-steps=1000', '--train-steps=100')
+  one, cluster = tmp_path / 'one', tmp_path / 'cluster'
+  process = _launch(cluster, '--workers=1', '--ps=0', '--no-evaluator',
+                    task_args=(*flags, '--cpu-towers=2'))
+  try:
+    run_module('trainer.task', f'--job-dir={one}', *flags, '--cpu-towers=4')
+  finally:
+    code, _, err = _finish(process)
+  assert code == 0, err[-3000:]
+  assert 'sync: the chief and workers all-reduce' in err
+  assert _log_has(cluster, 'chief-0', 'trains synchronously')
+  assert _log_has(cluster, 'worker-0',
+                  'Task worker:0 has the devices CPU:0, CPU:1')
+  # The same start: --tf-random-seed initialises both graphs alike (the
+  # step-0 checkpoints; the chief's values are what it broadcast).
+  start_one, start_cluster = (_variables(d / 'model.ckpt-0')
+                              for d in (one, cluster))
+  for name in start_one:
+    np.testing.assert_array_equal(start_cluster[name], start_one[name], name)
+  expected, actual = _variables(one), _variables(cluster)
+  assert int(expected['global_step']) == 3
+  assert sorted(expected) == sorted(actual)
+  assert {'dense/kernel/Adam', 'batch_normalization/moving_variance'} <= set(
+      actual)
+  for name in expected:
+    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-4,
+                               atol=1e-5, err_msg=name)
 
 
 def test_killed_worker_is_restarted_and_rejoins(tmp_path):

@@ -101,3 +101,26 @@ def test_non_tensor_leaf_is_a_type_error():
   with tf.Graph().as_default():
     with pytest.raises(TypeError, match=r"features\['n'\] is a int"):
       _split({'x': tf.zeros([2]), 'n': 3}, 2)
+
+
+def test_padding_gives_an_empty_batch_one_zero_row_of_every_kind():
+  # A task of a synchronous cluster whose part of a small last global batch
+  # is nothing has no example to copy.
+  with tf.Graph().as_default():
+    dense = tf1.placeholder(tf.float32, [None, 2])
+    words = tf1.placeholder(tf.string, [None])
+    sparse = tf1.sparse_placeholder(tf.int64, [None, 3])
+    ragged = tf.RaggedTensor.from_row_lengths(
+        tf1.placeholder(tf.int32, [None]), tf1.placeholder(tf.int64, [None]))
+    shards = _split({'x': dense, 'w': words, 's': sparse, 'r': ragged}, 2,
+                    pad=True)
+    feed = {dense: np.zeros([0, 2]), words: np.zeros([0], object),
+            sparse: tf1.SparseTensorValue(np.zeros([0, 2], np.int64),
+                                          np.zeros([0], np.int64), [0, 3]),
+            ragged.values: np.zeros([0]), ragged.row_lengths(): []}
+    values = _run(shards, feed)
+  for shard in values:
+    assert shard['x'].tolist() == [[0.0, 0.0]]
+    assert shard['w'].tolist() == [b'']
+    assert list(shard['s'].dense_shape) == [1, 3] and shard['s'].values.size == 0
+    assert shard['r'].to_list() == [[]]

@@ -27,9 +27,9 @@ _STEPS = 4
 _ROWS = (5, 4)  # Chief, worker: towers of 3+2 and 2+2, as one process's 9.
 
 
-def _run_pair(model_dir, steps=_STEPS, rows=_ROWS):
+def _run_pair(model_dir, steps=_STEPS, rows=_ROWS, mode='pair'):
   command = private_network.unshare_command() + [
-      '--', sys.executable, _TASK_SCRIPT, 'pair', str(model_dir), str(steps),
+      '--', sys.executable, _TASK_SCRIPT, mode, str(model_dir), str(steps),
       *map(str, rows)]
   return subprocess.run(command, capture_output=True, text=True, timeout=300,
                         stdin=subprocess.DEVNULL,
@@ -58,6 +58,36 @@ def _one_process(model_dir):
       lambda: sync_cluster_task.global_batches(sum(_ROWS), _STEPS),
       max_steps=_STEPS)
   return conftest.variables_of(estimator)
+
+
+def test_sliced_global_batches_train_as_one_process_to_the_same_end(
+    tmp_path):
+  # 19 rows in global batches of 9: the tasks keep 5+4, 5+4, then 1+0 (the
+  # worker trains on nothing in the last step), and both stop when the
+  # one pass ends. Momentum updates only the embedding rows its sparse
+  # gradient names: the worker's zero row must not name row 0.
+  private_network.check_unshare_works()
+  cluster_dir, one_dir = tmp_path / 'cluster', tmp_path / 'one'
+  batches = lambda: sync_cluster_task.sliced_batches(9, 19)
+  conftest.save_start_checkpoint(sync_cluster_task.momentum_model_fn,
+                                 lambda: batches().take(1),
+                                 [cluster_dir, one_dir])
+  done = _run_pair(cluster_dir, 9, [19], mode='sliced-pair')
+  assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+  estimator = conftest.make_estimator(sync_cluster_task.momentum_model_fn,
+                                      one_dir, towers=4,
+                                      aggregation='all_reduce')
+  estimator.train(batches)
+  expected = conftest.variables_of(estimator)
+  assert int(expected['global_step']) == 3
+  chief = tf.train.load_checkpoint(str(cluster_dir))
+  actual = {name: chief.get_tensor(name)
+            for name in chief.get_variable_to_shape_map()}
+  assert 'embedding/Momentum' in actual
+  conftest.assert_same_variables(expected, actual, rtol=1e-4, atol=1e-5)
+  worker_final = np.load(cluster_dir / 'final-worker-0.npz')
+  np.testing.assert_array_equal(worker_final['embedding'],
+                                actual['embedding'])
 
 
 def test_chief_and_worker_train_as_one_process_on_the_global_batch(

@@ -20,8 +20,9 @@ environment.configure(sys.argv)
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from estimator_towers import make_run_config
 from estimator_towers import replicate_model_fn
+from estimator_towers import task_slice
 from estimator_towers import tower_context
 from estimator_towers import TowerContext
 
 __all__ = ['TowerContext', 'make_run_config', 'replicate_model_fn',
-           'tower_context']
+           'task_slice', 'tower_context']

@@ -9,11 +9,13 @@ is adding a field here: the flag, its underscore spelling, the conversion,
 """
 
 import dataclasses
+import re
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import flags
 
 from estimator_towers.aggregation import AGGREGATIONS
+from estimator_towers.aggregation import check_tasks
 from estimator_towers.run_config import MIXED_PRECISIONS
 from trainer import cli
 from trainer import hptuning
@@ -237,12 +239,14 @@ class TaskOptions:
       lower_bound=0)
   gpu_ids: Optional[List[int]] = _option(
       _LIST, None, 'Which GPUs to use, e.g. 0,2.', parse=_ints)
-  aggregation: str = _option(
-      _ENUM, 'global_loss', 'How the towers\' gradients become one update: '
+  aggregation: Optional[str] = _option(
+      _ENUM, None, 'How the towers\' gradients become one update: '
       'global_loss (variables on one device), round_robin (variables spread '
       'over the towers\' devices) or all_reduce (a copy per device, '
       'gradients all-reduced). Checkpoints are the same for all; see '
-      'docs/aggregation.md.', enum_values=list(AGGREGATIONS))
+      'docs/aggregation.md. Default: all_reduce in a TF_CONFIG cluster of '
+      'training tasks without ps tasks (synchronous training, the only '
+      'kind it allows), else global_loss.', enum_values=list(AGGREGATIONS))
   cpu_towers: Optional[int] = _option(
       _INT, None, 'Train on this many virtual CPU devices (for machines '
       'without GPUs).', lower_bound=1)
@@ -346,6 +350,38 @@ def _check_replaced_flags() -> None:
       if flags.FLAGS[replaced].present:
         raise cli.UsageError(f'--{name} sets every layer, so --{replaced} '
                              f'would be ignored; give one of them.')
+
+
+def aggregation_for(options: TaskOptions, config) -> str:
+  """--aggregation, or its default for the task's cluster; checked.
+
+  A TF_CONFIG cluster of several training tasks (chief and workers) and no
+  ps task trains synchronously, which needs 'all_reduce'; so that is its
+  default. Every task of the cluster, the evaluator too, decides the same.
+
+  Args:
+    options: The task's options.
+    config: The Estimator's RunConfig (its TF_CONFIG cluster).
+
+  Returns:
+    The aggregation to pass to replicate_model_fn.
+
+  Raises:
+    OptionError: the aggregation cannot train in this cluster
+      (aggregation.check_tasks says why).
+  """
+  aggregation = options.aggregation
+  if aggregation is None:
+    sync = ((config.num_worker_replicas or 1) > 1 and
+            not config.num_ps_replicas)
+    aggregation = 'all_reduce' if sync else 'global_loss'
+  try:
+    check_tasks(aggregation, config)
+  except ValueError as e:
+    # Only a given --aggregation can fail: the defaults always fit.
+    raise OptionError(re.sub(r"aggregation='(\w+)'", r'--aggregation=\1',
+                             str(e))) from e
+  return aggregation
 
 
 def in_flag_terms(message: str) -> str:

@@ -19,6 +19,7 @@ from model_fns import hparams
 from estimator_towers.replicate import replicate_model_fn
 from estimator_towers.run_config import make_run_config
 from estimator_towers.run_config import session_device_counts
+from estimator_towers import task_sync
 from trainer import assembly
 from trainer import checkpoint_check
 from trainer import disk_space
@@ -116,6 +117,26 @@ class _SaveConfigWhenTraining(tf1.train.SessionRunHook):
   def after_create_session(self, session, coord):
     del session, coord
     assembly.save_options(self._model_dir, self._options)
+
+
+class _LogTaskDevices(tf1.train.SessionRunHook):
+  """Logs the devices this cluster task's server has, once it trains.
+
+  The server, not the session config, decides them: a server started
+  without the virtual CPUs of --cpu-towers would soft-place every tower
+  on one CPU, and only this line would show it.
+  """
+
+  def __init__(self, task_type: str, task_id: int):
+    self._prefix = f'/job:{task_type}/replica:0/task:{task_id}/'
+    self._task = f'{task_type}:{task_id}'
+
+  def after_create_session(self, session, coord):
+    del coord
+    names = sorted(d.name[len(self._prefix) + len('device:'):]
+                   for d in session.list_devices()
+                   if d.name.startswith(self._prefix))
+    logging.info('Task %s has the devices %s', self._task, ', '.join(names))
 
 
 def _exporters(options, data, metric, final: bool = True):
@@ -319,6 +340,10 @@ class _Run:
         save_checkpoints_steps=options.save_checkpoints_steps,
         keep_checkpoint_max=options.keep_checkpoint_max,
         log_step_count_steps=options.log_step_count_steps)
+    # Before any graph is built: a cluster it cannot train in is a usage
+    # error of every task.
+    self.aggregation = options_lib.aggregation_for(options, config)
+    self.sync = task_sync.is_sync_cluster(config)
     num_gpus, num_cpus = session_device_counts(config.session_config)
     self.towers = num_gpus or num_cpus
     self.devices = (f'GPU 0-{num_gpus - 1}' if num_gpus else
@@ -326,7 +351,7 @@ class _Run:
     self.estimator = tf.estimator.Estimator(
         _with_step_logging(
             _checked(options.model, replicate_model_fn(
-                model_fn, aggregation=options.aggregation)),
+                model_fn, aggregation=self.aggregation)),
             options.train_batch_size, self.towers, options.train_steps,
             options.eval_steps),
         config=config, params=assembly.model_params(options, data))
@@ -351,6 +376,8 @@ class _Run:
         hooks=[preemption.PreemptionHook(model_dir, config.is_chief),
                finite_weights.FiniteWeightsHook(),
                *_vertex_hooks(config)] + (
+                   [_LogTaskDevices(config.task_type, config.task_id)]
+                   if config.cluster_spec else []) + (
                    # One writer per job dir: the chief (or a local run).
                    [_SaveConfigWhenTraining(model_dir, options)]
                    if config.is_chief else []))
@@ -390,6 +417,15 @@ class _Run:
                  'examples', self._options.model, self.towers, self.devices,
                  model_dir, self._options.train_steps,
                  self._options.train_batch_size)
+    if task.get('type') in task_sync.TRAINING_JOBS:
+      logging.info(
+          'Cluster task %s:%d trains %s: %s', task['type'],
+          task.get('index', 0), *(
+              ('synchronously', 'each step, every training task keeps its '
+               'part of the global batch and all apply the same update')
+              if self.sync else
+              ('asynchronously', 'each training task updates the ps\'s '
+               'variables with its own batches')))
     resumed = tf.train.latest_checkpoint(model_dir)
     if resumed:
       # TensorFlow's own "Restoring parameters" line is hidden by default.

@@ -6,8 +6,10 @@
 Starts a chief, `--workers` more workers, `--ps` parameter servers and an
 evaluator, each `python -m trainer.task` with the flags after `--` and its
 own TF_CONFIG, exactly as Vertex AI or a Kubeflow TFJob would; logs go to
-<job-dir>/logs/<task>.log. It is for trying a cluster on one machine and for
-the tests: TensorFlow's distributed runtime does the real work.
+<job-dir>/logs/<task>.log. With `--ps=0` the chief and workers train
+synchronously (see docs/cluster.md). It is for trying a cluster on one
+machine and for the tests: TensorFlow's distributed runtime does the real
+work.
 
 Every process is stopped on exit, on Ctrl-C and when one task fails for good
 (after `--max-restarts`). The whole cluster runs in a private network
@@ -30,7 +32,10 @@ cli.define(flags.DEFINE_string, 'job-dir', None,
            'Output directory shared by all tasks.')
 cli.define(flags.DEFINE_integer, 'workers', 1, 'Workers besides the chief.',
            lower_bound=0)
-cli.define(flags.DEFINE_integer, 'ps', 1, 'Parameter servers.', lower_bound=0)
+cli.define(flags.DEFINE_integer, 'ps', 1,
+           'Parameter servers. With them the workers train asynchronously; '
+           'with 0 the chief and workers train synchronously (each step one '
+           'global batch, gradients all-reduced).', lower_bound=0)
 cli.define(flags.DEFINE_boolean, 'evaluator', True, 'Run an evaluator task.')
 cli.define(flags.DEFINE_integer, 'max-restarts', 0,
            'Times each task may be restarted after dying.', lower_bound=0)
@@ -61,12 +66,21 @@ def run(argv) -> None:
   os.makedirs(log_dir, exist_ok=True)
   spec = cluster_launch.cluster_spec(cli.value('workers'), cli.value('ps'))
   tasks = cluster_launch.make_tasks(spec, cli.value('evaluator'), log_dir)
-  logging.info('Cluster %s in network namespace with interfaces %s', spec,
-               private_network.interfaces())
+  logging.info('Cluster %s (%s) in network namespace with interfaces %s',
+               spec, _mode(spec), private_network.interfaces())
   supervisor = cluster_launch.Supervisor(
       tasks, _task_args(argv), cli.value('max-restarts'),
       os.path.join(log_dir, 'cluster.json'), cli.value('grace-secs'))
   supervisor.run()
+
+
+def _mode(spec) -> str:
+  """How the cluster's tasks train, in words for the log."""
+  if spec.get('ps'):
+    return 'async: the chief and workers update the ps\'s variables'
+  if spec.get('worker'):
+    return 'sync: the chief and workers all-reduce each global batch'
+  return 'one training task'
 
 
 _received = []

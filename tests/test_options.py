@@ -1,0 +1,71 @@
+"""--aggregation's default and check in a TF_CONFIG cluster (options)."""
+
+import json
+
+import pytest
+import tensorflow as tf
+
+from cli_helpers import run_module
+from trainer import options as options_lib
+
+
+def _tf_config(workers, ps, task_type='chief'):
+  cluster = {'chief': ['localhost:1'],
+             'worker': [f'localhost:{2 + i}' for i in range(workers)],
+             'ps': [f'localhost:{8 + i}' for i in range(ps)]}
+  return json.dumps({'cluster': {k: v for k, v in cluster.items() if v},
+                     'task': {'type': task_type, 'index': 0}})
+
+
+@pytest.mark.parametrize('workers,ps,task_type,given,expected', [
+    (1, 0, 'chief', None, 'all_reduce'),      # Synchronous: the only way.
+    # The evaluator only evaluates (the same graph under any aggregation);
+    # its RunConfig counts no training tasks.
+    (2, 0, 'evaluator', None, 'global_loss'),
+    (1, 0, 'worker', 'all_reduce', 'all_reduce'),
+    (1, 1, 'worker', None, 'global_loss'),    # Asynchronous, as before.
+    (1, 1, 'chief', 'round_robin', 'round_robin'),
+    (0, 0, 'chief', None, 'global_loss'),     # A chief alone.
+])
+def test_aggregation_defaults_to_all_reduce_in_a_cluster_without_ps(
+    monkeypatch, workers, ps, task_type, given, expected):
+  monkeypatch.setenv('TF_CONFIG', _tf_config(workers, ps, task_type))
+  options = options_lib.TaskOptions(aggregation=given)
+  assert options_lib.aggregation_for(options,
+                                     tf.estimator.RunConfig()) == expected
+
+
+def test_no_cluster_keeps_global_loss(monkeypatch):
+  monkeypatch.delenv('TF_CONFIG', raising=False)
+  assert options_lib.aggregation_for(options_lib.TaskOptions(),
+                                     tf.estimator.RunConfig()) == 'global_loss'
+
+
+@pytest.mark.parametrize('workers,ps,given,fix', [
+    (1, 0, 'global_loss', '--aggregation=all_reduce'),
+    (1, 0, 'round_robin', '--aggregation=all_reduce'),
+    (1, 1, 'all_reduce', 'Remove the ps tasks'),
+])
+def test_an_aggregation_the_cluster_cannot_train_is_a_usage_error(
+    monkeypatch, workers, ps, given, fix):
+  monkeypatch.setenv('TF_CONFIG', _tf_config(workers, ps))
+  with pytest.raises(options_lib.OptionError) as error:
+    options_lib.aggregation_for(options_lib.TaskOptions(aggregation=given),
+                                tf.estimator.RunConfig())
+  assert f'--aggregation={given}' in str(error.value)
+  assert fix in str(error.value)
+  assert "aggregation='" not in str(error.value)  # In flag terms.
+
+
+def test_the_task_refuses_it_in_one_line_before_training(tmp_path):
+  result = run_module('trainer.task', f'--job-dir={tmp_path / "job"}',
+                      '--aggregation=global_loss', '--train-steps=1',
+                      env={'TF_CONFIG': _tf_config(1, 0)}, check=False,
+                      timeout=120)
+  assert result.returncode == 2, result.stderr[-2000:]
+  # TensorFlow's own start-up noise aside, one line says what to do.
+  (line,) = [l for l in result.stderr.splitlines() if l.startswith('task:')]
+  assert 'Traceback' not in result.stderr
+  assert '--aggregation=global_loss' in line
+  assert '--aggregation=all_reduce' in line
+  assert not (tmp_path / 'job').exists()
