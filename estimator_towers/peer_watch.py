@@ -4,23 +4,21 @@ In a synchronous cluster (task_sync) the chief's server leads the
 collectives: before a session runs a graph with collectives, a worker asks
 the chief for a sequence of step ids. TensorFlow 2.15 retries that request
 (MasterSession::NewStepId) for as long as the chief does not answer, with no
-timeout, inside the C++ session run: a worker whose chief died before it
-asked (it started late, or the chief died between the worker's steps after
-the step-id sequence was invalidated) would wait forever, and no Python
-exception can reach it there.
+timeout, inside the C++ session run: a worker whose chief is gone when it
+asks (measured: a worker started after its chief failed) waits forever,
+and no Python exception can reach it there.
 
 `PeerWatch` is a training hook that probes the chief's address from a
 background thread while the worker trains: from `begin` to `end`, and only
 while the call that made the MonitoredSession (Estimator.train) is still on
 the training thread's stack, since a session that fails skips `end` and its
-caller may catch the error and go on. When no
-TCP connection to it succeeds for `timeout_secs` (the cluster's
-sync_timeout_secs, the bound every other wait of the cluster has), it
-writes one line naming the chief and the remedy to stderr and ends the
-process with exit code 1: the main thread is stuck in C++ and cannot be
-unwound. Only the chief is watched: the chief leads, so it never waits for
-step ids, and a dead or stuck worker makes its collectives fail or time out
-on every other task.
+caller may catch the error and go on. When no TCP connection to the chief
+succeeds for `timeout_secs` (the cluster's sync_timeout_secs, the bound of
+every other wait of the cluster), it writes one line naming the chief and
+the remedy to stderr and ends the process with exit code 1: the main thread
+is stuck in C++ and cannot be unwound. Only the chief is watched: it leads,
+so it never waits for step ids, and a dead or stuck worker makes the
+collectives of every other task fail or time out.
 
 A stuck (e.g. stopped) chief still accepts connections; its collectives'
 timeout ends the workers instead.
@@ -75,15 +73,13 @@ class PeerWatch(tf1.train.SessionRunHook):
     self._on_lost = on_lost or _exit_process
     self._stop = threading.Event()
     self._thread = None
-    self._training_thread = None
-    self._trainer = None
 
   def begin(self):
     self._stop.clear()
-    self._training_thread = threading.get_ident()
-    self._trainer = _session_maker(sys._getframe(1))  # pylint: disable=protected-access
-    self._thread = threading.Thread(target=self._watch, daemon=True,
-                                    name='peer_watch')
+    # A list, so that the watch can drop the frame and what it holds.
+    trainer = [threading.get_ident(), _session_maker(sys._getframe(1))]  # pylint: disable=protected-access
+    self._thread = threading.Thread(target=self._watch, args=(trainer,),
+                                    daemon=True, name='peer_watch')
     self._thread.start()
 
   def end(self, session):
@@ -91,10 +87,12 @@ class PeerWatch(tf1.train.SessionRunHook):
     self._stop.set()
     self._thread.join()
 
-  def _training(self) -> bool:
+  @staticmethod
+  def _training(trainer) -> bool:
     """Whether the call that made the session is still running."""
-    frame = sys._current_frames().get(self._training_thread)  # pylint: disable=protected-access
-    while frame is not None and frame is not self._trainer:
+    thread, maker = trainer
+    frame = sys._current_frames().get(thread)  # pylint: disable=protected-access
+    while frame is not None and frame is not maker:
       frame = frame.f_back
     return frame is not None
 
@@ -106,19 +104,20 @@ class PeerWatch(tf1.train.SessionRunHook):
     except OSError:
       return False
 
-  def _watch(self) -> None:
+  def _watch(self, trainer) -> None:
     try:
-      self._probe()
+      self._probe(trainer)
     finally:
-      self._trainer = None  # Frees the frame and what it holds.
+      trainer.clear()
 
-  def _probe(self) -> None:
+  def _probe(self, trainer) -> None:
     last_answer = time.monotonic()
-    while not self._stop.wait(self._poll) and self._training():
+    while not self._stop.wait(self._poll) and self._training(trainer):
       now = time.monotonic()
       if self._reachable():
         last_answer = now
-      elif now - last_answer > self._timeout and self._training():
+      elif (now - last_answer > self._timeout and
+            self._training(trainer)):
         host, port = self._address
         self._on_lost(
             f'{self._task}: the chief ({self._peer} at {host}:{port}) has '

@@ -45,6 +45,17 @@ def test_a_peer_that_failed_or_stopped_is_one_line(error, says):
   assert message.endswith(_REMEDY) and '\n' not in message
 
 
+def test_a_task_restarted_alone_is_told_to_restart_every_task():
+  error = tf.errors.FailedPreconditionError(
+      None, None, 'Device /job:worker/replica:0/task:0/device:CPU:0 current '
+      "incarnation doesn't match with one in the group. This usually means "
+      "this worker has restarted but the collective leader hasn't")
+  message = sync_errors.cli_message(error, _SYNC)
+  assert message.startswith('worker:0: this task was restarted but the '
+                            'chief was not')
+  assert message.endswith(_REMEDY)
+
+
 @pytest.mark.parametrize('error, tf_config', [
     # Not a collective's timeout.
     (tf.errors.DeadlineExceededError(None, None, 'Timed out waiting'), _SYNC),
@@ -53,6 +64,7 @@ def test_a_peer_that_failed_or_stopped_is_one_line(error, says):
     (tf.errors.UnavailableError(None, None, 'ps gone'),
      {**_SYNC, 'cluster': {**_SYNC['cluster'], 'ps': ['c:1']}}),
     (tf.errors.UnknownError(None, None, 'something else'), _SYNC),
+    (tf.errors.FailedPreconditionError(None, None, 'not initialized'), _SYNC),
 ])
 def test_other_errors_are_left_alone(error, tf_config):
   assert sync_errors.cli_message(error, tf_config) is None

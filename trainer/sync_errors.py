@@ -10,7 +10,9 @@ messages are pages of graph context:
 * UnavailableError from a collective whose peer's server is gone;
 * the restart guard's RuntimeError (task_sync.TaskGroup.restart_guard),
   reported as an UnknownError, when the Estimator re-creates the session
-  after a peer died.
+  after a peer died;
+* FailedPreconditionError from the chief's group leader when this task was
+  restarted alone (a per-task restart policy) and the chief was not.
 
 `cli_message` turns each into one line that names the task and the remedy:
 restart every task (they resume from the chief's last checkpoint).
@@ -27,6 +29,8 @@ _GUARD = re.compile(r'\S+: ' + re.escape(task_sync.RESTARTED) +
                     r'[^\n]*?checkpoint\.')
 _REMEDY = ('Restart every task; they resume from the chief\'s last '
            'checkpoint.')
+# What the group leader says to a task that restarted without it.
+_RESTARTED_ALONE = "incarnation doesn't match with one in the group"
 _ENDED_EARLY = ('stopped because its input ended after fewer steps (every '
                 'task\'s input must give the same number of steps)')
 
@@ -72,6 +76,11 @@ def cli_message(error: BaseException,
     return (f'{task}: a collective of the synchronous cluster waited longer '
             'than sync_timeout_secs for another task, which is stuck, '
             f'started too late, failed, or {_ENDED_EARLY}. {_REMEDY}')
+  if (isinstance(error, tf.errors.FailedPreconditionError) and
+      _RESTARTED_ALONE in error.message):
+    return (f'{task}: this task was restarted but the chief was not, and '
+            'the chief\'s collectives still wait for the task that died; a '
+            f'synchronous cluster restarts only as a whole. {_REMEDY}')
   if isinstance(error, tf.errors.UnavailableError):
     return (f'{task}: another task of the synchronous cluster is '
             f'unreachable: it failed, or {_ENDED_EARLY}. {_REMEDY}')

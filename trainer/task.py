@@ -62,8 +62,9 @@ def main(argv):
       raise  # Not a data check: TensorFlow's own error, traceback and all.
     raise cli.Failure(message) from e
   except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
-          tf.errors.UnknownError) as e:
-    # A peer of a synchronous cluster died, stopped or ended early.
+          tf.errors.UnknownError, tf.errors.FailedPreconditionError) as e:
+    # A peer of a synchronous cluster died, stopped, restarted alone or
+    # ended early.
     message = sync_errors.cli_message(e, cluster_config.load_tf_config())
     if message is None:
       raise
