@@ -160,6 +160,31 @@ def test_killed_worker_is_restarted_and_rejoins(tmp_path):
   _assert_all_stopped(job)
 
 
+def test_a_killed_worker_restarts_every_synchronous_task(tmp_path):
+  # Without ps the chief and the worker train each step together: the
+  # survivor cannot go on alone, so both restart from the chief's last
+  # checkpoint, which nothing before it may undo.
+  job = tmp_path / 'job'
+  process = _launch(job, '--workers=1', '--ps=0', '--no-evaluator',
+                    '--max-restarts=1',
+                    task_args=('--aggregation=all_reduce', '--cpu-towers=2',
+                               '--train-steps=600',
+                               '--save-checkpoints-steps=100'))
+  saved, code, err = _kill_after_checkpoint(job, process, 'worker:0', 100)
+  assert code == 0, err[-3000:]
+  assert ('worker:0 exited with signal SIGKILL; the synchronous tasks '
+          'cannot go on without it: restarting chief:0, worker:0') in err
+  state = _state(job)
+  assert state['chief:0']['restarts'] == state['worker:0']['restarts'] == 1
+  assert _step(job) == 600  # In lockstep: no racing steps past the target.
+  log = open(job / 'logs' / 'chief-0.log', errors='replace').read()
+  restart = log.rindex('(restart 1)')
+  resumed = re.findall(r'Resuming from \S*model\.ckpt-(\d+)',
+                       log[restart:])
+  assert resumed and int(resumed[0]) >= saved, resumed
+  _assert_all_stopped(job)
+
+
 def test_restarted_ps_recovers_or_rerun_resumes(tmp_path):
   job = tmp_path / 'job'
   args = ('--workers=1', '--ps=1', '--no-evaluator', '--max-restarts=1')
@@ -234,27 +259,3 @@ def test_ctrl_c_lets_the_chief_save_before_the_ps_stops(tmp_path):
   _assert_all_stopped(job)
   assert 'interrupted by SIGINT; every task was stopped' in err
 
-
-def test_a_killed_worker_restarts_every_synchronous_task(tmp_path):
-  # Without ps the chief and the worker train each step together: the
-  # survivor cannot go on alone, so both restart from the chief's last
-  # checkpoint, which nothing before it may undo.
-  job = tmp_path / 'job'
-  process = _launch(job, '--workers=1', '--ps=0', '--no-evaluator',
-                    '--max-restarts=1',
-                    task_args=('--aggregation=all_reduce', '--cpu-towers=2',
-                               '--train-steps=600',
-                               '--save-checkpoints-steps=100'))
-  saved, code, err = _kill_after_checkpoint(job, process, 'worker:0', 100)
-  assert code == 0, err[-3000:]
-  assert ('worker:0 exited with signal SIGKILL; the synchronous tasks '
-          'cannot go on without it: restarting chief:0, worker:0') in err
-  state = _state(job)
-  assert state['chief:0']['restarts'] == state['worker:0']['restarts'] == 1
-  assert _step(job) == 600  # In lockstep: no racing steps past the target.
-  log = open(job / 'logs' / 'chief-0.log', errors='replace').read()
-  restart = log.rindex('(restart 1)')
-  resumed = re.findall(r'Resuming from \S*model\.ckpt-(\d+)',
-                       log[restart:])
-  assert resumed and int(resumed[0]) >= saved, resumed
-  _assert_all_stopped(job)
