@@ -21,6 +21,7 @@ from estimator_towers import loss_scaling
 from estimator_towers import moving_statistics
 from estimator_towers import one_update
 from estimator_towers import optimizer_iterations
+from estimator_towers import peer_watch
 from estimator_towers import replicas as replicas_lib
 from estimator_towers import sharding
 from estimator_towers import spec_merge
@@ -130,7 +131,10 @@ def replicate_model_fn(model_fn: ModelFn,
       need ps tasks in a cluster.
     sync_timeout_secs: In a synchronous cluster, how long a task waits for
       the others at a collective (including the start, when the chief
-      broadcasts its variables) before it fails instead of hanging.
+      broadcasts its variables) before it fails instead of hanging; a
+      worker whose chief's server has not answered for that long ends its
+      process with one line (peer_watch). See docs/cluster.md, "Faults in
+      a synchronous cluster".
 
   Returns:
     A model_fn with the signature `(features, labels, mode, params, config)`.
@@ -207,7 +211,12 @@ def replicate_model_fn(model_fn: ModelFn,
     builder = _TowerBuilder(model_fn, tower_devices, variables_device,
                             loss_reduction, mode, aggregation,
                             loss_scaling.automatic(config), task_group)
-    return builder.build(features, labels, kwargs)
+    spec = builder.build(features, labels, kwargs)
+    if task_group is not None:
+      watch = peer_watch.for_task(config, sync_timeout_secs)
+      if watch is not None:  # A worker: its chief's death must end it.
+        spec = spec._replace(training_hooks=(*spec.training_hooks, watch))
+    return spec
 
   return replicated_model_fn
 

@@ -42,6 +42,8 @@ tf1 = tf.compat.v1
 
 TRAINING_JOBS = ('chief', 'master', 'worker')
 DEFAULT_TIMEOUT_SECS = 300.0
+# What the restart guard's error says (trainer.sync_errors finds it).
+RESTARTED = 'a task of the synchronous cluster failed or restarted'
 _GROUP_KEY = 0x7E58_0001
 _KEY_SPACE = 2**30
 # Every key this process handed out: key -> what it carries.
@@ -280,11 +282,10 @@ class TaskGroup:
     def check():
       created[0] += 1
       if created[0] > 1:
-        raise RuntimeError(
-            f'{task}: a task of the synchronous cluster failed or restarted '
-            '(its collectives broke off), and this task cannot train alone. '
-            'Restart every task; they resume from the chief\'s last '
-            'checkpoint.')
+        raise RuntimeError(f'{task}: {RESTARTED} (its collectives broke off), '
+                           'and this task cannot train alone. Restart every '
+                           'task; they resume from the chief\'s last '
+                           'checkpoint.')
       return 0
 
     with tf.device(tf.DeviceSpec.from_string(self.device).replace(

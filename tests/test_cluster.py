@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -81,6 +82,23 @@ def _reached(job_dir, target, training_tasks=2):
   it sees the target, but the others may still add the step they are in.
   """
   return target <= _step(job_dir) <= target + 2 * training_tasks
+
+
+def _kill_after_checkpoint(job_dir, process, task, step):
+  """SIGKILLs `task` once a checkpoint of `step` or later is saved.
+
+  Returns:
+    The checkpoint step saved before the kill, the launcher's exit code and
+    its stderr.
+  """
+  try:
+    _wait(lambda: _step(job_dir) >= step, _START_SECS, 'a checkpoint',
+          process)
+    saved = _step(job_dir)
+    os.kill(_state(job_dir)[task]['pid'], signal.SIGKILL)
+  finally:
+    code, _, err = _finish(process)
+  return saved, code, err
 
 
 def _log_has(job_dir, task, text):
@@ -195,17 +213,37 @@ def test_killed_worker_is_restarted_and_rejoins(tmp_path):
   _assert_all_stopped(job)
 
 
+def test_a_killed_worker_restarts_every_synchronous_task(tmp_path):
+  # Without ps the chief and the worker train each step together: the
+  # survivor cannot go on alone, so both restart from the chief's last
+  # checkpoint, which nothing before it may undo.
+  job = tmp_path / 'job'
+  process = _launch(job, '--workers=1', '--ps=0', '--no-evaluator',
+                    '--max-restarts=1',
+                    task_args=('--aggregation=all_reduce', '--cpu-towers=2',
+                               '--train-steps=600',
+                               '--save-checkpoints-steps=100'))
+  saved, code, err = _kill_after_checkpoint(job, process, 'worker:0', 100)
+  assert code == 0, err[-3000:]
+  assert ('worker:0 exited with signal SIGKILL; the synchronous tasks '
+          'cannot go on without it: restarting chief:0, worker:0') in err
+  state = _state(job)
+  assert state['chief:0']['restarts'] == state['worker:0']['restarts'] == 1
+  assert _step(job) == 600  # In lockstep: no racing steps past the target.
+  log = open(job / 'logs' / 'chief-0.log', errors='replace').read()
+  restart = log.rindex('(restart 1)')
+  resumed = re.findall(r'Resuming from \S*model\.ckpt-(\d+)',
+                       log[restart:])
+  assert resumed and int(resumed[0]) >= saved, resumed
+  _assert_all_stopped(job)
+
+
 def test_restarted_ps_recovers_or_rerun_resumes(tmp_path):
   job = tmp_path / 'job'
   args = ('--workers=1', '--ps=1', '--no-evaluator', '--max-restarts=1')
   task_args = ('--train-steps=4000', '--save-checkpoints-steps=500')
-  process = _launch(job, *args, task_args=task_args)
-  try:
-    _wait(lambda: _step(job) >= 500, _START_SECS, 'a checkpoint', process)
-    saved = _step(job)
-    os.kill(_state(job)['ps:0']['pid'], signal.SIGKILL)
-  finally:
-    code, _, err = _finish(process)
+  saved, code, err = _kill_after_checkpoint(
+      job, _launch(job, *args, task_args=task_args), 'ps:0', 500)
   _assert_all_stopped(job)
   if code != 0:
     # The workers failed clearly; a re-run resumes from the chief's last
@@ -273,3 +311,4 @@ def test_ctrl_c_lets_the_chief_save_before_the_ps_stops(tmp_path):
   assert not any(task['running'] for task in state.values()), state
   _assert_all_stopped(job)
   assert 'interrupted by SIGINT; every task was stopped' in err
+

@@ -16,10 +16,12 @@ from absl import logging
 import tensorflow as tf
 
 from trainer import cli
+from trainer import cluster_config
 from trainer import data_errors
 from trainer import environment
 from trainer import options as options_lib
 from trainer import preemption
+from trainer import sync_errors
 from trainer import train
 
 options_lib.define_flags()
@@ -58,6 +60,15 @@ def main(argv):
     message = data_errors.cli_message(e)
     if message is None:
       raise  # Not a data check: TensorFlow's own error, traceback and all.
+    raise cli.Failure(message) from e
+  except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
+          tf.errors.UnknownError, tf.errors.FailedPreconditionError) as e:
+    # A peer of a synchronous cluster died, stopped, restarted alone or
+    # ended early.
+    message = sync_errors.cli_message(e, cluster_config.load_tf_config())
+    if message is None:
+      raise
+    logging.debug('Traceback of the error below:', exc_info=True)
     raise cli.Failure(message) from e
   except tf.compat.v1.train.NanLossDuringTrainingError as e:
     raise cli.Failure(

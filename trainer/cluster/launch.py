@@ -7,6 +7,12 @@ for good, and stops the parameter servers (which never exit by themselves)
 once the chief and the evaluator are done. Stopping is ordered: the chief,
 workers and evaluator first (the chief saves a checkpoint on SIGTERM, which
 needs the parameter servers that hold the variables), the ps last.
+
+A synchronous cluster (no ps: the chief and workers train one step together)
+cannot restart one task alone: the others have failed or are waiting for a
+peer that will never rejoin their collectives. There, the death of a chief
+or worker restarts every chief and worker task (the group), up to the limit
+counted per group restart; they resume from the chief's last checkpoint.
 """
 
 import dataclasses
@@ -25,6 +31,8 @@ from trainer.cluster import private_network
 # Signals that must not cut a stop short: a second Ctrl-C would otherwise
 # leave tasks running and logs/cluster.json saying so.
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# The tasks of a synchronous cluster's group.
+_TRAINING_JOBS = ('chief', 'worker')
 
 
 @dataclasses.dataclass
@@ -59,6 +67,12 @@ def cluster_spec(num_workers: int, num_ps: int) -> Dict[str, List[str]]:
   return spec
 
 
+def is_synchronous(spec: Dict[str, List[str]]) -> bool:
+  """Whether the cluster's chief and workers train in lockstep (no ps)."""
+  return not spec.get('ps') and sum(
+      len(spec.get(job, [])) for job in _TRAINING_JOBS) > 1
+
+
 def make_tasks(spec: Dict[str, List[str]], evaluator: bool,
                log_dir: str) -> List[Task]:
   """A Task for every address of `spec`, plus an evaluator if asked."""
@@ -84,15 +98,20 @@ class Supervisor:
     max_restarts: How often each task may be restarted after dying.
     state_path: Where to keep a JSON view of the tasks and their pids.
     grace_secs: How long a task gets to stop after SIGTERM before SIGKILL.
+    restart_together: A synchronous cluster: a chief or worker that dies
+      restarts them all, and `max_restarts` counts these group restarts.
   """
 
   def __init__(self, tasks: Sequence[Task], task_args: Sequence[str],
-               max_restarts: int, state_path: str, grace_secs: float = 10.0):
+               max_restarts: int, state_path: str, grace_secs: float = 10.0,
+               restart_together: bool = False):
     self._tasks = list(tasks)
     self._args = list(task_args)
     self._max_restarts = max_restarts
     self._state_path = state_path
     self._grace = grace_secs
+    self._together = restart_together
+    self._group_restarts = 0
 
   def run(self, poll_secs: float = 0.5) -> None:
     """Starts every task and supervises them.
@@ -137,6 +156,9 @@ class Supervisor:
         task.exit_code = 0
         logging.info('%s finished.', task.name)
         continue
+      if self._in_group(task):
+        self._restart_group(task, code)
+        return
       if task.restarts >= self._max_restarts:
         task.exit_code = code
         raise ClusterFailed(
@@ -149,6 +171,39 @@ class Supervisor:
                       self._max_restarts)
       self._start(task)
       self._write_state()
+
+  def _in_group(self, task: Task) -> bool:
+    """Whether `task` trains in lockstep with others still training."""
+    chief_done = any(t.type == 'chief' and t.exit_code == 0
+                     for t in self._tasks)
+    return self._together and task.type in _TRAINING_JOBS and not chief_done
+
+  def _restart_group(self, failed: Task, code: int) -> None:
+    """Stops and restarts every chief and worker after `failed` died.
+
+    Raises:
+      ClusterFailed: the group was restarted `max_restarts` times already.
+    """
+    if self._group_restarts >= self._max_restarts:
+      failed.exit_code = code
+      raise ClusterFailed(
+          f'{failed.name} exited with {_describe(code)} after '
+          f'{self._group_restarts} restart(s) of the synchronous tasks; '
+          f'stopped the cluster. Its log: {failed.log_path}\n'
+          f'{_tail(failed.log_path)}')
+    self._group_restarts += 1
+    group = [t for t in self._tasks if t.type in _TRAINING_JOBS]
+    logging.warning(
+        '%s exited with %s; the synchronous tasks cannot go on without it: '
+        'restarting %s from the chief\'s last checkpoint (%d of %d).',
+        failed.name, _describe(code), ', '.join(t.name for t in group),
+        self._group_restarts, self._max_restarts)
+    self._stop([t for t in group if t.process.poll() is None],
+               signal.SIGTERM)
+    for task in group:
+      task.restarts += 1
+      self._start(task)
+    self._write_state()
 
   def _finished(self) -> bool:
     """Done when the chief and the evaluator (if any) exited cleanly."""

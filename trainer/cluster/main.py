@@ -38,7 +38,9 @@ cli.define(flags.DEFINE_integer, 'ps', 1,
            'global batch, gradients all-reduced).', lower_bound=0)
 cli.define(flags.DEFINE_boolean, 'evaluator', True, 'Run an evaluator task.')
 cli.define(flags.DEFINE_integer, 'max-restarts', 0,
-           'Times each task may be restarted after dying.', lower_bound=0)
+           'Times each task may be restarted after dying. With --ps=0 (a '
+           'synchronous cluster) a chief or worker that dies restarts all '
+           'of them, and this counts those restarts.', lower_bound=0)
 cli.define(flags.DEFINE_float, 'grace-secs', 10.0,
            'Seconds a task gets after SIGTERM before SIGKILL.',
            lower_bound=0.0)
@@ -70,7 +72,8 @@ def run(argv) -> None:
                spec, _mode(spec), private_network.interfaces())
   supervisor = cluster_launch.Supervisor(
       tasks, _task_args(argv), cli.value('max-restarts'),
-      os.path.join(log_dir, 'cluster.json'), cli.value('grace-secs'))
+      os.path.join(log_dir, 'cluster.json'), cli.value('grace-secs'),
+      restart_together=cluster_launch.is_synchronous(spec))
   supervisor.run()
 
 

@@ -1,0 +1,70 @@
+"""sync_errors: a synchronous cluster's failures as one line naming the task.
+
+The errors are TensorFlow's own exception types with the messages TF 2.15
+gives them (tests/test_sync_faults.py raises the real ones in processes).
+"""
+
+import pytest
+import tensorflow as tf
+
+from estimator_towers import task_sync
+from trainer import sync_errors
+
+_SYNC = {'cluster': {'chief': ['a:1'], 'worker': ['b:1']},
+         'task': {'type': 'worker', 'index': 0}}
+_REMEDY = "Restart every task; they resume from the chief's last checkpoint."
+_TIMED_OUT = ('From /job:chief/replica:0/task:0:\nCollective ops is aborted '
+              'by: Collective has timed out during execution.\n\t [[{{node '
+              'sum_over_tasks/CollectiveReduce}}]]')
+
+
+def _guard_error():
+  line = (f'worker:0: {task_sync.RESTARTED} (its collectives broke off), and '
+          f'this task cannot train alone. {_REMEDY}')
+  return line, tf.errors.UnknownError(
+      None, None, f'2 root error(s) found.\n  (0) UNKNOWN: RuntimeError: '
+      f'{line}\nTraceback (most recent call last):\n  ...\n\t [[{{{{node '
+      'restart_guard}}}}]]')
+
+
+def test_the_restart_guard_says_its_own_line():
+  line, error = _guard_error()
+  assert sync_errors.cli_message(error, _SYNC) == line
+
+
+@pytest.mark.parametrize('error, says', [
+    (tf.errors.DeadlineExceededError(None, None, _TIMED_OUT),
+     'waited longer than sync_timeout_secs'),
+    (tf.errors.UnavailableError(None, None, 'Connection reset by peer'),
+     'is unreachable'),
+])
+def test_a_peer_that_failed_or_stopped_is_one_line(error, says):
+  message = sync_errors.cli_message(error, _SYNC)
+  assert message.startswith('worker:0: ') and says in message
+  assert "every task's input must give the same number of steps" in message
+  assert message.endswith(_REMEDY) and '\n' not in message
+
+
+def test_a_task_restarted_alone_is_told_to_restart_every_task():
+  error = tf.errors.FailedPreconditionError(
+      None, None, 'Device /job:worker/replica:0/task:0/device:CPU:0 current '
+      "incarnation doesn't match with one in the group. This usually means "
+      "this worker has restarted but the collective leader hasn't")
+  message = sync_errors.cli_message(error, _SYNC)
+  assert message.startswith('worker:0: this task was restarted but the '
+                            'chief was not')
+  assert message.endswith(_REMEDY)
+
+
+@pytest.mark.parametrize('error, tf_config', [
+    # Not a collective's timeout.
+    (tf.errors.DeadlineExceededError(None, None, 'Timed out waiting'), _SYNC),
+    # Not a synchronous cluster: one process, or ps tasks.
+    (tf.errors.DeadlineExceededError(None, None, _TIMED_OUT), None),
+    (tf.errors.UnavailableError(None, None, 'ps gone'),
+     {**_SYNC, 'cluster': {**_SYNC['cluster'], 'ps': ['c:1']}}),
+    (tf.errors.UnknownError(None, None, 'something else'), _SYNC),
+    (tf.errors.FailedPreconditionError(None, None, 'not initialized'), _SYNC),
+])
+def test_other_errors_are_left_alone(error, tf_config):
+  assert sync_errors.cli_message(error, tf_config) is None

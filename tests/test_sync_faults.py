@@ -1,0 +1,103 @@
+"""Faults of a synchronous cluster: every task ends, none hangs or loops.
+
+A chief and a worker on loopback (tests/sync_fault_cluster.py), each with
+sync_timeout_secs=_TIMEOUT, in a network namespace of their own. For each
+fault, the tasks still alive must exit 1 within a bounded time with one
+line that names the task and says to restart every task. A worker that
+starts late, but within the timeout, trains the numbers of one process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import conftest
+from tests import sync_cluster_task
+from tests import sync_fault_cluster
+from trainer.cluster import private_network
+
+_TIMEOUT = 10
+# A fault must end every live task within the timeout, plus the time a
+# busy two-core machine takes to notice, unwind and exit.
+_BOUND = _TIMEOUT + 25
+_REMEDY = "Restart every task; they resume from the chief's last checkpoint."
+
+
+def _scenario(model_dir, scenario, **args):
+  args = {'model_dir': str(model_dir), 'timeout': _TIMEOUT, **args}
+  command = private_network.unshare_command() + [
+      '--', sys.executable, sync_fault_cluster.__file__, 'scenario',
+      scenario, json.dumps(args)]
+  done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                        stdin=subprocess.DEVNULL,
+                        env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'})
+  assert done.returncode == 0, done.stderr[-3000:]
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _assert_failed_clearly(report, task, says):
+  assert report['code'] == 1, report
+  assert report['secs'] is not None and report['secs'] < _BOUND, report
+  assert report['line'].startswith(f'{task}: '), report
+  assert says in report['line'] and report['line'].endswith(_REMEDY), report
+
+
+@pytest.fixture(autouse=True)
+def _namespaces():
+  private_network.check_unshare_works()
+
+
+@pytest.mark.parametrize('scenario, survivor, says', [
+    # The chief's collectives time out, or break off and the restart guard
+    # ends the re-created session.
+    ('kill_worker', 'chief', 'synchronous cluster'),
+    ('kill_chief', 'worker', 'synchronous cluster'),
+    ('stop_worker', 'chief', 'waited longer than sync_timeout_secs'),
+    # The worker's input ends first: it stops like one process would, and
+    # the chief, whose input goes on, must not wait for it forever.
+    ('short_input', 'chief', "every task's input must give the same number"),
+])
+def test_the_survivor_of_a_fault_exits_with_one_line(tmp_path, scenario,
+                                                     survivor, says):
+  report = _scenario(tmp_path, scenario, steps=200, step_secs=0.2,
+                     worker_batches=3)
+  _assert_failed_clearly(report[survivor], f'{survivor}:0', says)
+
+
+def test_a_worker_started_after_the_chief_gave_up_exits_too(tmp_path):
+  # The chief waits sync_timeout_secs for the worker, then fails; the
+  # worker, whose chief is gone, would ask it for step ids forever without
+  # peer_watch.
+  report = _scenario(tmp_path, 'after_chief', steps=5)
+  chief, worker = report['chief'], report['worker']
+  assert chief['code'] == 1 and 'sync_timeout_secs' in chief['line'], report
+  _assert_failed_clearly(worker, 'worker:0', 'the chief (chief:0 at')
+
+
+def test_a_worker_late_within_the_timeout_trains_as_one_process(tmp_path):
+  steps = 3
+  cluster_dir, one_dir = tmp_path / 'cluster', tmp_path / 'one'
+  rows = sum(sync_fault_cluster.ROWS)
+  conftest.save_start_checkpoint(
+      sync_cluster_task.model_fn,
+      lambda: sync_cluster_task.global_batches(rows, steps).take(1),
+      [cluster_dir, one_dir])
+  report = _scenario(cluster_dir, 'late_worker', steps=steps,
+                     late_secs=_TIMEOUT // 3)
+  assert report['chief']['code'] == 0 and report['worker']['code'] == 0, (
+      report)
+  estimator = conftest.make_estimator(sync_cluster_task.model_fn, one_dir,
+                                      towers=4, aggregation='all_reduce')
+  estimator.train(lambda: sync_cluster_task.global_batches(rows, steps),
+                  max_steps=steps)
+  chief = tf.train.load_checkpoint(str(cluster_dir))
+  actual = {name: chief.get_tensor(name)
+            for name in chief.get_variable_to_shape_map()}
+  assert int(actual['global_step']) == steps
+  conftest.assert_same_variables(conftest.variables_of(estimator), actual,
+                                 rtol=1e-4, atol=1e-5)

@@ -1,0 +1,87 @@
+"""Failures of a synchronous cluster, as one line for the command line.
+
+In a cluster of a chief and workers without ps (estimator_towers.task_sync)
+no task can train without the others. When one dies, stops, starts too late
+or ends its input early, the others fail with TensorFlow errors whose
+messages are pages of graph context:
+
+* DeadlineExceededError from a collective that waited longer than
+  sync_timeout_secs (a stuck, late or finished peer);
+* UnavailableError from a collective whose peer's server is gone;
+* the restart guard's RuntimeError (task_sync.TaskGroup.restart_guard),
+  reported as an UnknownError, when the Estimator re-creates the session
+  after a peer died;
+* FailedPreconditionError from the chief's group leader when this task was
+  restarted alone (a per-task restart policy) and the chief was not.
+
+`cli_message` turns each into one line that names the task and the remedy:
+restart every task (they resume from the chief's last checkpoint).
+"""
+
+import re
+from typing import Any, Dict, Optional
+
+import tensorflow as tf
+
+from estimator_towers import task_sync
+
+_GUARD = re.compile(r'\S+: ' + re.escape(task_sync.RESTARTED) +
+                    r'[^\n]*?checkpoint\.')
+_REMEDY = ('Restart every task; they resume from the chief\'s last '
+           'checkpoint.')
+# What the group leader says to a task that restarted without it.
+_RESTARTED_ALONE = "incarnation doesn't match with one in the group"
+_ENDED_EARLY = ('stopped because its input ended after fewer steps (every '
+                'task\'s input must give the same number of steps)')
+
+
+def _task(tf_config: Dict[str, Any]) -> str:
+  task = tf_config.get('task') or {}
+  return f'{task.get("type")}:{task.get("index", 0)}'
+
+
+def is_sync(tf_config: Optional[Dict[str, Any]]) -> bool:
+  """Whether TF_CONFIG names a training task of a cluster without ps."""
+  if not tf_config:
+    return False
+  cluster = tf_config.get('cluster') or {}
+  training = sum(len(cluster.get(job) or ())
+                 for job in task_sync.TRAINING_JOBS)
+  task_type = (tf_config.get('task') or {}).get('type')
+  return (training > 1 and not cluster.get('ps') and
+          task_type in task_sync.TRAINING_JOBS)
+
+
+def cli_message(error: BaseException,
+                tf_config: Optional[Dict[str, Any]]) -> Optional[str]:
+  """The one-line message of a synchronous cluster's failure.
+
+  Args:
+    error: An exception from training.
+    tf_config: TF_CONFIG as a dict (None without one).
+
+  Returns:
+    E.g. 'worker:0: a collective of the synchronous cluster timed out ...
+    Restart every task; ...'; None when `error` is not such a failure
+    (re-raise it then).
+  """
+  if not isinstance(error, tf.errors.OpError) or not is_sync(tf_config):
+    return None
+  guard = _GUARD.search(error.message)
+  if guard:
+    return guard.group(0)
+  task = _task(tf_config)
+  if (isinstance(error, tf.errors.DeadlineExceededError) and
+      'Collective' in error.message):
+    return (f'{task}: a collective of the synchronous cluster waited longer '
+            'than sync_timeout_secs for another task, which is stuck, '
+            f'started too late, failed, or {_ENDED_EARLY}. {_REMEDY}')
+  if (isinstance(error, tf.errors.FailedPreconditionError) and
+      _RESTARTED_ALONE in error.message):
+    return (f'{task}: this task was restarted but the chief was not, and '
+            'the chief\'s collectives still wait for the task that died; a '
+            f'synchronous cluster restarts only as a whole. {_REMEDY}')
+  if isinstance(error, tf.errors.UnavailableError):
+    return (f'{task}: another task of the synchronous cluster is '
+            f'unreachable: it failed, or {_ENDED_EARLY}. {_REMEDY}')
+  return None
