@@ -247,6 +247,11 @@ class TaskOptions:
       'docs/aggregation.md. Default: all_reduce in a TF_CONFIG cluster of '
       'training tasks without ps tasks (synchronous training, the only '
       'kind it allows), else global_loss.', enum_values=list(AGGREGATIONS))
+  sync_timeout_secs: float = _option(
+      _FLOAT, 300.0, 'In a synchronous cluster (no ps tasks): how long a '
+      'task waits for the others (at the start, at each step) before it '
+      'fails with one line instead of hanging; see docs/cluster.md.',
+      check=(lambda v: v > 0, 'must be a positive number of seconds'))
   cpu_towers: Optional[int] = _option(
       _INT, None, 'Train on this many virtual CPU devices (for machines '
       'without GPUs).', lower_bound=1)

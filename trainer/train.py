@@ -351,7 +351,8 @@ class _Run:
     self.estimator = tf.estimator.Estimator(
         _with_step_logging(
             _checked(options.model, replicate_model_fn(
-                model_fn, aggregation=self.aggregation)),
+                model_fn, aggregation=self.aggregation,
+                sync_timeout_secs=options.sync_timeout_secs)),
             options.train_batch_size, self.towers, options.train_steps,
             options.eval_steps),
         config=config, params=assembly.model_params(options, data))

@@ -79,10 +79,10 @@ def run(argv) -> None:
 
 def _mode(spec) -> str:
   """How the cluster's tasks train, in words for the log."""
+  if cluster_launch.is_synchronous(spec):
+    return 'sync: the chief and workers all-reduce each global batch'
   if spec.get('ps'):
     return 'async: the chief and workers update the ps\'s variables'
-  if spec.get('worker'):
-    return 'sync: the chief and workers all-reduce each global batch'
   return 'one training task'
 
 
