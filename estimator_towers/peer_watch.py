@@ -1,4 +1,15 @@
-"""Ends a worker of a synchronous cluster whose chief's server is gone.
+"""Ends a task of a synchronous cluster that would wait for its peers forever.
+
+Two watches, both training hooks with a background thread that ends the
+process with one line (the main thread is stuck in C++ and cannot be
+unwound): `StepWatch`, on every task, bounds each training step, and
+`PeerWatch`, on workers, bounds the wait for a chief that is gone.
+
+A step whose collectives wait for a task that is stuck, killed or whose
+input ended would wait forever: the steps' collectives have no timeout of
+their own (see task_sync). `StepWatch` arms at each step's `before_run`
+and disarms at its `after_run`; a step still running after timeout_secs
+(the cluster's sync_timeout_secs) ends the process.
 
 In a synchronous cluster (task_sync) the chief's server leads the
 collectives: before a session runs a graph with collectives, a worker asks
@@ -20,8 +31,8 @@ is stuck in C++ and cannot be unwound. Only the chief is watched: it leads,
 so it never waits for step ids, and a dead or stuck worker makes the
 collectives of every other task fail or time out.
 
-A stuck (e.g. stopped) chief still accepts connections; its collectives'
-timeout ends the workers instead.
+A stuck (e.g. stopped) chief still accepts connections; the workers' step
+watch ends them instead.
 """
 
 import os
@@ -29,7 +40,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 from absl import logging
 import tensorflow as tf
@@ -127,6 +138,67 @@ class PeerWatch(tf1.train.SessionRunHook):
         return
 
 
+class StepWatch(tf1.train.SessionRunHook):
+  """Ends the process when one training step runs longer than the timeout.
+
+  Args:
+    task: This task's name, e.g. 'chief:0', for the message.
+    timeout_secs: How long one step may run.
+    poll_secs: Seconds between checks.
+    on_stuck: Called with the message instead of ending the process (tests).
+  """
+
+  def __init__(self, task: str, timeout_secs: float, poll_secs: float = 1.0,
+               on_stuck: Optional[Callable[[str], None]] = None):
+    self._task = task
+    self._timeout = float(timeout_secs)
+    self._poll = float(poll_secs)
+    self._on_stuck = on_stuck or _exit_process
+    self._started: Optional[float] = None  # The running step's start.
+    self._stop = threading.Event()
+    self._thread = None
+
+  def begin(self):
+    self._stop.clear()
+    self._started = None
+    trainer = [threading.get_ident(), _session_maker(sys._getframe(1))]  # pylint: disable=protected-access
+    self._thread = threading.Thread(target=self._watch, args=(trainer,),
+                                    daemon=True, name='step_watch')
+    self._thread.start()
+
+  def before_run(self, run_context):
+    del run_context
+    self._started = time.monotonic()
+
+  def after_run(self, run_context, run_values):
+    del run_context, run_values
+    self._started = None
+
+  def end(self, session):
+    del session
+    self._stop.set()
+    self._thread.join()
+
+  def _watch(self, trainer) -> None:
+    try:
+      while (not self._stop.wait(self._poll) and
+             PeerWatch._training(trainer)):  # pylint: disable=protected-access
+        started = self._started
+        if (started is not None and
+            time.monotonic() - started > self._timeout and
+            PeerWatch._training(trainer)):  # pylint: disable=protected-access
+          self._on_stuck(
+              f'{self._task}: a training step of the synchronous cluster '
+              f'waited longer than sync_timeout_secs ({self._timeout:g} s) '
+              'for another task, which is stuck, failed, or stopped because '
+              'its input ended after fewer steps (every task\'s input must '
+              'give the same number of steps). Restart every task; they '
+              'resume from the chief\'s last checkpoint.')
+          return
+    finally:
+      trainer.clear()
+
+
 def _session_maker(frame):
   """The first frame, from `frame` outwards, outside monitored_session.py.
 
@@ -139,8 +211,8 @@ def _session_maker(frame):
   return frame
 
 
-def for_task(config, timeout_secs: float) -> Optional[PeerWatch]:
-  """The watch a training task of a synchronous cluster needs, if any.
+def for_task(config, timeout_secs: float) -> List[tf1.train.SessionRunHook]:
+  """The watches a training task of a synchronous cluster needs.
 
   Args:
     config: The Estimator's RunConfig (a cluster where
@@ -148,11 +220,14 @@ def for_task(config, timeout_secs: float) -> Optional[PeerWatch]:
     timeout_secs: The cluster's sync_timeout_secs.
 
   Returns:
-    A PeerWatch of the chief for a worker; None for the chief.
+    A StepWatch first (so that it times the step, not other hooks' work
+    around it), then, for a worker, a PeerWatch of the chief.
   """
-  if config.is_chief:
-    return None
-  cluster = config.cluster_spec.as_dict()
-  job = task_sync.leader(cluster).split('/')[1][len('job:'):]
-  return PeerWatch(f'{config.task_type}:{config.task_id}', f'{job}:0',
-                   cluster[job][0], timeout_secs)
+  task = f'{config.task_type}:{config.task_id}'
+  watches = [StepWatch(task, timeout_secs)]
+  if not config.is_chief:
+    cluster = config.cluster_spec.as_dict()
+    job = task_sync.leader(cluster).split('/')[1][len('job:'):]
+    watches.append(PeerWatch(task, f'{job}:0', cluster[job][0],
+                             timeout_secs))
+  return watches

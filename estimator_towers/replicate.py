@@ -213,9 +213,10 @@ def replicate_model_fn(model_fn: ModelFn,
                             loss_scaling.automatic(config), task_group)
     spec = builder.build(features, labels, kwargs)
     if task_group is not None:
-      watch = peer_watch.for_task(config, sync_timeout_secs)
-      if watch is not None:  # A worker: its chief's death must end it.
-        spec = spec._replace(training_hooks=(*spec.training_hooks, watch))
+      # A stuck or dead peer must end this task, not hang it.
+      spec = spec._replace(training_hooks=(
+          *peer_watch.for_task(config, sync_timeout_secs),
+          *spec.training_hooks))
     return spec
 
   return replicated_model_fn

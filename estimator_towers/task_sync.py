@@ -13,9 +13,13 @@ step's global batch. What makes the tasks one computation:
 * one start: after the chief restores (or initialises) the variables, its
   values are broadcast to every worker before step 1, inside the
   Scaffold's local_init_op;
-* one failure policy: a collective that waits longer than the timeout, or a
-  session the Estimator re-creates after a peer died, ends the task with an
-  error instead of a hang or an endless retry (see `restart_guard`).
+* one failure policy: the start's broadcast waits at most the timeout, a
+  session the Estimator re-creates after a peer died ends the task with an
+  error instead of an endless retry (see `restart_guard`), and a step that
+  waits longer than the timeout ends it too (peer_watch.StepWatch). The
+  steps' own collectives carry no timeout: TensorFlow holds a thread per
+  collective with a timeout until the timeout expires, which at tens of
+  collectives a second and a 300 s timeout is tens of thousands of threads.
 
 Collectives are keyed: a group key for the tasks, and an instance key per
 collective op that must be the same on every task for the same tensor and
@@ -107,7 +111,8 @@ class TaskGroup:
     config: The Estimator's RunConfig (a cluster where `is_sync_cluster`).
     tower_device: This task's first tower device ('/device:GPU:0'); the
       collectives run on that device of every task.
-    timeout_secs: How long a collective may wait for the other tasks.
+    timeout_secs: How long the start's broadcast may wait for the other
+      tasks (the steps are bounded by peer_watch.StepWatch).
   """
 
   def __init__(self, config, tower_device: str,
@@ -182,8 +187,7 @@ class TaskGroup:
         flat = tf.concat([tf.reshape(t, [-1]) for t in parts], 0)
         total = collective_ops.all_reduce(
             flat, self.size, _GROUP_KEY,
-            self._key(f'sum:{dtype.name}:{shapes}'), 'Add', 'Id',
-            timeout=self._timeout)
+            self._key(f'sum:{dtype.name}:{shapes}'), 'Add', 'Id')
         sizes = [_num_elements(s) for s in shapes]
         for i, piece, shape in zip(positions, tf.split(total, sizes),
                                    shapes):
@@ -203,18 +207,15 @@ class TaskGroup:
       # The number of rows varies with the batch; a row's shape may not.
       name = f'{values.dtype.name}:{_static_shape(values, first_dim=1)}'
       counts = collective_ops.all_gather(
-          rows, self.size, _GROUP_KEY, self._key(f'rows:{name}'),
-          timeout=self._timeout)
+          rows, self.size, _GROUP_KEY, self._key(f'rows:{name}'))
       most = tf.reduce_max(counts)
       pad = most - rows[0]
       values = tf.pad(values, [[0, pad]] + [[0, 0]] * (values.shape.rank - 1))
       indices = tf.pad(indices, [[0, pad]])
       all_values = collective_ops.all_gather(
-          values, self.size, _GROUP_KEY, self._key(f'values:{name}'),
-          timeout=self._timeout)
+          values, self.size, _GROUP_KEY, self._key(f'values:{name}'))
       all_indices = collective_ops.all_gather(
-          indices, self.size, _GROUP_KEY, self._key(f'indices:{name}'),
-          timeout=self._timeout)
+          indices, self.size, _GROUP_KEY, self._key(f'indices:{name}'))
       keep = tf.reshape(
           tf.sequence_mask(counts, most), [-1])
       return tf.IndexedSlices(

@@ -1,4 +1,4 @@
-"""peer_watch: a worker whose chief's server is gone ends instead of looping.
+"""peer_watch: a task that would wait for its peers forever ends instead.
 
 The multi-process case (a worker started after its chief gave up) is in
 tests/test_sync_faults.py; here the watch probes a plain loopback socket.
@@ -89,8 +89,57 @@ def _config(monkeypatch, task_type):
   return tf.estimator.RunConfig()
 
 
-def test_only_workers_watch_and_they_watch_the_chief(monkeypatch):
-  assert peer_watch.for_task(_config(monkeypatch, 'chief'), 5) is None
-  watch = peer_watch.for_task(_config(monkeypatch, 'worker'), 5)
+def test_every_task_times_its_steps_and_workers_watch_the_chief(
+    monkeypatch):
+  (chief_watch,) = peer_watch.for_task(_config(monkeypatch, 'chief'), 5)
+  assert isinstance(chief_watch, peer_watch.StepWatch)
+  step, watch = peer_watch.for_task(_config(monkeypatch, 'worker'), 5)
+  assert isinstance(step, peer_watch.StepWatch)
   assert isinstance(watch, peer_watch.PeerWatch)
   assert watch._address == ('127.0.0.1', 1111)  # pylint: disable=protected-access
+
+
+def _step_watch(reports, timeout_secs=0.3):
+  done = threading.Event()
+
+  def on_stuck(line):
+    reports.append(line)
+    done.set()
+
+  return peer_watch.StepWatch('chief:0', timeout_secs, poll_secs=0.05,
+                              on_stuck=on_stuck), done
+
+
+def test_a_step_longer_than_the_timeout_is_reported_and_short_ones_not():
+  reports = []
+  watch, stuck = _step_watch(reports)
+  watch.begin()
+  try:
+    # Many short steps, and long pauses between steps (checkpoints): fine.
+    for _ in range(20):
+      watch.before_run(None)
+      watch.after_run(None, None)
+    assert not stuck.wait(1.0), reports
+    watch.before_run(None)  # A step that never returns.
+    assert stuck.wait(30), 'the watch did not notice the stuck step'
+  finally:
+    watch.end(None)
+  assert len(reports) == 1
+  assert reports[0].startswith(
+      'chief:0: a training step of the synchronous cluster waited longer '
+      'than sync_timeout_secs (0.3 s)')
+  assert reports[0].endswith("resume from the chief's last checkpoint.")
+
+
+def test_the_step_watch_ends_when_training_fails():
+  reports = []
+  watch, stuck = _step_watch(reports)
+
+  def train():
+    watch.begin()
+    watch.before_run(None)
+    raise RuntimeError('the training failed')
+
+  with pytest.raises(RuntimeError):
+    train()
+  assert not stuck.wait(1.0), reports

@@ -53,8 +53,8 @@ def _namespaces():
 
 
 @pytest.mark.parametrize('scenario, survivor, says', [
-    # The chief's collectives time out, or break off and the restart guard
-    # ends the re-created session.
+    # The chief's step outlasts the step watch, or its collectives break
+    # off and the restart guard ends the re-created session.
     ('kill_worker', 'chief', 'synchronous cluster'),
     ('kill_chief', 'worker', 'synchronous cluster'),
     ('stop_worker', 'chief', 'waited longer than sync_timeout_secs'),
