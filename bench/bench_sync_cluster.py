@@ -66,7 +66,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from trainer.cluster import private_network  # pylint: disable=g-import-not-at-top,wrong-import-position
+from trainer.cluster import private_network  # pylint: disable=wrong-import-position
 
 CONFIGS = ('sync', 'async_ps', 'one', 'mwms', 'sync_1tower')
 QUICK_CONFIGS = CONFIGS[:4]
@@ -411,8 +411,9 @@ def _dnn_shapes():
 PACKING_MODELS = {'resnet20': _resnet20_shapes, 'dnn_2x256': _dnn_shapes}
 
 
-def _sum_graph(tf, task_group, device, prefix, shapes, packed):  # pylint: disable=too-many-arguments
+def _sum_graph(task_group, device, prefix, shapes, packed):
   """A graph whose one op sums `shapes`-shaped variables over the tasks."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf1 = tf.compat.v1
   graph = tf.Graph()
   with graph.as_default():
@@ -455,7 +456,7 @@ def run_pack_task(spec):
     sizes[model] = (len(shapes), sum(_count(s) for s in shapes))
     for packed, timeout in modes:
       graph, op, init = _sum_graph(
-          tf, groups[timeout], device, f'{model}_{packed}_{timeout}', shapes,
+          groups[timeout], device, f'{model}_{packed}_{timeout}', shapes,
           packed)
       session = tf1.Session(server.target, graph=graph)
       session.run(init)
@@ -515,6 +516,10 @@ def run_packing(args, work_dir):
 # --------------------------------------------------------------------------
 
 
+def _medians(rows):
+  return lambda key: statistics.median(row[key] for row in rows)
+
+
 def _print_table(results, global_batch):
   print(f'\nglobal batch {global_batch} per step; median over rounds; '
         'KB = 1000 bytes')
@@ -525,8 +530,7 @@ def _print_table(results, global_batch):
   for name in CONFIGS:
     if not results.get(name):
       continue
-    rows = results[name]
-    median = lambda key: statistics.median(r[key] for r in rows)  # pylint: disable=cell-var-from-loop
+    median = _medians(results[name])
     rate = median('examples_per_sec')
     print(f'{name:>11} {rate:>11.0f} {rate / one:>7.2f} '
           f'{median("sent_per_task_step") / 1e3:>18.1f} '
