@@ -1,6 +1,6 @@
 """Synchronous vs asynchronous loopback clusters, side by side (issue 18).
 
-    .venv/bin/python bench/bench_sync_cluster.py            # ~10 min
+    .venv/bin/python bench/bench_sync_cluster.py            # 5-9 min here
     .venv/bin/python bench/bench_sync_cluster.py --quick    # ~2 min
 
 Ways to train the same model (a 5000x32 embedding and a 2x256 DNN, Adam) on
@@ -277,7 +277,7 @@ def run_task(spec):
 
 
 def _tasks_of(name):
-  """[(job, index)] of a configuration; [] for one process."""
+  """[(job, index)] of a configuration; job None for the one process."""
   if name == 'one':
     return [(None, 0)]
   tasks = [('chief', 0), ('worker', 0)]
@@ -308,7 +308,7 @@ def _tail(path, lines=15):
 
 
 def run_config(name, args, work_dir):
-  """Runs one configuration until its window closes; the window + roles."""
+  """Runs one configuration until its window closes; its figures."""
   tasks = _tasks_of(name)
   cluster = {}
   for job, _ in tasks:
@@ -397,8 +397,10 @@ def _resnet20_shapes():
 
 
 def _dnn_shapes():
-  """This benchmark's dense variables (the embedding's gradient is sparse
-  and travels apart, gathered)."""
+  """This benchmark's dense variables' shapes.
+
+  The embedding's gradient is sparse: training gathers it apart.
+  """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
     features = {'x': tf.zeros([1, INPUT_DIM]),
@@ -626,6 +628,13 @@ def main(argv):
   if args.pack_spec:
     run_pack_task(json.loads(args.pack_spec))
     return 0
+  if args.global_batch <= 0 or args.global_batch % 4:
+    parser.error(f'--global-batch={args.global_batch}: give a positive '
+                 'multiple of 4 (2 tasks x 2 towers, or 4 towers)')
+  unknown = set(_names(args.configs or '')) - set(CONFIGS)
+  if unknown:
+    parser.error(f'unknown --configs {sorted(unknown)}; choose from '
+                 f'{",".join(CONFIGS)}')
   if not private_network.inside():
     return private_network.reexec_inside([os.path.abspath(__file__), *argv])
   if args.quick:
@@ -633,10 +642,6 @@ def main(argv):
     args.pack_rounds, args.pack_reps = 2, 20
   if args.configs is None:
     args.configs = ','.join(QUICK_CONFIGS if args.quick else CONFIGS)
-  unknown = set(_names(args.configs)) - set(CONFIGS)
-  if unknown:
-    parser.error(f'unknown --configs {sorted(unknown)}; choose from '
-                 f'{",".join(CONFIGS)}')
   benchmark(args)
   return 0
 
