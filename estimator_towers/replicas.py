@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import tensorflow as tf
 
 from estimator_towers import cross_device
+from estimator_towers import task_sync
 from tensorflow.python.ops import variables as variables_lib  # pylint: disable=g-direct-tensorflow-import,g-bad-import-order
 
 tf1 = tf.compat.v1
@@ -386,6 +387,20 @@ class Replicas:
                    for primary, copy in self.pairs()]
       return tf.group(after, *assigns)
 
+  def local_state(self) -> List[tf.Variable]:
+    """The local variables a synchronous cluster's chief broadcasts.
+
+    Not checkpointed, they are initialised by every task itself: one with a
+    random initializer (a fixed random projection) would differ between the
+    tasks, each computing its gradients with its own. The copies and their
+    slots are left out (set from their primaries afterwards), and so are
+    variables of unknown shape or of a dtype no collective carries.
+    """
+    copies = {_handle_name(copy) for _, copy in self.pairs()}
+    return [v for v in tf1.local_variables()
+            if _handle_name(v) not in copies and
+            task_sync.can_broadcast(v)]
+
   def scaffold(self, scaffold: tf1.train.Scaffold) -> tf1.train.Scaffold:
     """`scaffold` whose local_init_op also sets the copies."""
     return _SyncingScaffold(self, scaffold)
@@ -437,7 +452,8 @@ class _SyncingScaffold(tf1.train.Scaffold):
     with tf.control_dependencies(first):
       base = tf.group(base)
     with tf.control_dependencies([base]):
-      return tf.group(base, group.broadcast_op(tf1.global_variables()))
+      return tf.group(base, group.broadcast_op(
+          tf1.global_variables() + self._replicas.local_state()))
 
 
 def _local_sum(primary, grads: list, device: str):

@@ -38,6 +38,9 @@ from typing import Dict, Iterator, List, Optional, Sequence
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 
+_BROADCAST_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64,
+                     tf.int32, tf.int64)
+
 tf1 = tf.compat.v1
 
 TRAINING_JOBS = ('chief', 'master', 'worker')
@@ -235,8 +238,7 @@ class TaskGroup:
     by_dtype: Dict[tf.DType, List[tf.Variable]] = {}
     for variable in variables:
       dtype = variable.dtype.base_dtype
-      if dtype not in (tf.float16, tf.bfloat16, tf.float32, tf.float64,
-                       tf.int32, tf.int64):
+      if dtype not in _BROADCAST_DTYPES:
         raise ValueError(
             f'Variable {variable.name} has dtype {dtype.name}, which the '
             'tasks of a synchronous cluster cannot broadcast from the '
@@ -309,6 +311,12 @@ class TaskGroup:
             f'({_issued[key]!r} and {signature!r}). Build the training '
             'graph in a fresh process.')
     return key
+
+
+def can_broadcast(variable: tf.Variable) -> bool:
+  """Whether `broadcast_op` takes `variable`: a known shape and dtype."""
+  return (variable.dtype.base_dtype in _BROADCAST_DTYPES and
+          variable.shape.is_fully_defined())
 
 
 def _static_shape(tensor, first_dim: int = 0) -> List[int]:

@@ -41,11 +41,20 @@ tf1 = tf.compat.v1
 VOCAB = 7
 
 
-def model_fn(features, labels, mode, optimizer=None):
-  """Embedding (sparse gradients), dense layer, batch norm and Adam."""
+def model_fn(features, labels, mode, optimizer=None, projection=None):
+  """Embedding (sparse gradients), dense layer, batch norm and Adam.
+
+  With `projection` (an initializer), the features first go through a
+  fixed 4x4 matrix kept in a local variable: not checkpointed, so every
+  task initialises it, and a random one must still be the chief's.
+  """
+  x = features['x']
+  if projection is not None:
+    x = tf.matmul(x, tf1.get_local_variable(
+        'projection', [4, 4], initializer=projection))
   table = tf1.get_variable('embedding', [VOCAB, 3],
                            initializer=tf1.random_normal_initializer())
-  hidden = tf.concat([features['x'],
+  hidden = tf.concat([x,
                       tf.nn.embedding_lookup(table, features['ids'])], 1)
   hidden = tf1.layers.dense(hidden, 5, activation=tf.nn.tanh)
   hidden = tf1.layers.batch_normalization(
@@ -79,6 +88,12 @@ def task_input_fn(rows, steps):
         lambda f, l: ({k: v[begin:end] for k, v in f.items()},
                       l[begin:end]))
   return input_fn
+
+
+def projected_model_fn(features, labels, mode):
+  """model_fn through a random projection of its features (no seed)."""
+  return model_fn(features, labels, mode,
+                  projection=tf1.random_normal_initializer())
 
 
 def momentum_model_fn(features, labels, mode):
@@ -117,13 +132,17 @@ def sliced_input_fn(batch, total):
 
 
 class _SaveFinalVariables(tf1.train.SessionRunHook):
-  """Writes this task's variables to MODEL_DIR/final-<task>.npz at the end."""
+  """Writes this task's variables to MODEL_DIR/final-<task>.npz at the end.
+
+  Local ones too, but not the towers' copies of the trainable ones.
+  """
 
   def __init__(self, path):
     self._path = path
 
   def end(self, session):
-    variables = tf1.global_variables()
+    variables = tf1.global_variables() + [
+        v for v in tf1.local_variables() if '_replica/' not in v.op.name]
     values = session.run(variables)
     np.savez(self._path, **{v.op.name: x for v, x in zip(variables, values)})
 
@@ -134,7 +153,7 @@ def run_task(argv, sliced=False):
                                             cpu_devices=2)
   estimator = tf.estimator.Estimator(
       estimator_towers.replicate_model_fn(
-          momentum_model_fn if sliced else model_fn,
+          momentum_model_fn if sliced else projected_model_fn,
           aggregation='all_reduce', sync_timeout_secs=60),
       config=config)
   if sliced:  # STEPS is the global batch, ROWS the total; the input ends.

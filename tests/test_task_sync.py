@@ -51,9 +51,14 @@ def _first_logged_loss(model_dir):
   raise AssertionError(f'no loss summary in {model_dir}')
 
 
-def _one_process(model_dir):
-  estimator = conftest.make_estimator(sync_cluster_task.model_fn, model_dir,
-                                      towers=4, aggregation='all_reduce')
+def _one_process(model_dir, projection):
+  """One process on 4 towers, through the cluster chief's `projection`."""
+  def model_fn(features, labels, mode):
+    return sync_cluster_task.model_fn(
+        features, labels, mode,
+        projection=tf.compat.v1.constant_initializer(projection))
+  estimator = conftest.make_estimator(model_fn, model_dir, towers=4,
+                                      aggregation='all_reduce')
   estimator.train(
       lambda: sync_cluster_task.global_batches(sum(_ROWS), _STEPS),
       max_steps=_STEPS)
@@ -98,7 +103,11 @@ def test_chief_and_worker_train_as_one_process_on_the_global_batch(
                                  [cluster_dir, one_dir])
   done = _run_pair(cluster_dir)
   assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-  expected = _one_process(one_dir)
+  # The tasks' random local projection is the chief's (broadcast with the
+  # variables), so they train as one process through it.
+  chief_final = np.load(cluster_dir / 'final-chief-0.npz')
+  worker_final = np.load(cluster_dir / 'final-worker-0.npz')
+  expected = _one_process(one_dir, chief_final['projection'])
   chief = tf.train.load_checkpoint(str(cluster_dir))
   actual = {name: chief.get_tensor(name)
             for name in chief.get_variable_to_shape_map()}
@@ -113,8 +122,7 @@ def test_chief_and_worker_train_as_one_process_on_the_global_batch(
   assert chief_step == one_step
   np.testing.assert_allclose(chief_loss, one_loss, rtol=1e-5)
   # The worker ends with the chief's variables, bit for bit.
-  chief_final = np.load(cluster_dir / 'final-chief-0.npz')
-  worker_final = np.load(cluster_dir / 'final-worker-0.npz')
+  assert 'projection' in chief_final
   assert sorted(chief_final) == sorted(worker_final)
   for name in chief_final:
     np.testing.assert_array_equal(worker_final[name], chief_final[name],
