@@ -272,7 +272,9 @@ class _TowerBuilder:
     specs, update_ops = [], []
     graph = tf1.get_default_graph()
     with self._update.routing(), (
-        optimizer_iterations.same_iterations_accepted()):
+        optimizer_iterations.same_iterations_accepted()), (
+            self._task_group.own_random_seed() if self._task_group
+            else contextlib.nullcontext()):
       for i in range(num_towers):
         first_ids.append(_next_op_id(graph))
         spec, added = self._build_tower(i, feature_shards[i], label_shards[i],

@@ -38,6 +38,8 @@ from typing import Dict, Iterator, List, Optional, Sequence
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 
+# A prime far from small seeds: task k's graph seed is seed + k * stride.
+_SEED_STRIDE = 1_000_003
 _BROADCAST_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64,
                      tf.int32, tf.int64)
 
@@ -265,6 +267,29 @@ class TaskGroup:
                                           shapes):
           ops.append(variable.assign(tf.reshape(piece, shape)).op)
     return tf.group(*ops)
+
+  @contextlib.contextmanager
+  def own_random_seed(self) -> Iterator[None]:
+    """Inside, random ops of this task draw other numbers than its peers'.
+
+    Every task builds the same graph, so with a graph-level seed
+    (`tf_random_seed`) a random op (dropout, a random crop) gets the same
+    seed on every task: the workers' towers would repeat the chief's
+    towers' draws, where one process's towers all draw differently. Inside,
+    a worker's graph seed is moved by its index. The chief keeps the seed
+    (its initial values are the ones broadcast); the input_fn, built
+    before, keeps it on every task, so that all read one global order.
+    """
+    graph = tf1.get_default_graph()
+    seed = graph.seed
+    if seed is None or self.index == 0:
+      yield
+      return
+    graph.seed = (seed + _SEED_STRIDE * self.index) % 2**31
+    try:
+      yield
+    finally:
+      graph.seed = seed
 
   def restart_guard(self) -> tf.Operation:
     """An op that fails when the session is created a second time.

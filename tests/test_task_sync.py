@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import estimator_towers
 from estimator_towers import task_sync
 from tests import conftest
 from tests import sync_cluster_task
@@ -193,3 +194,39 @@ def test_a_variable_written_from_the_shard_is_refused_in_a_cluster(
   monkeypatch.delenv('TF_CONFIG')
   conftest.build_replicated(_example_counter_model_fn, 2,
                             aggregation='all_reduce')
+
+
+def _dropout_model_fn(features, labels, mode):
+  """A dense layer after dropout."""
+  dropped = tf.compat.v1.layers.dropout(features['x'], 0.5, training=True)
+  logits = tf.compat.v1.layers.dense(dropped, 2)
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf.compat.v1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _dropout_seeds(monkeypatch, task_type):
+  """The seeds of the random ops the task's towers build, seed 7 set."""
+  monkeypatch.setenv('TF_CONFIG', json.dumps(
+      {'cluster': {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
+       'task': {'type': task_type, 'index': 0}}))
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.set_random_seed(7)
+    features = {'x': tf.zeros([6, 3])}
+    estimator_towers.replicate_model_fn(
+        _dropout_model_fn, aggregation='all_reduce')(
+            features, tf.zeros([6], tf.int32), tf.estimator.ModeKeys.TRAIN, {},
+            estimator_towers.make_run_config(cpu_devices=2))
+  return {(op.get_attr('seed'), op.get_attr('seed2'))
+          for op in graph.get_operations()
+          if op.type == 'RandomUniform' and 'dropout' in op.name}
+
+
+def test_a_worker_draws_other_random_numbers_than_the_chief(monkeypatch):
+  # One seed, one graph on every task: the worker's towers would repeat
+  # the chief's dropout masks, where one process's 4 towers all differ.
+  chief = _dropout_seeds(monkeypatch, 'chief')
+  worker = _dropout_seeds(monkeypatch, 'worker')
+  assert len(chief) == len(worker) == 2
+  assert not chief & worker
