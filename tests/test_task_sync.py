@@ -230,3 +230,30 @@ def test_a_worker_draws_other_random_numbers_than_the_chief(monkeypatch):
   worker = _dropout_seeds(monkeypatch, 'worker')
   assert len(chief) == len(worker) == 2
   assert not chief & worker
+
+
+def _noise_model_fn(features, labels, mode):
+  """Keeps a fresh random draw in a variable each step."""
+  noise = tf.compat.v1.get_variable('noise', [5], tf.float32,
+                                    initializer=tf.zeros_initializer(),
+                                    trainable=False)
+  logits = tf.compat.v1.layers.dense(features['x'] + noise, 2)
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  with tf.control_dependencies([noise.assign(tf.random.normal([5]))]):
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf.compat.v1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_a_variable_written_from_random_numbers_is_refused_in_a_cluster(
+    monkeypatch):
+  # Each task draws its own numbers: the variables would drift apart.
+  monkeypatch.setenv('TF_CONFIG', json.dumps(
+      {'cluster': {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
+       'task': {'type': 'chief', 'index': 0}}))
+  with pytest.raises(ValueError, match='noise.*random numbers'):
+    conftest.build_replicated(_noise_model_fn, 2, aggregation='all_reduce')
+  # Dropout's draws reach the variables only through the summed gradients.
+  conftest.build_replicated(_dropout_model_fn, 2, aggregation='all_reduce')
+  monkeypatch.delenv('TF_CONFIG')
+  conftest.build_replicated(_noise_model_fn, 2, aggregation='all_reduce')
