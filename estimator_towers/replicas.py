@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import tensorflow as tf
 
+from estimator_towers import aggregation
 from estimator_towers import cross_device
 from estimator_towers import task_sync
 from tensorflow.python.ops import variables as variables_lib  # pylint: disable=g-direct-tensorflow-import,g-bad-import-order
@@ -322,8 +323,8 @@ class Replicas:
         if target in copies:
           raise ValueError(
               f"aggregation='all_reduce': {what} writes "
-              f'{copies[target].op.name}, a per-device copy, itself. Use '
-              "aggregation='global_loss' or 'round_robin'.")
+              f'{copies[target].op.name}, a per-device copy, itself. '
+              + aggregation.instead_of_all_reduce(self.task_group is not None))
         if target in primaries:
           written[target] = primaries[target]
     updates = tf.nest.flatten(update)
@@ -377,7 +378,8 @@ class Replicas:
             f"aggregation='all_reduce': the model_fn writes the trainable "
             f'variable {self.primary_of(handles[target]).op.name} itself '
             f'({op.type} {op.name}), which would reach only one of its '
-            "copies. Use aggregation='global_loss' or 'round_robin'.")
+            'copies. ' +
+            aggregation.instead_of_all_reduce(self.task_group is not None))
 
   def sync_op(self, after: tf.Operation) -> tf.Operation:
     """Sets every copy and copy slot from its primary, after `after`."""
