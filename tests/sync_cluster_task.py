@@ -79,12 +79,13 @@ def global_batches(rows: int, steps: int):
   return tf.data.Dataset.from_tensor_slices(({'x': x, 'ids': ids}, y))
 
 
-def task_input_fn(rows, steps):
-  """The input_fn of the task the config names: its slice of each batch."""
+def task_input_fn(rows, steps, batches=None):
+  """The input_fn of the task the config names: its slice of each batch
+  of `batches(rows, steps)` (`global_batches` by default)."""
   def input_fn(config):
     index = config.global_id_in_cluster
     begin, end = sum(rows[:index]), sum(rows[:index + 1])
-    return global_batches(sum(rows), steps).map(
+    return (batches or global_batches)(sum(rows), steps).map(
         lambda f, l: ({k: v[begin:end] for k, v in f.items()},
                       l[begin:end]))
   return input_fn
@@ -170,8 +171,9 @@ def run_task(argv, sliced=False):
   print('TASK DONE', flush=True)
 
 
-def run_pair(argv, timeout_secs=240, mode='task'):
-  """Starts a chief and a worker in this namespace; their exit code."""
+def run_pair(argv, timeout_secs=240, mode='task', script=__file__):
+  """Starts a chief and a worker of `script` in this namespace; their exit
+  code."""
   private_network.bring_up_loopback()
   cluster = {'chief': [f'127.0.0.1:{private_network.free_port()}'],
              'worker': [f'127.0.0.1:{private_network.free_port()}']}
@@ -179,7 +181,7 @@ def run_pair(argv, timeout_secs=240, mode='task'):
   for job in ('chief', 'worker'):
     tf_config = {'cluster': cluster, 'task': {'type': job, 'index': 0}}
     children.append(subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), mode, *argv],
+        [sys.executable, os.path.abspath(script), mode, *argv],
         env={**os.environ, 'TF_CONFIG': json.dumps(tf_config)},
         stdin=subprocess.DEVNULL,
         preexec_fn=private_network.die_with_parent))
