@@ -243,3 +243,34 @@ def dropout_draws(features, labels, mode):
 
 
 MODELS['dropout_draws'] = {'fn': dropout_draws}
+
+
+def _features_only(rows, steps):
+  return sct.global_batches(rows, steps).map(lambda f, l: f)
+
+
+def _features_only_task_input_fn(rows, steps):
+  def input_fn(config):
+    index = config.global_id_in_cluster
+    begin, end = sum(rows[:index]), sum(rows[:index + 1])
+    return _features_only(sum(rows), steps).map(
+        lambda f: {k: v[begin:end] for k, v in f.items()})
+  return input_fn
+
+
+def label_less_sum(features, mode):
+  """No labels; a summed loss (loss_reduction='sum')."""
+  target = tf.reduce_sum(features['x'], 1, keepdims=True)
+  loss = tf.reduce_sum(tf.square(_net(features, mode) - target))
+  if mode != TRAIN:
+    return tf.estimator.EstimatorSpec(mode, loss=loss)
+  train_op = tf1.train.AdamOptimizer(0.05).minimize(
+      loss, tf1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+MODELS['label_less_sum'] = {
+    'fn': label_less_sum, 'kwargs': {'loss_reduction': 'sum'},
+    'label_less': True,
+    'task_input_fn': _features_only_task_input_fn,
+    'global_input_fn': _features_only}

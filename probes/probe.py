@@ -61,6 +61,8 @@ def drive(name, steps, rows):
   dirs = [os.path.join(tmp, d) for d in ('cluster', 'four', 'one')]
   start = lambda: spec.get('global_input_fn', sct.global_batches)(
       sum(rows), steps).take(1)
+  if spec.get('label_less'):  # save_start_checkpoint unpacks a pair.
+    start = (lambda first: lambda: first().map(lambda f: (f, 0)))(start)
   conftest.save_start_checkpoint(spec['fn'], start, dirs, spec.get('params'))
   command = private_network.unshare_command() + [
       '--', sys.executable, os.path.abspath(__file__), 'pair', dirs[0], name,
@@ -94,6 +96,10 @@ def drive(name, steps, rows):
                      else 0.0, n) for n in expected if n in chief),
                    reverse=True)[:4]
     print('   worst', worst)
+    print('   worst relative', max(
+        float(np.max(np.abs(np.asarray(expected[n], np.float64) - chief[n])
+                     / (np.abs(np.asarray(expected[n], np.float64)) + 1e-6)))
+        for n in expected if n in chief and np.size(chief[n])))
   fc = np.load(os.path.join(dirs[0], 'final-chief-0.npz'))
   fw = np.load(os.path.join(dirs[0], 'final-worker-0.npz'))
   bad = [n for n in fc if not np.array_equal(fc[n], fw[n])]
