@@ -49,6 +49,23 @@ def check(aggregation: str, variables_device: Optional[str]) -> None:
         "tower devices itself; use aggregation='global_loss' to pin them.")
 
 
+def instead_of_all_reduce(in_cluster: bool) -> str:
+  """What an error that refuses 'all_reduce' advises instead.
+
+  Args:
+    in_cluster: Whether the towers are those of a synchronous cluster,
+      where no other aggregation trains (see `check_tasks`).
+
+  Returns:
+    A sentence.
+  """
+  if in_cluster:
+    return ("A synchronous cluster trains only with 'all_reduce': train "
+            "with ps tasks (asynchronous, aggregation='global_loss') or on "
+            'one machine.')
+  return "Use aggregation='global_loss' or 'round_robin'."
+
+
 def check_tasks(aggregation: str, config) -> None:
   """Fails when `aggregation` cannot train in the TF_CONFIG cluster.
 

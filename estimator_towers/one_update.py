@@ -47,6 +47,7 @@ from typing import (Any, Callable, Dict, Iterator, List, Optional, Set,
 from absl import logging
 import tensorflow as tf
 
+from estimator_towers import aggregation
 from estimator_towers import gradient_routing as calls
 from estimator_towers import loss_scaling
 
@@ -141,7 +142,9 @@ class OneUpdate:
     graph = tf1.get_default_graph()
     if graph is not self._graph:
       if self._replicas is not None and not self.applying:
-        _refuse_inside_control_flow(call, graph, self._graph)
+        _refuse_inside_control_flow(
+            call, graph, self._graph,
+            self._replicas.task_group is not None)
       return call.run()
     if call.name == 'gradients':
       if not self._training:
@@ -620,7 +623,8 @@ def _gradient_parts(call: calls.Call):
 
 
 def _refuse_inside_control_flow(call: calls.Call, graph: tf.Graph,
-                                towers_graph: tf.Graph) -> None:
+                                towers_graph: tf.Graph,
+                                in_cluster: bool) -> None:
   """Refuses an optimizer call of the model_fn inside its `tf.cond`,
   `tf.while_loop` or `tf.function` (a graph nested in the towers' graph):
   it cannot be routed there, and run as it is under 'all_reduce' it would
@@ -636,9 +640,9 @@ def _refuse_inside_control_flow(call: calls.Call, graph: tf.Graph,
       f"aggregation='all_reduce': the model_fn calls {call.qualified_name} "
       'inside a tf.cond, tf.while_loop or tf.function, where '
       'replicate_model_fn cannot turn it into the one update of every '
-      "device's copy of the variables. Use aggregation='global_loss' for "
-      'such a model_fn (an update made only on some steps), '
-      'or make the call outside control flow.')
+      "device's copy of the variables. Make the call outside control flow; "
+      'for an update made only on some steps: ' +
+      aggregation.instead_of_all_reduce(in_cluster))
 
 
 def _next_op_id(graph: tf.Graph) -> int:

@@ -31,7 +31,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import tensorflow as tf
 
+from estimator_towers import aggregation
 from estimator_towers import cross_device
+from estimator_towers import task_sync
 from tensorflow.python.ops import variables as variables_lib  # pylint: disable=g-direct-tensorflow-import,g-bad-import-order
 
 tf1 = tf.compat.v1
@@ -321,8 +323,8 @@ class Replicas:
         if target in copies:
           raise ValueError(
               f"aggregation='all_reduce': {what} writes "
-              f'{copies[target].op.name}, a per-device copy, itself. Use '
-              "aggregation='global_loss' or 'round_robin'.")
+              f'{copies[target].op.name}, a per-device copy, itself. '
+              + aggregation.instead_of_all_reduce(self.task_group is not None))
         if target in primaries:
           written[target] = primaries[target]
     updates = tf.nest.flatten(update)
@@ -376,7 +378,8 @@ class Replicas:
             f"aggregation='all_reduce': the model_fn writes the trainable "
             f'variable {self.primary_of(handles[target]).op.name} itself '
             f'({op.type} {op.name}), which would reach only one of its '
-            "copies. Use aggregation='global_loss' or 'round_robin'.")
+            'copies. ' +
+            aggregation.instead_of_all_reduce(self.task_group is not None))
 
   def sync_op(self, after: tf.Operation) -> tf.Operation:
     """Sets every copy and copy slot from its primary, after `after`."""
@@ -385,6 +388,20 @@ class Replicas:
         assigns = [copy.assign(primary.read_value()).op
                    for primary, copy in self.pairs()]
       return tf.group(after, *assigns)
+
+  def local_state(self) -> List[tf.Variable]:
+    """The local variables a synchronous cluster's chief broadcasts.
+
+    Not checkpointed, they are initialised by every task itself: one with a
+    random initializer (a fixed random projection) would differ between the
+    tasks, each computing its gradients with its own. The copies and their
+    slots are left out (set from their primaries afterwards), and so are
+    variables of unknown shape or of a dtype no collective carries.
+    """
+    copies = {_handle_name(copy) for _, copy in self.pairs()}
+    return [v for v in tf1.local_variables()
+            if _handle_name(v) not in copies and
+            task_sync.can_broadcast(v)]
 
   def scaffold(self, scaffold: tf1.train.Scaffold) -> tf1.train.Scaffold:
     """`scaffold` whose local_init_op also sets the copies."""
@@ -437,7 +454,8 @@ class _SyncingScaffold(tf1.train.Scaffold):
     with tf.control_dependencies(first):
       base = tf.group(base)
     with tf.control_dependencies([base]):
-      return tf.group(base, group.broadcast_op(tf1.global_variables()))
+      return tf.group(base, group.broadcast_op(
+          tf1.global_variables() + self._replicas.local_state()))
 
 
 def _local_sum(primary, grads: list, device: str):

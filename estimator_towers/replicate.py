@@ -282,13 +282,16 @@ class _TowerBuilder:
     specs, update_ops = [], []
     graph = tf1.get_default_graph()
     with self._update.routing(), (
-        optimizer_iterations.same_iterations_accepted()):
+        optimizer_iterations.same_iterations_accepted()), (
+            self._task_group.own_random_seed() if self._task_group
+            else contextlib.nullcontext()):
       for i in range(num_towers):
         first_ids.append(_next_op_id(graph))
         spec, added = self._build_tower(i, feature_shards[i], label_shards[i],
                                         kwargs)
         specs.append(spec)
         update_ops.append(added[tf1.GraphKeys.UPDATE_OPS])
+    end_ids = first_ids[1:] + [_next_op_id(graph)]
     self._tables.order_accesses(first_ids)
     written = self._tables.written(first_ids[0])
     if self._task_group is not None and written:
@@ -316,7 +319,9 @@ class _TowerBuilder:
             self._update.call_dependencies[i], sizes[i] > 0,
             {_op_of(u).name for u in update_ops[i]} |
             self._statistics.exact_writes | one_update_ops,
-            across_tasks=self._task_group is not None)
+            across_tasks=self._task_group is not None,
+            drawn=self._drawn(graph, first_ids[i], end_ids[i],
+                              one_update_ops))
         if i < num_towers - 1:
           effects.extend(found)
       spec = spec_merge.merge_train(specs, weigh, sizes,
@@ -351,6 +356,16 @@ class _TowerBuilder:
         lambda name, tensors: spec_merge.concat_rows(
             name, tensors, sizes, padded, kind='TPUEstimatorSpec'),
         [sharding.static_rows(shard) for shard in shards])
+
+  def _drawn(self, graph, first_id: int, end_id: int, one_update_ops):
+    """In a synchronous cluster, whether a tensor of the tower between the
+    two op ids depends on its random ops (each task draws its own); None on
+    one machine."""
+    if self._task_group is None:
+      return None
+    return reduction_lib.ExampleDependence(
+        tower_effects.random_draws(graph, first_id, end_id), first_id,
+        one_update_ops)
 
   def _build_tower(self, index, features, labels, kwargs):
     device = self._devices[index]

@@ -42,6 +42,11 @@ from typing import Dict, Iterator, List, Optional, Sequence
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 
+# A prime far from small seeds: task k's graph seed is seed + k * stride.
+_SEED_STRIDE = 1_000_003
+_BROADCAST_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64,
+                     tf.int32, tf.int64)
+
 tf1 = tf.compat.v1
 
 TRAINING_JOBS = ('chief', 'master', 'worker')
@@ -238,8 +243,7 @@ class TaskGroup:
     by_dtype: Dict[tf.DType, List[tf.Variable]] = {}
     for variable in variables:
       dtype = variable.dtype.base_dtype
-      if dtype not in (tf.float16, tf.bfloat16, tf.float32, tf.float64,
-                       tf.int32, tf.int64):
+      if dtype not in _BROADCAST_DTYPES:
         raise ValueError(
             f'Variable {variable.name} has dtype {dtype.name}, which the '
             'tasks of a synchronous cluster cannot broadcast from the '
@@ -266,6 +270,29 @@ class TaskGroup:
                                           shapes):
           ops.append(variable.assign(tf.reshape(piece, shape)).op)
     return tf.group(*ops)
+
+  @contextlib.contextmanager
+  def own_random_seed(self) -> Iterator[None]:
+    """Inside, random ops of this task draw other numbers than its peers'.
+
+    Every task builds the same graph, so with a graph-level seed
+    (`tf_random_seed`) a random op (dropout, a random crop) gets the same
+    seed on every task: the workers' towers would repeat the chief's
+    towers' draws, where one process's towers all draw differently. Inside,
+    a worker's graph seed is moved by its index. The chief keeps the seed
+    (its initial values are the ones broadcast); the input_fn, built
+    before, keeps it on every task, so that all read one global order.
+    """
+    graph = tf1.get_default_graph()
+    seed = graph.seed
+    if seed is None or self.index == 0:
+      yield
+      return
+    graph.seed = (seed + _SEED_STRIDE * self.index) % 2**31
+    try:
+      yield
+    finally:
+      graph.seed = seed
 
   def restart_guard(self) -> tf.Operation:
     """An op that fails when the session is created a second time.
@@ -311,6 +338,12 @@ class TaskGroup:
             f'({_issued[key]!r} and {signature!r}). Build the training '
             'graph in a fresh process.')
     return key
+
+
+def can_broadcast(variable: tf.Variable) -> bool:
+  """Whether `broadcast_op` takes `variable`: a known shape and dtype."""
+  return (variable.dtype.base_dtype in _BROADCAST_DTYPES and
+          variable.shape.is_fully_defined())
 
 
 def _static_shape(tensor, first_dim: int = 0) -> List[int]:

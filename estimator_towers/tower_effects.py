@@ -30,7 +30,7 @@ Writes that do not depend on the shard (a manual `global_step` increment,
 an EMA of the weights, a constant counter) run once, in the last tower.
 """
 
-from typing import Callable, Collection, Iterable, List
+from typing import Callable, Collection, Iterable, List, Optional
 
 import tensorflow as tf
 
@@ -61,6 +61,11 @@ _OTHER_WRITES = frozenset([
     'ResourceScatterMin', 'ResourceScatterMax', 'ResourceScatterNdUpdate',
     'ResourceScatterNdSub'])
 _WRITES = _SHARED | _OTHER_WRITES | frozenset(_ADDS)
+# Stateful random ops: each task of a synchronous cluster draws its own.
+_RANDOM = frozenset([
+    'RandomUniform', 'RandomUniformInt', 'RandomStandardNormal',
+    'TruncatedNormal', 'ParameterizedTruncatedNormal', 'RandomShuffle',
+    'Multinomial', 'RandomGamma', 'RandomPoisson', 'RandomPoissonV2'])
 _ADVICE = (
     'For batch statistics use a tf.keras.layers.BatchNormalization or '
     'tf.compat.v1.layers.batch_normalization layer, whose moving statistics '
@@ -74,7 +79,9 @@ def shard_effects(train_op: tf.Operation, first_id: int,
                   call_dependencies: Iterable[tf.Operation],
                   active: tf.Tensor,
                   exempt: Collection[str] = (),
-                  across_tasks: bool = False) -> List[tf.Operation]:
+                  across_tasks: bool = False,
+                  drawn: Optional[Callable[[tf.Tensor], bool]] = None
+                  ) -> List[tf.Operation]:
   """The ops of a tower's train_op that act on the tower's shard.
 
   Call it for every tower: the merged train_op must run an earlier tower's
@@ -96,6 +103,9 @@ def shard_effects(train_op: tf.Operation, first_id: int,
     across_tasks: The towers are those of one task of a synchronous
       cluster, whose variables are summed over tasks only through the one
       update and batch norm: any other write from the shard is refused.
+    drawn: In a synchronous cluster, tells whether a tensor depends on the
+      tower's random ops (see `random_draws`): a write from them is refused,
+      since each task draws other numbers.
 
   Returns:
     The ops to group into the merged train_op, without repeats.
@@ -116,6 +126,15 @@ def shard_effects(train_op: tf.Operation, first_id: int,
       found.setdefault(op.name, op)
     elif op.name in exempt:
       pass  # Made exact elsewhere; what it reads is still walked.
+    elif (drawn is not None and op.type in _WRITES and
+          any(map(drawn, op.inputs[1:]))):
+      raise ValueError(
+          f'The train_op writes variable {op.inputs[0].op.name} (op '
+          f'{op.name}) from random numbers. In a synchronous cluster each '
+          "task draws its own, and the tasks' variables would drift apart. "
+          'Draw them from the global step with a stateless random op '
+          '(tf.random.stateless_uniform), or train with ps tasks '
+          '(asynchronous) or on one machine.')
     elif op.type in _CALLS and any(map(depends_on_shard, op.inputs)):
       _check_no_writes_inside(op, exempt)
       if op.type in _CONDITIONALS:
@@ -137,6 +156,23 @@ def shard_effects(train_op: tf.Operation, first_id: int,
     pending.extend(t.op for t in op.inputs)
     pending.extend(op.control_inputs)
   return [_runnable(op) for op in found.values()]
+
+
+def random_draws(graph: tf.Graph, first_id: int, end_id: int
+                 ) -> List[tf.Tensor]:
+  """The outputs of the stateful random ops with ids in [first_id, end_id).
+
+  Args:
+    graph: The graph of the towers.
+    first_id: The id of the first op of a tower.
+    end_id: The id after the tower's last op.
+
+  Returns:
+    The tensors, for a `loss_reduction.ExampleDependence` that then tells
+    whether a tensor depends on them.
+  """
+  return [op.outputs[0] for op in graph.get_operations()
+          if op.type in _RANDOM and first_id <= op._id < end_id]  # pylint: disable=protected-access
 
 
 def _check_adds_up(op: tf.Operation, depends_on_shard) -> None:

@@ -41,11 +41,20 @@ tf1 = tf.compat.v1
 VOCAB = 7
 
 
-def model_fn(features, labels, mode, optimizer=None):
-  """Embedding (sparse gradients), dense layer, batch norm and Adam."""
+def model_fn(features, labels, mode, optimizer=None, projection=None):
+  """Embedding (sparse gradients), dense layer, batch norm and Adam.
+
+  With `projection` (an initializer), the features first go through a
+  fixed 4x4 matrix kept in a local variable: not checkpointed, so every
+  task initialises it, and a random one must still be the chief's.
+  """
+  x = features['x']
+  if projection is not None:
+    x = tf.matmul(x, tf1.get_local_variable(
+        'projection', [4, 4], initializer=projection))
   table = tf1.get_variable('embedding', [VOCAB, 3],
                            initializer=tf1.random_normal_initializer())
-  hidden = tf.concat([features['x'],
+  hidden = tf.concat([x,
                       tf.nn.embedding_lookup(table, features['ids'])], 1)
   hidden = tf1.layers.dense(hidden, 5, activation=tf.nn.tanh)
   hidden = tf1.layers.batch_normalization(
@@ -70,15 +79,22 @@ def global_batches(rows: int, steps: int):
   return tf.data.Dataset.from_tensor_slices(({'x': x, 'ids': ids}, y))
 
 
-def task_input_fn(rows, steps):
-  """The input_fn of the task the config names: its slice of each batch."""
+def task_input_fn(rows, steps, batches=None):
+  """The input_fn of the task the config names: its slice of each batch
+  of `batches(rows, steps)` (`global_batches` by default)."""
   def input_fn(config):
     index = config.global_id_in_cluster
     begin, end = sum(rows[:index]), sum(rows[:index + 1])
-    return global_batches(sum(rows), steps).map(
+    return (batches or global_batches)(sum(rows), steps).map(
         lambda f, l: ({k: v[begin:end] for k, v in f.items()},
                       l[begin:end]))
   return input_fn
+
+
+def projected_model_fn(features, labels, mode):
+  """model_fn through a random projection of its features (no seed)."""
+  return model_fn(features, labels, mode,
+                  projection=tf1.random_normal_initializer())
 
 
 def momentum_model_fn(features, labels, mode):
@@ -117,13 +133,17 @@ def sliced_input_fn(batch, total):
 
 
 class _SaveFinalVariables(tf1.train.SessionRunHook):
-  """Writes this task's variables to MODEL_DIR/final-<task>.npz at the end."""
+  """Writes this task's variables to MODEL_DIR/final-<task>.npz at the end.
+
+  Local ones too, but not the towers' copies of the trainable ones.
+  """
 
   def __init__(self, path):
     self._path = path
 
   def end(self, session):
-    variables = tf1.global_variables()
+    variables = tf1.global_variables() + [
+        v for v in tf1.local_variables() if '_replica/' not in v.op.name]
     values = session.run(variables)
     np.savez(self._path, **{v.op.name: x for v, x in zip(variables, values)})
 
@@ -134,7 +154,7 @@ def run_task(argv, sliced=False):
                                             cpu_devices=2)
   estimator = tf.estimator.Estimator(
       estimator_towers.replicate_model_fn(
-          momentum_model_fn if sliced else model_fn,
+          momentum_model_fn if sliced else projected_model_fn,
           aggregation='all_reduce', sync_timeout_secs=60),
       config=config)
   if sliced:  # STEPS is the global batch, ROWS the total; the input ends.
@@ -151,8 +171,9 @@ def run_task(argv, sliced=False):
   print('TASK DONE', flush=True)
 
 
-def run_pair(argv, timeout_secs=240, mode='task'):
-  """Starts a chief and a worker in this namespace; their exit code."""
+def run_pair(argv, timeout_secs=240, mode='task', script=__file__):
+  """Starts a chief and a worker of `script` in this namespace; their exit
+  code."""
   private_network.bring_up_loopback()
   cluster = {'chief': [f'127.0.0.1:{private_network.free_port()}'],
              'worker': [f'127.0.0.1:{private_network.free_port()}']}
@@ -160,7 +181,7 @@ def run_pair(argv, timeout_secs=240, mode='task'):
   for job in ('chief', 'worker'):
     tf_config = {'cluster': cluster, 'task': {'type': job, 'index': 0}}
     children.append(subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), mode, *argv],
+        [sys.executable, os.path.abspath(script), mode, *argv],
         env={**os.environ, 'TF_CONFIG': json.dumps(tf_config)},
         stdin=subprocess.DEVNULL,
         preexec_fn=private_network.die_with_parent))

@@ -460,11 +460,18 @@ def _apply_every_other_step_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def test_all_reduce_refuses_an_update_inside_a_cond():
+def test_all_reduce_refuses_an_update_inside_a_cond(monkeypatch):
   # Unrouted there, it would update the primaries only (a silent drift of
   # the copies), or wait forever on the all-reduce of the other devices.
   with pytest.raises(ValueError, match="all_reduce.*apply_gradients inside "
-                     "a tf.cond.*aggregation='global_loss'"):
+                     "a tf.cond.*Use aggregation='global_loss'"):
+    build_replicated(_apply_every_other_step_model_fn, 2,
+                     aggregation='all_reduce')
+  # In a synchronous cluster, where 'global_loss' is refused, the advice
+  # is the ps cluster or one machine.
+  _as_task(monkeypatch, {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']})
+  with pytest.raises(ValueError, match='inside a tf.cond.*trains only with '
+                     "'all_reduce': train with ps tasks"):
     build_replicated(_apply_every_other_step_model_fn, 2,
                      aggregation='all_reduce')
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import estimator_towers
 from estimator_towers import task_sync
 from tests import conftest
 from tests import sync_cluster_task
@@ -51,9 +52,14 @@ def _first_logged_loss(model_dir):
   raise AssertionError(f'no loss summary in {model_dir}')
 
 
-def _one_process(model_dir):
-  estimator = conftest.make_estimator(sync_cluster_task.model_fn, model_dir,
-                                      towers=4, aggregation='all_reduce')
+def _one_process(model_dir, projection):
+  """One process on 4 towers, through the cluster chief's `projection`."""
+  def model_fn(features, labels, mode):
+    return sync_cluster_task.model_fn(
+        features, labels, mode,
+        projection=tf.compat.v1.constant_initializer(projection))
+  estimator = conftest.make_estimator(model_fn, model_dir, towers=4,
+                                      aggregation='all_reduce')
   estimator.train(
       lambda: sync_cluster_task.global_batches(sum(_ROWS), _STEPS),
       max_steps=_STEPS)
@@ -98,7 +104,11 @@ def test_chief_and_worker_train_as_one_process_on_the_global_batch(
                                  [cluster_dir, one_dir])
   done = _run_pair(cluster_dir)
   assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-  expected = _one_process(one_dir)
+  # The tasks' random local projection is the chief's (broadcast with the
+  # variables), so they train as one process through it.
+  chief_final = np.load(cluster_dir / 'final-chief-0.npz')
+  worker_final = np.load(cluster_dir / 'final-worker-0.npz')
+  expected = _one_process(one_dir, chief_final['projection'])
   chief = tf.train.load_checkpoint(str(cluster_dir))
   actual = {name: chief.get_tensor(name)
             for name in chief.get_variable_to_shape_map()}
@@ -113,8 +123,7 @@ def test_chief_and_worker_train_as_one_process_on_the_global_batch(
   assert chief_step == one_step
   np.testing.assert_allclose(chief_loss, one_loss, rtol=1e-5)
   # The worker ends with the chief's variables, bit for bit.
-  chief_final = np.load(cluster_dir / 'final-chief-0.npz')
-  worker_final = np.load(cluster_dir / 'final-worker-0.npz')
+  assert 'projection' in chief_final
   assert sorted(chief_final) == sorted(worker_final)
   for name in chief_final:
     np.testing.assert_array_equal(worker_final[name], chief_final[name],
@@ -185,3 +194,66 @@ def test_a_variable_written_from_the_shard_is_refused_in_a_cluster(
   monkeypatch.delenv('TF_CONFIG')
   conftest.build_replicated(_example_counter_model_fn, 2,
                             aggregation='all_reduce')
+
+
+def _dropout_model_fn(features, labels, mode):
+  """A dense layer after dropout."""
+  dropped = tf.compat.v1.layers.dropout(features['x'], 0.5, training=True)
+  logits = tf.compat.v1.layers.dense(dropped, 2)
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf.compat.v1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _dropout_seeds(monkeypatch, task_type):
+  """The seeds of the random ops the task's towers build, seed 7 set."""
+  monkeypatch.setenv('TF_CONFIG', json.dumps(
+      {'cluster': {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
+       'task': {'type': task_type, 'index': 0}}))
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.set_random_seed(7)
+    features = {'x': tf.zeros([6, 3])}
+    estimator_towers.replicate_model_fn(
+        _dropout_model_fn, aggregation='all_reduce')(
+            features, tf.zeros([6], tf.int32), tf.estimator.ModeKeys.TRAIN, {},
+            estimator_towers.make_run_config(cpu_devices=2))
+  return {(op.get_attr('seed'), op.get_attr('seed2'))
+          for op in graph.get_operations()
+          if op.type == 'RandomUniform' and 'dropout' in op.name}
+
+
+def test_a_worker_draws_other_random_numbers_than_the_chief(monkeypatch):
+  # One seed, one graph on every task: the worker's towers would repeat
+  # the chief's dropout masks, where one process's 4 towers all differ.
+  chief = _dropout_seeds(monkeypatch, 'chief')
+  worker = _dropout_seeds(monkeypatch, 'worker')
+  assert len(chief) == len(worker) == 2
+  assert not chief & worker
+
+
+def _noise_model_fn(features, labels, mode):
+  """Keeps a fresh random draw in a variable each step."""
+  noise = tf.compat.v1.get_variable('noise', [5], tf.float32,
+                                    initializer=tf.zeros_initializer(),
+                                    trainable=False)
+  logits = tf.compat.v1.layers.dense(features['x'] + noise, 2)
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  with tf.control_dependencies([noise.assign(tf.random.normal([5]))]):
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf.compat.v1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_a_variable_written_from_random_numbers_is_refused_in_a_cluster(
+    monkeypatch):
+  # Each task draws its own numbers: the variables would drift apart.
+  monkeypatch.setenv('TF_CONFIG', json.dumps(
+      {'cluster': {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
+       'task': {'type': 'chief', 'index': 0}}))
+  with pytest.raises(ValueError, match='noise.*random numbers'):
+    conftest.build_replicated(_noise_model_fn, 2, aggregation='all_reduce')
+  # Dropout's draws reach the variables only through the summed gradients.
+  conftest.build_replicated(_dropout_model_fn, 2, aggregation='all_reduce')
+  monkeypatch.delenv('TF_CONFIG')
+  conftest.build_replicated(_noise_model_fn, 2, aggregation='all_reduce')
