@@ -1,4 +1,4 @@
-"""model_fns for probes/probe.py."""
+"""model_fns for tests/probes/probe.py."""
 
 import numpy as np
 import tensorflow as tf

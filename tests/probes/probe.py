@@ -1,6 +1,6 @@
 """Adversarial probes of the synchronous cluster (not part of the suite).
 
-    python probes/probe.py drive NAME [STEPS] [ROWS...]
+    python tests/probes/probe.py drive NAME [STEPS] [ROWS...]
 
 saves a start checkpoint, trains a chief+worker pair (in `unshare --net`),
 one process on 4 towers and one device, and prints the largest differences.
@@ -15,14 +15,15 @@ import time
 import numpy as np
 import tensorflow as tf
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, 'tests'))
 import estimator_towers  # noqa
 from tests import conftest  # noqa
 from tests import sync_cluster_task as sct  # noqa
 from trainer.cluster import private_network  # noqa
-from probes import models  # noqa
+from tests.probes import models  # noqa
 
 tf1 = tf.compat.v1
 

@@ -1,5 +1,0 @@
-#!/bin/sh
-# probes/run.sh NAME [STEPS ROWS...]: one probe, the noise filtered out.
-cd "$(dirname "$0")/.." && TF_CPP_MIN_LOG_LEVEL=2 timeout 300 \
-  /work/main/.venv/bin/python probes/probe.py drive "$@" 2>&1 |
-  grep -v '^WARNING\|^W0\|^I0\|deprecat\|^  [^ ]\|cuda\|^20..-' | tail -30
