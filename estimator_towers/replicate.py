@@ -130,11 +130,12 @@ def replicate_model_fn(model_fn: ModelFn,
       update (see docs/cluster.md). The other strategies
       need ps tasks in a cluster.
     sync_timeout_secs: In a synchronous cluster, how long a task waits for
-      the others at a collective (including the start, when the chief
-      broadcasts its variables) before it fails instead of hanging; a
-      worker whose chief's server has not answered for that long ends its
-      process with one line (peer_watch). See docs/cluster.md, "Faults in
-      a synchronous cluster".
+      the others before it fails instead of hanging: at the start, when
+      the chief broadcasts its variables (an error), and in each training
+      step (peer_watch.StepWatch ends the process with one line); a worker
+      whose chief's server has not answered for that long ends too. Keep
+      it above the slowest step. See docs/cluster.md, "Faults in a
+      synchronous cluster".
 
   Returns:
     A model_fn with the signature `(features, labels, mode, params, config)`.
