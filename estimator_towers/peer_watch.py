@@ -60,7 +60,67 @@ def _exit_process(line: str) -> None:
   os._exit(EXIT_CODE)  # pylint: disable=protected-access
 
 
-class PeerWatch(tf1.train.SessionRunHook):
+class _Watch(tf1.train.SessionRunHook):
+  """A hook whose thread checks, while the task trains, for a lost peer.
+
+  From `begin` to `end`, and only while the call that made the
+  MonitoredSession (Estimator.train) is on the training thread's stack,
+  every `poll_secs` it calls `_lost()`; a message it returns goes to
+  `report` (by default: stderr, then the process ends).
+  """
+
+  _thread_name = 'watch'
+
+  def __init__(self, timeout_secs: float, poll_secs: float,
+               report: Optional[Callable[[str], None]]):
+    self._timeout = float(timeout_secs)
+    self._poll = float(poll_secs)
+    self._report = report or _exit_process
+    self._stop = threading.Event()
+    self._thread = None
+
+  def begin(self):
+    self._stop.clear()
+    self._reset()
+    # A list, so that the watch can drop the frame and what it holds.
+    trainer = [threading.get_ident(), _session_maker(sys._getframe(1))]  # pylint: disable=protected-access
+    self._thread = threading.Thread(target=self._watch, args=(trainer,),
+                                    daemon=True, name=self._thread_name)
+    self._thread.start()
+
+  def end(self, session):
+    del session
+    self._stop.set()
+    self._thread.join()
+
+  def _reset(self) -> None:
+    """Called by `begin`, before the thread starts."""
+
+  def _lost(self) -> Optional[str]:
+    """The message if the peer is lost, else None."""
+    raise NotImplementedError
+
+  @staticmethod
+  def _training(trainer) -> bool:
+    """Whether the call that made the session is still running."""
+    thread, maker = trainer
+    frame = sys._current_frames().get(thread)  # pylint: disable=protected-access
+    while frame is not None and frame is not maker:
+      frame = frame.f_back
+    return frame is not None
+
+  def _watch(self, trainer) -> None:
+    try:
+      while not self._stop.wait(self._poll) and self._training(trainer):
+        message = self._lost()
+        if message is not None and self._training(trainer):
+          self._report(message)
+          return
+    finally:
+      trainer.clear()
+
+
+class PeerWatch(_Watch):
   """Ends the process when the chief's server stays unreachable.
 
   Args:
@@ -73,39 +133,19 @@ class PeerWatch(tf1.train.SessionRunHook):
     on_lost: Called with the message instead of ending the process (tests).
   """
 
+  _thread_name = 'peer_watch'
+
   def __init__(self, task: str, peer: str, address: str,
                timeout_secs: float, poll_secs: float = 1.0,
                on_lost: Optional[Callable[[str], None]] = None):
+    super().__init__(timeout_secs, poll_secs, on_lost)
     self._task, self._peer = task, peer
     host, _, port = address.rpartition(':')
     self._address = (host.strip('[]'), int(port))
-    self._timeout = float(timeout_secs)
-    self._poll = float(poll_secs)
-    self._on_lost = on_lost or _exit_process
-    self._stop = threading.Event()
-    self._thread = None
+    self._last_answer = 0.0
 
-  def begin(self):
-    self._stop.clear()
-    # A list, so that the watch can drop the frame and what it holds.
-    trainer = [threading.get_ident(), _session_maker(sys._getframe(1))]  # pylint: disable=protected-access
-    self._thread = threading.Thread(target=self._watch, args=(trainer,),
-                                    daemon=True, name='peer_watch')
-    self._thread.start()
-
-  def end(self, session):
-    del session
-    self._stop.set()
-    self._thread.join()
-
-  @staticmethod
-  def _training(trainer) -> bool:
-    """Whether the call that made the session is still running."""
-    thread, maker = trainer
-    frame = sys._current_frames().get(thread)  # pylint: disable=protected-access
-    while frame is not None and frame is not maker:
-      frame = frame.f_back
-    return frame is not None
+  def _reset(self) -> None:
+    self._last_answer = time.monotonic()
 
   def _reachable(self) -> bool:
     try:
@@ -115,30 +155,21 @@ class PeerWatch(tf1.train.SessionRunHook):
     except OSError:
       return False
 
-  def _watch(self, trainer) -> None:
-    try:
-      self._probe(trainer)
-    finally:
-      trainer.clear()
-
-  def _probe(self, trainer) -> None:
-    last_answer = time.monotonic()
-    while not self._stop.wait(self._poll) and self._training(trainer):
-      now = time.monotonic()
-      if self._reachable():
-        last_answer = now
-      elif (now - last_answer > self._timeout and
-            self._training(trainer)):
-        host, port = self._address
-        self._on_lost(
-            f'{self._task}: the chief ({self._peer} at {host}:{port}) has '
+  def _lost(self) -> Optional[str]:
+    now = time.monotonic()
+    if self._reachable():
+      self._last_answer = now
+      return None
+    if now - self._last_answer <= self._timeout:
+      return None
+    host, port = self._address
+    return (f'{self._task}: the chief ({self._peer} at {host}:{port}) has '
             f'not answered for {self._timeout:g} s (sync_timeout_secs); '
             'a synchronous cluster cannot train without it. Restart every '
             'task; they resume from the chief\'s last checkpoint.')
-        return
 
 
-class StepWatch(tf1.train.SessionRunHook):
+class StepWatch(_Watch):
   """Ends the process when one training step runs longer than the timeout.
 
   Args:
@@ -148,23 +179,16 @@ class StepWatch(tf1.train.SessionRunHook):
     on_stuck: Called with the message instead of ending the process (tests).
   """
 
+  _thread_name = 'step_watch'
+
   def __init__(self, task: str, timeout_secs: float, poll_secs: float = 1.0,
                on_stuck: Optional[Callable[[str], None]] = None):
+    super().__init__(timeout_secs, poll_secs, on_stuck)
     self._task = task
-    self._timeout = float(timeout_secs)
-    self._poll = float(poll_secs)
-    self._on_stuck = on_stuck or _exit_process
     self._started: Optional[float] = None  # The running step's start.
-    self._stop = threading.Event()
-    self._thread = None
 
-  def begin(self):
-    self._stop.clear()
+  def _reset(self) -> None:
     self._started = None
-    trainer = [threading.get_ident(), _session_maker(sys._getframe(1))]  # pylint: disable=protected-access
-    self._thread = threading.Thread(target=self._watch, args=(trainer,),
-                                    daemon=True, name='step_watch')
-    self._thread.start()
 
   def before_run(self, run_context):
     del run_context
@@ -174,29 +198,16 @@ class StepWatch(tf1.train.SessionRunHook):
     del run_context, run_values
     self._started = None
 
-  def end(self, session):
-    del session
-    self._stop.set()
-    self._thread.join()
-
-  def _watch(self, trainer) -> None:
-    try:
-      while (not self._stop.wait(self._poll) and
-             PeerWatch._training(trainer)):  # pylint: disable=protected-access
-        started = self._started
-        if (started is not None and
-            time.monotonic() - started > self._timeout and
-            PeerWatch._training(trainer)):  # pylint: disable=protected-access
-          self._on_stuck(
-              f'{self._task}: a training step of the synchronous cluster '
-              f'waited longer than sync_timeout_secs ({self._timeout:g} s) '
-              'for another task, which is stuck, failed, or stopped because '
-              'its input ended after fewer steps (every task\'s input must '
-              'give the same number of steps). Restart every task; they '
-              'resume from the chief\'s last checkpoint.')
-          return
-    finally:
-      trainer.clear()
+  def _lost(self) -> Optional[str]:
+    started = self._started
+    if started is None or time.monotonic() - started <= self._timeout:
+      return None
+    return (f'{self._task}: a training step of the synchronous cluster '
+            f'waited longer than sync_timeout_secs ({self._timeout:g} s) '
+            'for another task, which is stuck, failed, or stopped because '
+            'its input ended after fewer steps (every task\'s input must '
+            'give the same number of steps). Restart every task; they '
+            'resume from the chief\'s last checkpoint.')
 
 
 def _session_maker(frame):
