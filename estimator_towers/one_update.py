@@ -262,6 +262,11 @@ class OneUpdate:
     return {op.name for op in graph.get_operations()
             if _in_ranges(op, self._update_ranges)}
 
+  def result_ops(self) -> List[tf.Operation]:
+    """The ops that end the one update: what its optimizer calls returned."""
+    return [op for result, _ in self._updates
+            for op in _operations_of(result)]
+
   @contextlib.contextmanager
   def _whole_batch(self) -> Iterator[None]:
     """Marks the ops made inside as the whole batch's values."""

@@ -31,6 +31,7 @@ from estimator_towers import tower as tower_lib
 from estimator_towers import tower_effects
 from estimator_towers import tpu_spec
 from estimator_towers import variable_sharing
+from estimator_towers import write_order
 from estimator_towers.run_config import session_device_counts
 
 tf1 = tf.compat.v1
@@ -335,6 +336,10 @@ class _TowerBuilder:
       if self._task_group is not None:
         # The loss logged (and checked for NaN) is the global batch's.
         spec = spec._replace(loss=self._task_group.sum([spec.loss])[0])
+      # Towers change the schedule: reads the model_fn left unordered with
+      # the step's writes must still see the values from before the step.
+      write_order.order_writes([spec.train_op, spec.loss],
+                               self._update.result_ops(), one_update_ops)
       return spec
     if self._mode == ModeKeys.EVAL:
       return self._finish_tpu_spec(

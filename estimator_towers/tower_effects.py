@@ -41,7 +41,7 @@ _CHECKS = frozenset(['Assert', 'Print', 'PrintV2'])
 # built is an Assert inside a stateful conditional (control flow v2).
 _CONDITIONALS = frozenset(['If'])
 # Ops that run functions, whose writes the walk cannot see from outside.
-_CALLS = frozenset(['If', 'StatelessIf', 'While', 'StatelessWhile', 'Case',
+CALLS = frozenset(['If', 'StatelessIf', 'While', 'StatelessWhile', 'Case',
                     'StatelessCase', 'PartitionedCall',
                     'StatefulPartitionedCall'])
 # Writes that add up over shards, when what they add does: position of the
@@ -60,7 +60,7 @@ _OTHER_WRITES = frozenset([
     'ResourceScatterSub', 'ResourceScatterMul', 'ResourceScatterDiv',
     'ResourceScatterMin', 'ResourceScatterMax', 'ResourceScatterNdUpdate',
     'ResourceScatterNdSub'])
-_WRITES = _SHARED | _OTHER_WRITES | frozenset(_ADDS)
+WRITES = _SHARED | _OTHER_WRITES | frozenset(_ADDS)
 # Stateful random ops: each task of a synchronous cluster draws its own.
 _RANDOM = frozenset([
     'RandomUniform', 'RandomUniformInt', 'RandomStandardNormal',
@@ -126,7 +126,7 @@ def shard_effects(train_op: tf.Operation, first_id: int,
       found.setdefault(op.name, op)
     elif op.name in exempt:
       pass  # Made exact elsewhere; what it reads is still walked.
-    elif (drawn is not None and op.type in _WRITES and
+    elif (drawn is not None and op.type in WRITES and
           any(map(drawn, op.inputs[1:]))):
       raise ValueError(
           f'The train_op writes variable {op.inputs[0].op.name} (op '
@@ -135,11 +135,11 @@ def shard_effects(train_op: tf.Operation, first_id: int,
           'Draw them from the global step with a stateless random op '
           '(tf.random.stateless_uniform), or train with ps tasks '
           '(asynchronous) or on one machine.')
-    elif op.type in _CALLS and any(map(depends_on_shard, op.inputs)):
+    elif op.type in CALLS and any(map(depends_on_shard, op.inputs)):
       _check_no_writes_inside(op, exempt)
       if op.type in _CONDITIONALS:
         found.setdefault(op.name, op)
-    elif (op.type in _WRITES and
+    elif (op.type in WRITES and
           any(map(depends_on_shard, op.inputs[1:]))):
       if across_tasks:
         raise ValueError(
@@ -197,6 +197,12 @@ def _check_adds_up(op: tf.Operation, depends_on_shard) -> None:
       f'one device. {_ADVICE}')
 
 
+def calls_write(op: tf.Operation) -> bool:
+  """Whether a function-calling op (`If`, `While`, a `tf.function` call)
+  writes a variable inside its functions."""
+  return bool(_writes_in_functions(op.graph, _called(op.node_def), set()))
+
+
 def _check_no_writes_inside(op: tf.Operation,
                             exempt: Collection[str]) -> None:
   """Refuses a function run on the shard that writes variables."""
@@ -230,7 +236,7 @@ def _writes_in_functions(graph: tf.Graph, names: Iterable[str],
       continue
     seen.add(name)
     for node in function.definition.node_def:
-      if node.op in _WRITES and node.op not in _SHARED:
+      if node.op in WRITES and node.op not in _SHARED:
         writes.append(f'{name}/{node.name}')
       writes.extend(_writes_in_functions(graph, _called(node), seen))
   return writes

@@ -1,0 +1,211 @@
+"""Within a training step, reads see the variables as they were before it.
+
+A train_op is a graph, not a program: TensorFlow runs two ops in either
+order unless one depends on the other. BERT's optimizer shows why that
+matters. It reads `global_step` for the learning rate, applies the
+gradients without `global_step`, and groups `global_step.assign(step + 1)`
+beside the update: nothing orders the learning rate's read before the
+increment. One device's executor happens to run the read first; towers
+change the schedule (reads on other devices, transfers between them), and
+in some runs the update used the next step's learning rate - a silent,
+intermittent difference from one device.
+
+So the merged train_op settles what the model_fn left open the way one
+device settles it in practice, reads first, and every run is the same:
+
+* every variable write the step runs waits for every read of the same
+  variable that the step runs, unless the read comes after the write by
+  the model_fn's own dependencies (`assign(...).read_value()`, an EMA made
+  under `control_dependencies([update])`): that order is kept;
+* every write outside the one update (a manual step increment, a counter,
+  an EMA chained beside the update) also waits for the one update, unless
+  the update waits for it.
+
+"Reads" are the ops that take a variable (a resource handle or a ref) and
+do not write it; "the step" is what the train_op and the loss need, so
+nothing runs that did not run before. Ops inside TF1 control-flow contexts
+(`tf.compat.v1.cond`/`while_loop` with control flow v1) are left alone: a
+control edge into or out of them can make the step hang or skip work. Such
+graphs are rare under TF 2.x, which builds conditionals as `If` ops (those
+count as a write when their functions write, else as a read).
+"""
+
+import heapq
+from typing import Collection, Dict, Iterable, List, Sequence, Set
+
+import tensorflow as tf
+
+from estimator_towers import tower_effects
+
+# Ops that pass a variable's handle or ref on unchanged.
+_FORWARDING = frozenset(['Identity', 'RefIdentity', 'Enter', 'RefEnter',
+                         'Switch', 'RefSwitch'])
+# Optimizer kernels update the variables they take (all of them).
+_UPDATE_PREFIXES = ('ApplyGradient', 'ResourceApply', 'ResourceSparseApply',
+                    'Apply', 'SparseApply')
+_STRIDED_ASSIGNS = frozenset(['StridedSliceAssign',
+                              'ResourceStridedSliceAssign'])
+
+
+def order_writes(fetches: Sequence, update_results: Iterable[tf.Operation],
+                 update_ops: Collection[str]) -> int:
+  """Orders the step's variable writes after its reads (see module doc).
+
+  Args:
+    fetches: What runs every step: the merged train_op and the loss.
+    update_results: The ops that end the one update (what its optimizer
+      calls returned).
+    update_ops: Names of every op of the one update.
+
+  Returns:
+    How many control edges were added.
+  """
+  step = _Step(fetches)
+  added = 0
+  for variable, writes in step.writes.items():
+    for write in writes:
+      added += step.order_before(
+          [read for read in step.reads.get(variable, ()) if read is not write],
+          write)
+  # Last, as the edges above may make a write one the update waits for.
+  update_results = [op for op in update_results if op in step.ops]
+  waited_for = _ancestors(update_results)
+  for write in dict.fromkeys(w for ws in step.writes.values() for w in ws):
+    if write.name not in update_ops and write not in waited_for:
+      # The update does not wait for it, so this edge closes no cycle.
+      new = [op for op in update_results if op not in write.control_inputs]
+      write._add_control_inputs(new)  # pylint: disable=protected-access
+      added += len(new)
+  return added
+
+
+class _Step:
+  """The ops one training step runs, with their variable accesses."""
+
+  def __init__(self, fetches: Sequence):
+    self.ops = _ancestors(_op(f) for f in fetches if f is not None)
+    self.reads: Dict[str, List[tf.Operation]] = {}
+    self.writes: Dict[str, List[tf.Operation]] = {}
+    for op in self.ops:
+      if _in_v1_control_flow(op):
+        continue
+      accesses = self.writes if _writes(op) else self.reads
+      for variable in _variables_taken(op):
+        accesses.setdefault(variable, []).append(op)
+    self._position = self._reads_first_order()
+
+  def order_before(self, before: Iterable[tf.Operation],
+                   op: tf.Operation) -> int:
+    """Makes `op` wait for each of `before` that does not wait for it."""
+    inputs = set(op.control_inputs) | {t.op for t in op.inputs}
+    candidates = [o for o in dict.fromkeys(before) if o not in inputs]
+    later = [o for o in candidates if self._place(o) > self._place(op)]
+    # Only an op placed after `op` can wait for it; a path to it passes
+    # through ops placed before it, which bounds the search.
+    after = self._descendants(op, max(map(self._place, later))
+                              ) if later else set()
+    # What the model_fn ordered after the write stays after it.
+    added = [o for o in candidates if o not in after]
+    if added:
+      op._add_control_inputs(added)  # pylint: disable=protected-access
+      if any(self._place(o) > self._place(op) for o in added):
+        self._position = self._reads_first_order()
+    return len(added)
+
+  def _place(self, op: tf.Operation) -> int:
+    # A TF1 while_loop's back edge keeps its ops out of the order: place
+    # them last, so that the search for what waits for an op sees them.
+    return self._position.get(op, len(self.ops))
+
+  def _descendants(self, op: tf.Operation, limit: int) -> Set:
+    """The ops that wait for `op`, among those placed up to `limit`."""
+    found, pending = set(), [op]
+    while pending:
+      for successor in _successors(pending.pop(), self.ops):
+        if successor not in found and self._place(successor) <= limit:
+          found.add(successor)
+          pending.append(successor)
+    return found
+
+  def _reads_first_order(self) -> Dict[tf.Operation, int]:
+    """A topological order of the step's ops in which, among ops free to
+    run, non-writes come before writes: an edge from an earlier op to a
+    later one can never close a cycle."""
+    creation = {op: i for i, op in enumerate(
+        next(iter(self.ops)).graph.get_operations())} if self.ops else {}
+    waiting = {op: len(_predecessors(op, self.ops)) for op in self.ops}
+    ready = [(_writes(op), creation[op], op.name) for op, n in waiting.items()
+             if n == 0]
+    heapq.heapify(ready)
+    by_name = {op.name: op for op in self.ops}
+    position = {}
+    while ready:
+      _, _, name = heapq.heappop(ready)
+      op = by_name[name]
+      position[op] = len(position)
+      for successor in _successors(op, self.ops):
+        waiting[successor] -= 1
+        if waiting[successor] == 0:
+          heapq.heappush(ready, (_writes(successor), creation[successor],
+                                 successor.name))
+    return position
+
+
+def _op(fetch) -> tf.Operation:
+  return fetch if isinstance(fetch, tf.Operation) else fetch.op
+
+
+def _predecessors(op: tf.Operation, within: Set[tf.Operation]) -> Set:
+  return {p for p in [*(t.op for t in op.inputs), *op.control_inputs]
+          if p in within}
+
+
+def _successors(op: tf.Operation, within: Set[tf.Operation]) -> Set:
+  consumers = {c for t in op.outputs for c in t.consumers()}
+  consumers.update(op._control_outputs)  # pylint: disable=protected-access
+  return {c for c in consumers if c in within}
+
+
+def _ancestors(ops: Iterable[tf.Operation]) -> Set[tf.Operation]:
+  found, pending = set(), list(ops)
+  while pending:
+    op = pending.pop()
+    if op in found:
+      continue
+    found.add(op)
+    pending.extend(t.op for t in op.inputs)
+    pending.extend(op.control_inputs)
+  return found
+
+
+def _takes_variable(tensor: tf.Tensor) -> bool:
+  return tensor.dtype == tf.resource or tensor.dtype._is_ref_dtype  # pylint: disable=protected-access
+
+
+def _variables_taken(op: tf.Operation) -> List[str]:
+  """Names of the ops that make the variables (or tables) `op` takes."""
+  return [_source(t).name for t in op.inputs if _takes_variable(t)]
+
+
+def _source(tensor: tf.Tensor) -> tf.Operation:
+  """The op that made a handle or ref, through ops that pass it on."""
+  op = tensor.op
+  while op.type in _FORWARDING and op.inputs:
+    op = op.inputs[0].op
+  return op
+
+
+def _writes(op: tf.Operation) -> bool:
+  """Whether `op` changes a variable or table it takes."""
+  if op.type in tower_effects.WRITES or op.type in _STRIDED_ASSIGNS:
+    return True
+  if op.type.startswith(_UPDATE_PREFIXES):
+    return True
+  if op.type in tower_effects.CALLS:
+    return tower_effects.calls_write(op)
+  return False
+
+
+def _in_v1_control_flow(op: tf.Operation) -> bool:
+  # Private, but the only record of a TF1 cond or while_loop around an op.
+  return op._control_flow_context is not None  # pylint: disable=protected-access

@@ -1,0 +1,343 @@
+"""Reads within a step see the values from before its writes (write_order).
+
+The failure this guards against was intermittent: BERT's optimizer reads
+`global_step` for its learning rate and advances it by hand beside the
+update, with nothing ordering the two, and on towers about half the runs
+used the next step's learning rate. So every test here either checks the
+graph - no read of a variable the step runs is left unordered with a write
+of it, which fails every time - or compares with one device over many runs.
+"""
+
+import functools
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import estimator_towers
+
+tf1 = tf.compat.v1
+TRAIN = tf.estimator.ModeKeys.TRAIN
+AGGREGATIONS = ('global_loss', 'round_robin', 'all_reduce')
+_BATCH, _STEPS, _RUNS = 10, 6, 10
+# Substrings of the op types that write the variables they take.
+_WRITE_MARKS = ('Assign', 'Apply', 'Scatter', 'Insert')
+
+
+def _fixed(*shape):
+  """The same start in every graph and at every re-initialisation (a
+  seeded random initializer draws anew each time it runs)."""
+  return np.random.RandomState(sum(shape)).randn(*shape).astype(np.float32)
+
+
+def _advanced_by_hand(update, step, ordered):
+  """BERT's train_op: the update and `step + 1`, grouped side by side.
+
+  With `ordered`, the increment waits for the update: the one-device
+  reference, free of any race, that every run must equal.
+  """
+  with tf.control_dependencies([update] if ordered else []):
+    return tf.group(update, [step.assign(step + 1)])
+
+
+def _hand_stepped_model_fn(features, labels, mode, ordered=False):
+  """The 30-line pattern: a learning rate read from a step advanced by hand."""
+  step = tf1.train.get_or_create_global_step()
+  predictions = tf1.layers.dense(
+      features['x'], 1, kernel_initializer=tf1.constant_initializer(0.1))
+  loss = tf1.losses.mean_squared_error(labels, predictions[:, 0])
+  learning_rate = 0.05 * tf.cast(step + 1, tf.float32)
+  variables = tf1.trainable_variables()
+  gradients = tf.gradients(loss, variables)
+  update = tf1.train.GradientDescentOptimizer(learning_rate).apply_gradients(
+      zip(gradients, variables))
+  train_op = _advanced_by_hand(update, step, ordered)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+class _AdamWithDecay(tf1.train.Optimizer):
+  """BERT's kind of optimizer, written here: Adam with decoupled weight
+  decay, slots made with get_variable, and no global_step of its own."""
+
+  def __init__(self, learning_rate, decay=0.01):
+    super().__init__(False, 'AdamWithDecay')
+    self._rate, self._decay = learning_rate, decay
+
+  def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+    del global_step, name  # The model_fn advances the step itself.
+    assignments = []
+    for grad, var in grads_and_vars:
+      base = var.op.name
+      m = tf1.get_variable(f'{base}/adam_m', var.shape, trainable=False,
+                           initializer=tf.zeros_initializer())
+      v = tf1.get_variable(f'{base}/adam_v', var.shape, trainable=False,
+                           initializer=tf.zeros_initializer())
+      grad = tf.convert_to_tensor(grad)  # Embedding rows come as slices.
+      next_m = 0.9 * m + 0.1 * grad
+      next_v = 0.999 * v + 0.001 * tf.square(grad)
+      update = next_m / (tf.sqrt(next_v) + 1e-6)
+      if 'LayerNorm' not in base and 'bias' not in base:
+        update += self._decay * var
+      assignments += [var.assign(var - self._rate * update),
+                      m.assign(next_m), v.assign(next_v)]
+    return tf.group(*assignments)
+
+
+def _bert_style_model_fn(features, labels, mode, ordered=False):
+  """Embeddings, layer norm, a dense head; warmup then decay from the step;
+  clipped tf.gradients; the step advanced by hand, as BERT does."""
+  step = tf1.train.get_or_create_global_step()
+  table = tf1.get_variable('embeddings', initializer=_fixed(7, 4))
+  hidden = tf.nn.embedding_lookup(table, features['ids']) + features['x']
+  with tf1.variable_scope('LayerNorm'):
+    gamma = tf1.get_variable('gamma', [4], initializer=tf.ones_initializer())
+    beta = tf1.get_variable('beta', [4], initializer=tf.zeros_initializer())
+    mean, variance = tf.nn.moments(hidden, [1], keepdims=True)
+    hidden = (hidden - mean) * tf.math.rsqrt(variance + 1e-6) * gamma + beta
+  predictions = tf1.layers.dense(
+      hidden, 1, kernel_initializer=tf1.constant_initializer(_fixed(4, 1)))
+  loss = tf1.losses.mean_squared_error(labels, predictions[:, 0])
+  warmup, total, base_rate = 3.0, 10.0, 0.05
+  position = tf.cast(step, tf.float32)
+  decayed = base_rate * (1.0 - tf.minimum(position, total) / total)
+  learning_rate = tf.where(position < warmup,
+                           base_rate * (position + 1) / warmup, decayed)
+  variables = tf1.trainable_variables()
+  gradients, _ = tf.clip_by_global_norm(tf.gradients(loss, variables), 1.0)
+  update = _AdamWithDecay(learning_rate).apply_gradients(
+      zip(gradients, variables), global_step=step)
+  train_op = _advanced_by_hand(update, step, ordered)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _ema_beside_update_model_fn(features, labels, mode):
+  """An EMA of the weights grouped beside (not after) the update."""
+  predictions = tf1.layers.dense(features['x'], 1)
+  loss = tf1.losses.mean_squared_error(labels, predictions[:, 0])
+  update = tf1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  ema = tf1.train.ExponentialMovingAverage(0.9)
+  train_op = tf.group(update, ema.apply(tf1.trainable_variables()))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _batch_norm_keras_schedule_model_fn(features, labels, mode):
+  """Batch norm's moving statistics and a Keras optimizer whose own
+  `iterations` counter drives its learning-rate schedule."""
+  hidden = tf1.layers.dense(features['x'], 3)
+  hidden = tf1.layers.batch_normalization(hidden, training=True)
+  predictions = tf1.layers.dense(hidden, 1)
+  loss = tf1.losses.mean_squared_error(labels, predictions[:, 0])
+  schedule = tf.keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5)
+  optimizer = tf.keras.optimizers.legacy.SGD(schedule)
+  with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+    update = optimizer.get_updates(loss, tf1.trainable_variables())
+  step = tf1.train.get_or_create_global_step()
+  train_op = tf.group(*update, step.assign_add(1))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _table_counter_model_fn(features, labels, mode):
+  """Counts examples in a mutable table (read, then written, each step)."""
+  counts = tf.lookup.experimental.MutableHashTable(tf.int64, tf.float32, 0.0)
+  key = tf.constant([0], tf.int64)
+  seen = tf.cast(tf.shape(features['x'])[:1], tf.float32)
+  predictions = tf1.layers.dense(features['x'], 1)
+  loss = tf1.losses.mean_squared_error(labels, predictions[:, 0])
+  with tf.control_dependencies([counts.insert(key, counts.lookup(key) + seen)]):
+    train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _batches():
+  rng = np.random.RandomState(0)
+  x = rng.randn(_BATCH * _STEPS, 4).astype(np.float32)
+  ids = rng.randint(0, 7, size=_BATCH * _STEPS).astype(np.int64)
+  y = (x.sum(-1) + 0.1 * rng.randn(_BATCH * _STEPS)).astype(np.float32)
+  return tf.data.Dataset.from_tensor_slices(
+      ({'x': x, 'ids': ids}, y)).batch(_BATCH).repeat()
+
+
+def _build(model_fn, towers, aggregation='global_loss'):
+  """(graph, spec, session config): `model_fn` on `towers` virtual CPUs,
+  replicated unless towers == 0 (then as one device, unwrapped)."""
+  graph = tf.Graph()
+  with graph.as_default():
+    tf1.train.get_or_create_global_step()
+    features, labels = tf1.data.make_one_shot_iterator(_batches()).get_next()
+    config = estimator_towers.make_run_config(cpu_devices=max(towers, 1))
+    if towers:
+      model_fn = estimator_towers.replicate_model_fn(
+          model_fn, aggregation=aggregation)
+      spec = model_fn(features, labels, TRAIN, {}, config)
+    else:
+      spec = model_fn(features, labels, TRAIN)
+  return graph, spec, config.session_config
+
+
+def _final_variables(model_fn, towers, aggregation='global_loss',
+                     runs=_RUNS):
+  """Per run, the variables after `_STEPS` steps from the same start."""
+  graph, spec, session_config = _build(model_fn, towers, aggregation)
+  with graph.as_default():
+    variables = [v for v in tf1.global_variables()
+                 if '_replica' not in v.op.name]
+    # The scaffold's local_init_op also sets all_reduce's copies.
+    scaffold = spec.scaffold
+    scaffold.finalize()
+    finals = []
+    with tf1.Session(config=session_config) as session:
+      for _ in range(runs):  # _STEPS batches are one pass of the input.
+        session.run(scaffold.init_op)
+        session.run(scaffold.local_init_op)
+        for _ in range(_STEPS):
+          session.run(spec.train_op)
+        finals.append(dict(zip([v.op.name for v in variables],
+                               session.run(variables))))
+  return finals
+
+
+def _variable_of(tensor):
+  op = tensor.op
+  while op.type in ('Identity', 'Enter', 'Switch') and op.inputs:
+    op = op.inputs[0].op
+  return op.name
+
+
+def _ancestors(ops):
+  found, pending = set(), list(ops)
+  while pending:
+    op = pending.pop()
+    if op not in found:
+      found.add(op)
+      pending.extend([t.op for t in op.inputs] + list(op.control_inputs))
+  return found
+
+
+def unordered_accesses(fetches):
+  """(read, write) op names of one variable with no order between them,
+  among the ops the fetches run."""
+  step = _ancestors(getattr(f, 'op', f) for f in fetches)
+  reads, writes = {}, {}
+  for op in step:
+    for tensor in op.inputs:
+      if tensor.dtype == tf.resource or tensor.dtype._is_ref_dtype:  # pylint: disable=protected-access
+        kind = writes if any(m in op.type for m in _WRITE_MARKS) else reads
+        kind.setdefault(_variable_of(tensor), set()).add(op)
+  unordered = []
+  for variable, writers in writes.items():
+    for write in writers:
+      before = _ancestors([write])
+      for read in reads.get(variable, ()):
+        if read not in before and write not in _ancestors([read]):
+          unordered.append((read.name, write.name))
+  return unordered
+
+
+@pytest.mark.parametrize('aggregation', AGGREGATIONS)
+@pytest.mark.parametrize('towers', [2, 3])
+@pytest.mark.parametrize('model_fn', [_hand_stepped_model_fn,
+                                      _bert_style_model_fn])
+def test_a_hand_advanced_step_is_read_before_it_is_written(
+    model_fn, towers, aggregation):
+  _, spec, _ = _build(model_fn, towers, aggregation)
+  assert unordered_accesses([spec.train_op, spec.loss]) == []
+
+
+@pytest.mark.parametrize('aggregation', ['global_loss', 'all_reduce'])
+@pytest.mark.parametrize('model_fn', [
+    _ema_beside_update_model_fn, _batch_norm_keras_schedule_model_fn,
+    _table_counter_model_fn])
+def test_no_read_of_the_step_is_left_unordered_with_its_writes(
+    model_fn, aggregation):
+  # EMA shadows, moving statistics, an optimizer's own step counter, a
+  # hash table, loss-free counters: the family of the hand-advanced step.
+  _, spec, _ = _build(model_fn, 2, aggregation)
+  assert unordered_accesses([spec.train_op, spec.loss]) == []
+
+
+def test_the_graph_check_sees_an_unordered_read():
+  # The check itself: one device's BERT-style graph leaves the learning
+  # rate's read of the step unordered with the increment.
+  _, spec, _ = _build(_hand_stepped_model_fn, 0)
+  unordered = unordered_accesses([spec.train_op, spec.loss])
+  assert any('global_step' not in read and 'Assign' in write
+             for read, write in unordered), unordered
+
+
+def test_a_model_fn_ordered_read_after_the_write_keeps_its_order():
+  # assign(...).read_value() reads after the write by the model_fn's own
+  # dependency: no edge may reverse it (that would be a cycle).
+  def model_fn(features, labels, mode):
+    step = tf1.train.get_or_create_global_step()
+    advanced = step.assign_add(1)  # Returns the value read after it.
+    predictions = tf1.layers.dense(
+        features['x'], 1, kernel_initializer=tf1.constant_initializer(0.1))
+    loss = tf1.losses.mean_squared_error(labels, predictions[:, 0])
+    rate = 0.01 * tf.cast(advanced, tf.float32)
+    update = tf1.train.GradientDescentOptimizer(rate).minimize(loss)
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=update)
+
+  finals = [_final_variables(model_fn, towers, runs=2) for towers in (0, 2)]
+  for run in finals[1]:
+    assert run['global_step'] == _STEPS
+    np.testing.assert_allclose(run['dense/kernel'],
+                               finals[0][0]['dense/kernel'], rtol=1e-5)
+
+
+@pytest.mark.parametrize('model_fn', [_hand_stepped_model_fn,
+                                      _bert_style_model_fn])
+def test_a_hand_advanced_step_trains_as_one_device_in_every_run(model_fn):
+  expected = _final_variables(functools.partial(model_fn, ordered=True), 0,
+                              runs=1)[0]
+  for towers in (2, 3):
+    for aggregation in AGGREGATIONS:
+      for run, actual in enumerate(_final_variables(model_fn, towers,
+                                                    aggregation)):
+        assert sorted(actual) == sorted(expected)
+        for name, value in expected.items():
+          np.testing.assert_allclose(
+              actual[name], value, rtol=1e-4, atol=1e-6,
+              err_msg=f'{name}, {towers} towers, {aggregation}, run {run}')
+
+
+@pytest.mark.parametrize('task_type', ['chief', 'worker'])
+def test_a_synchronous_task_reads_the_step_before_it_is_written(
+    monkeypatch, task_type):
+  monkeypatch.setenv('TF_CONFIG', json.dumps(
+      {'cluster': {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
+       'task': {'type': task_type, 'index': 0}}))
+  _, spec, _ = _build(_bert_style_model_fn, 2, 'all_reduce')
+  assert unordered_accesses([spec.train_op, spec.loss]) == []
+
+
+def test_a_tf1_while_loop_in_the_step_builds_and_trains_as_one_device():
+  # Control flow v1 has back edges (a cycle in the graph) and contexts no
+  # control edge may cross: its ops are left alone, and nothing fails.
+  def model_fn(features, labels, mode, ordered=False):
+    step = tf1.train.get_or_create_global_step()
+    predictions = tf1.layers.dense(
+        features['x'], 1, kernel_initializer=tf1.constant_initializer(0.1))
+    loss = tf1.losses.mean_squared_error(labels, predictions[:, 0])
+    doubled = tf1.while_loop(lambda i, s: i < 2,
+                             lambda i, s: (i + 1, s + tf.cast(step, tf.float32)),
+                             [0, 0.0])[1]
+    update = tf1.train.GradientDescentOptimizer(
+        0.01 * (doubled + 1.0)).minimize(loss)
+    return tf.estimator.EstimatorSpec(
+        mode, loss=loss, train_op=_advanced_by_hand(update, step, ordered))
+
+  tf1.disable_control_flow_v2()
+  try:
+    expected = _final_variables(functools.partial(model_fn, ordered=True), 0,
+                                runs=1)[0]
+    graph, _, _ = _build(model_fn, 2)
+    assert any(op.type == 'NextIteration' for op in graph.get_operations())
+    actual = _final_variables(model_fn, 2, runs=3)
+  finally:
+    tf1.enable_control_flow_v2()
+  for run in actual:
+    np.testing.assert_allclose(run['dense/kernel'], expected['dense/kernel'],
+                               rtol=1e-5)
