@@ -41,12 +41,15 @@ tf1 = tf.compat.v1
 VOCAB = 7
 
 
-def model_fn(features, labels, mode, optimizer=None, projection=None):
+def model_fn(features, labels, mode, optimizer=None, projection=None,
+             manual_step=False):
   """Embedding (sparse gradients), dense layer, batch norm and Adam.
 
   With `projection` (an initializer), the features first go through a
   fixed 4x4 matrix kept in a local variable: not checkpointed, so every
-  task initialises it, and a random one must still be the chief's.
+  task initialises it, and a random one must still be the chief's. With
+  `manual_step`, BERT's way: Adam's rate is read from global_step, which
+  the model_fn advances by hand beside the update.
   """
   x = features['x']
   if projection is not None:
@@ -63,9 +66,14 @@ def model_fn(features, labels, mode, optimizer=None, projection=None):
   loss = tf1.losses.mean_squared_error(labels, predictions)
   if mode != tf.estimator.ModeKeys.TRAIN:
     return tf.estimator.EstimatorSpec(mode, loss=loss)
+  step = tf1.train.get_global_step()
+  if manual_step:
+    optimizer = tf1.train.AdamOptimizer(0.02 * tf.cast(step + 1, tf.float32))
   optimizer = optimizer or tf1.train.AdamOptimizer(0.05)
   with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
-    train_op = optimizer.minimize(loss, tf1.train.get_global_step())
+    train_op = optimizer.minimize(loss, None if manual_step else step)
+  if manual_step:
+    train_op = tf.group(train_op, step.assign(step + 1))
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
@@ -92,9 +100,10 @@ def task_input_fn(rows, steps, batches=None):
 
 
 def projected_model_fn(features, labels, mode):
-  """model_fn through a random projection of its features (no seed)."""
+  """model_fn through a random projection of its features (no seed), its
+  step advanced by hand."""
   return model_fn(features, labels, mode,
-                  projection=tf1.random_normal_initializer())
+                  projection=tf1.random_normal_initializer(), manual_step=True)
 
 
 def momentum_model_fn(features, labels, mode):

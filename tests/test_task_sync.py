@@ -57,7 +57,8 @@ def _one_process(model_dir, projection):
   def model_fn(features, labels, mode):
     return sync_cluster_task.model_fn(
         features, labels, mode,
-        projection=tf.compat.v1.constant_initializer(projection))
+        projection=tf.compat.v1.constant_initializer(projection),
+        manual_step=True)
   estimator = conftest.make_estimator(model_fn, model_dir, towers=4,
                                       aggregation='all_reduce')
   estimator.train(
