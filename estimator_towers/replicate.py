@@ -18,6 +18,7 @@ import tensorflow as tf
 from estimator_towers import aggregation as aggregation_lib
 from estimator_towers import loss_reduction as reduction_lib
 from estimator_towers import loss_scaling
+from estimator_towers import metric_adds
 from estimator_towers import moving_statistics
 from estimator_towers import one_update
 from estimator_towers import optimizer_iterations
@@ -329,6 +330,10 @@ class _TowerBuilder:
       spec = spec_merge.merge_train(specs, weigh, sizes,
                                     [op for ops in update_ops for op in ops],
                                     effects)
+      spec = spec._replace(predictions=spec_merge.whole_batch_predictions(
+          specs, sizes, True, [reduction_lib.ExampleDependence(
+              (feature_shards[i], label_shards[i]), first_ids[i],
+              one_update_ops) for i in range(num_towers)]))
       spec = self._finish_tpu_spec(spec, sizes, feature_shards)
       if self._replicas is not None:
         self._replicas.check_no_other_writes(first_ids[0])
@@ -342,8 +347,19 @@ class _TowerBuilder:
                                self._update.result_ops(), one_update_ops)
       return spec
     if self._mode == ModeKeys.EVAL:
-      return self._finish_tpu_spec(
-          spec_merge.merge_eval(specs, weigh, sizes), sizes, feature_shards)
+      depends = [reduction_lib.ExampleDependence(
+          (feature_shards[i], label_shards[i]), first_ids[i])
+                 for i in range(num_towers)]
+      spec = spec_merge.merge_eval(specs, weigh, sizes)
+      # Every tower adds into one metric state: an add per batch (a count
+      # of calls, a batch's mean) must add what one device's step adds.
+      metric_adds.count_once(
+          [s.eval_metric_ops or {} for s in specs],
+          [_made_between(first_ids[i], end_ids[i]) for i in range(num_towers)],
+          depends, [sizes[i] > 0 for i in range(num_towers)])
+      spec = spec._replace(predictions=spec_merge.whole_batch_predictions(
+          specs, sizes, False, depends))
+      return self._finish_tpu_spec(spec, sizes, feature_shards)
     return self._finish_tpu_spec(spec_merge.merge_predict(specs, sizes),
                                  sizes, feature_shards)
 
@@ -569,6 +585,12 @@ def _is_serving_graph(features) -> bool:
       placeholders += 1
     pending.extend(t.op for t in op.inputs)
   return placeholders > 0
+
+
+def _made_between(first_id: int, end_id: int) -> Callable[[tf.Operation],
+                                                           bool]:
+  """Whether an op was created between the two ids (by one tower)."""
+  return lambda op: first_id <= op._id < end_id  # pylint: disable=protected-access
 
 
 def _next_op_id(graph: tf.Graph) -> int:

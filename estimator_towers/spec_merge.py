@@ -163,6 +163,43 @@ def _merge_export_output(name: str, outputs: Sequence, sizes):
       'merges PredictOutput, ClassificationOutput and RegressionOutput.')
 
 
+def whole_batch_predictions(specs, sizes, padded: bool,
+                            depends_on_shard: Sequence[Callable]):
+  """The towers' predictions in input order, for EVAL and TRAIN specs.
+
+  What wraps the model_fn reads them beside the metrics and the loss
+  (`tf.estimator.add_metrics`, hooks), so they must cover the whole batch,
+  not tower 0's shard. A prediction that does not depend on the shard (a
+  weight) or is one value per shard (a scalar) keeps tower 0's value.
+
+  Args:
+    specs: The towers' specs.
+    sizes: Each tower's number of real examples.
+    padded: Whether an idle tower got a padding example (TRAIN) or an empty
+      shard (EVAL).
+    depends_on_shard: Per tower, whether a tensor depends on its shard.
+
+  Returns:
+    Predictions shaped as tower 0's (a dict, a tensor or None).
+  """
+  first = specs[0].predictions
+  if not first:
+    return first
+
+  def merge(name, tensors):
+    per_example = (isinstance(tensors[0], tf.Tensor) and
+                   tensors[0].shape.rank != 0 and
+                   any(map(lambda d, t: d(t), depends_on_shard, tensors)))
+    return (concat_rows(name, tensors, sizes, padded) if per_example
+            else tensors[0])
+
+  if isinstance(first, dict):
+    _check_same_keys('predictions', [s.predictions for s in specs])
+    return {k: merge(f'predictions[{k!r}]', [s.predictions[k] for s in specs])
+            for k in first}
+  return merge('predictions', [s.predictions for s in specs])
+
+
 def merge_predict(specs, sizes: tf.Tensor) -> tf.estimator.EstimatorSpec:
   """One PREDICT spec: predictions and export outputs back in input order.
 

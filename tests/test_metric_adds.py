@@ -1,0 +1,167 @@
+"""EVAL metrics of one number per batch, and predictions beside metrics.
+
+Each tower adds into one shared metric state. A metric of a per-example sum
+was always exact; these are the ones that were not: a mean over batches of a
+per-batch value (canned KMeans's `score` came out divided by the tower
+count), and metrics that `tf.estimator.add_metrics` computes from the
+spec's predictions (tower 0's shard only). Every test evaluates one
+checkpoint on one device and on 2 and 3 towers, with a last batch smaller
+than the tower count.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import estimator_towers
+
+tf1 = tf.compat.v1
+_ROWS, _BATCH = 26, 8  # Batches of 8, 8, 8, 2: 3 towers leave one idle.
+
+
+def _data():
+  rng = np.random.RandomState(0)
+  x = rng.randn(_ROWS, 3).astype(np.float32)
+  y = (x[:, 0] + 0.5 * rng.randn(_ROWS) > 0).astype(np.int64)
+  return x, y
+
+
+def _input_fn():
+  x, y = _data()
+  return tf.data.Dataset.from_tensor_slices(({'x': x}, y)).batch(_BATCH)
+
+
+def _classifier(features, labels, mode, params):
+  """A dense classifier whose EVAL metrics are per-batch values."""
+  logits = tf1.layers.dense(
+      features['x'], 2,
+      kernel_initializer=tf1.constant_initializer([[1., -1.], [.2, .1],
+                                                   [0., .3]]))
+  predictions = {'probabilities': tf.nn.softmax(logits),
+                 'class_ids': tf.argmax(logits, 1)}
+  if mode == tf.estimator.ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions=predictions)
+  per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=labels, logits=logits)
+  loss = tf.reduce_mean(per_example)
+  metrics = params.get('metrics', lambda _: {})(per_example)
+  train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, predictions=predictions,
+                                    eval_metric_ops=metrics,
+                                    train_op=train_op)
+
+
+def _per_batch_metrics(per_example):
+  return {
+      # A sum per batch, counted once per call: KMeans's `score` pattern.
+      'batch_sum': tf1.metrics.mean(tf.reduce_sum(per_example)),
+      # A mean per batch: the whole batch's, not the towers' shards'.
+      'batch_mean': tf1.metrics.mean(tf.reduce_mean(per_example)),
+      # A per-example metric, exact before too.
+      'example_mean': tf1.metrics.mean(per_example),
+  }
+
+
+def _evaluate(model_fn, model_dir, towers, params=None, wrap=lambda e: e):
+  config = estimator_towers.make_run_config(str(model_dir),
+                                            cpu_devices=towers)
+  if towers > 1:
+    model_fn = estimator_towers.replicate_model_fn(model_fn)
+  estimator = wrap(tf.estimator.Estimator(model_fn, config=config,
+                                          params=params or {}))
+  return estimator.evaluate(_input_fn, name=f'towers{towers}')
+
+
+@pytest.fixture(scope='module')
+def checkpoint(tmp_path_factory):
+  """A model_dir holding one trained step of `_classifier`."""
+  model_dir = tmp_path_factory.mktemp('metrics')
+  estimator = tf.estimator.Estimator(
+      _classifier, config=estimator_towers.make_run_config(str(model_dir)))
+  estimator.train(_input_fn, steps=1)
+  return model_dir
+
+
+@pytest.mark.parametrize('towers', [2, 3])
+def test_per_batch_values_average_as_on_one_device(checkpoint, towers):
+  params = {'metrics': _per_batch_metrics}
+  expected = _evaluate(_classifier, checkpoint, 1, params)
+  actual = _evaluate(_classifier, checkpoint, towers, params)
+  assert set(actual) == set(expected)
+  for name in ('batch_sum', 'batch_mean', 'example_mean', 'loss'):
+    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
+                               err_msg=name)
+
+
+@pytest.mark.parametrize('towers', [2, 3])
+def test_add_metrics_sees_the_whole_batch_predictions(checkpoint, towers):
+  def metric_fn(labels, predictions):
+    return {'mean_p1': tf1.metrics.mean(predictions['probabilities'][:, 1]),
+            'accuracy': tf1.metrics.accuracy(labels,
+                                             predictions['class_ids'])}
+
+  def wrap(estimator):
+    return tf.estimator.add_metrics(estimator, metric_fn)
+
+  expected = _evaluate(_classifier, checkpoint, 1, wrap=wrap)
+  actual = _evaluate(_classifier, checkpoint, towers, wrap=wrap)
+  for name in ('mean_p1', 'accuracy'):
+    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
+                               err_msg=name)
+
+
+def test_training_predictions_cover_the_whole_batch():
+  x, _ = _data()
+  outputs = []
+  for towers in (1, 3):
+    with tf.Graph().as_default():
+      features, labels = tf1.data.make_one_shot_iterator(
+          _input_fn()).get_next()
+      config = estimator_towers.make_run_config(cpu_devices=towers)
+      spec = estimator_towers.replicate_model_fn(_classifier)(
+          features, labels, tf.estimator.ModeKeys.TRAIN, {}, config)
+      with tf1.Session(config=config.session_config) as session:
+        session.run(tf1.global_variables_initializer())
+        outputs.append(session.run(spec.predictions['probabilities']))
+  assert outputs[1].shape == (_BATCH, 2) and len(x) > _BATCH
+  np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-6)
+
+
+def test_kmeans_score_equals_one_device(tmp_path):
+  rng = np.random.RandomState(0)
+  points = np.concatenate([rng.randn(13, 2) + 3,
+                           rng.randn(13, 2) - 3]).astype(np.float32)
+  kmeans = tf1.estimator.experimental.KMeans(
+      num_clusters=2, model_dir=str(tmp_path), use_mini_batch=False, seed=3)
+  kmeans.train(lambda: tf.data.Dataset.from_tensors(points).repeat(),
+               steps=2)
+
+  def input_fn():  # Batches of 9, 9, 8: KMeans's kernel needs points.
+    return tf.data.Dataset.from_tensor_slices(points).batch(9)
+
+  expected = kmeans.evaluate(input_fn)
+  for towers in (2, 3):
+    estimator = tf.estimator.Estimator(
+        estimator_towers.replicate_model_fn(kmeans.model_fn),
+        params=kmeans.params, config=estimator_towers.make_run_config(
+            str(tmp_path), cpu_devices=towers))
+    actual = estimator.evaluate(input_fn, name=f'towers{towers}')
+    np.testing.assert_allclose(actual['score'], expected['score'], rtol=1e-5,
+                               err_msg=f'{towers} towers')
+
+
+def test_a_sum_plus_a_constant_per_call_is_refused():
+  def metric(per_example):
+    total = tf1.get_local_variable('total', [], initializer=tf1.zeros_initializer(),
+                                   collections=[tf1.GraphKeys.METRIC_VARIABLES,
+                                                tf1.GraphKeys.LOCAL_VARIABLES])
+    update = total.assign_add(tf.reduce_sum(per_example) + 1.0)
+    return {'padded_sum': (total.read_value(), update)}
+
+  with tf.Graph().as_default():
+    features, labels = tf1.data.make_one_shot_iterator(_input_fn()).get_next()
+    with pytest.raises(ValueError, match="'padded_sum'.*once per tower"):
+      estimator_towers.replicate_model_fn(_classifier)(
+          features, labels, tf.estimator.ModeKeys.EVAL, {'metrics': metric},
+          estimator_towers.make_run_config(cpu_devices=2))
