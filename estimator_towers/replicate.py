@@ -14,6 +14,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 from absl import logging
 import tensorflow as tf
+from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers import aggregation as aggregation_lib
 from estimator_towers import loss_reduction as reduction_lib
@@ -140,7 +141,9 @@ def replicate_model_fn(model_fn: ModelFn,
       synchronous cluster".
 
   Returns:
-    A model_fn with the signature `(features, labels, mode, params, config)`.
+    A model_fn that takes `(features, labels, mode, params, config)` and
+    shows Estimator the arguments of `model_fn` (plus `mode` and `config`),
+    so that Estimator checks them as it checks `model_fn`'s.
 
   Raises:
     TypeError: `model_fn` is not callable, `devices` is not a list of
@@ -177,7 +180,8 @@ def replicate_model_fn(model_fn: ModelFn,
                      'model_fn takes features (and some of labels, mode, '
                      'params, config), as tf.estimator.Estimator requires.')
 
-  def replicated_model_fn(features, labels, mode, params, config):
+  def replicated_model_fn(features, labels=None, mode=None, params=None,
+                          config=None):
     tower_devices = _tower_devices(devices, config)
     task_group = None
     if mode == ModeKeys.TRAIN:
@@ -222,6 +226,7 @@ def replicate_model_fn(model_fn: ModelFn,
           *spec.training_hooks))
     return spec
 
+  replicated_model_fn.__signature__ = _presented_signature(model_fn)
   return replicated_model_fn
 
 
@@ -599,9 +604,27 @@ def _next_op_id(graph: tf.Graph) -> int:
   return max(graph._nodes_by_id, default=0) + 1  # pylint: disable=protected-access
 
 
+def _presented_signature(model_fn: ModelFn) -> inspect.Signature:
+  """The signature Estimator reads: the model_fn's own arguments, so that
+  its checks (params given to a model_fn without `params`, an argument it
+  does not know, labels it does not take) run as for the unwrapped
+  model_fn, at construction; plus `mode` and `config`, which the towers
+  need."""
+  accepted = _accepted_args(model_fn)
+  order = ['features', 'labels', 'mode', 'params', 'config']
+  names = [n for n in order if n in accepted or n in ('mode', 'config')]
+  names += sorted(accepted - set(order))
+  return inspect.Signature([
+      inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+      for n in names])
+
+
 def _accepted_args(model_fn) -> frozenset:
-  params = inspect.signature(model_fn).parameters
-  return frozenset(params)
+  """The model_fn's arguments as Estimator reads them (a functools.partial's
+  bound ones left out, **kwargs not an argument)."""
+  # Private, but Estimator's own reading: the wrapper must pass what
+  # Estimator would pass the unwrapped model_fn, and nothing else.
+  return frozenset(function_utils.fn_args(model_fn))
 
 
 def _name(model_fn) -> str:

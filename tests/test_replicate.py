@@ -5,6 +5,8 @@ one from the same seeded weights on the same batches, then compares every
 checkpointed variable.
 """
 
+import functools
+import inspect
 import os
 import subprocess
 import sys
@@ -384,6 +386,8 @@ def test_model_fn_without_labels_argument_but_labels_given():
 
 _SERVE_SCRIPT = '''
 import sys
+import functools
+import inspect
 import os
 import subprocess
 import sys
@@ -493,3 +497,40 @@ def test_cpu_eval_towers_warn_about_onednn_empty_shards(monkeypatch, caplog,
   with caplog.at_level('WARNING'):
     build_replicated(classifier_model_fn, 2, mode='eval')
   assert ('oneDNN convolution fails' in caplog.text) == warned
+
+
+def _model_fn_without_params(features, labels, mode):
+  logits = tf1.layers.dense(features['x'], 2)
+  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=tf.no_op())
+
+
+def _model_fn_with_an_unknown_argument(features, labels, mode, extra):
+  del extra
+  return _model_fn_without_params(features, labels, mode)
+
+
+@pytest.mark.parametrize('model_fn,params,message', [
+    (_model_fn_without_params, {'a': 1}, 'does not include params'),
+    (_model_fn_with_an_unknown_argument, None, 'not expected args'),
+])
+def test_estimator_checks_the_model_fns_own_arguments(tmp_path, model_fn,
+                                                      params, message):
+  # As for the unwrapped model_fn, at construction: params are not dropped
+  # silently, an unknown argument does not wait for the first call.
+  config = trainer.make_run_config(str(tmp_path), cpu_devices=2)
+  for fn in (model_fn, trainer.replicate_model_fn(model_fn)):
+    with pytest.raises(ValueError, match=message):
+      tf.estimator.Estimator(fn, config=config, params=params)
+
+
+def test_a_partial_model_fn_binds_its_params(tmp_path, data):
+  # Estimator gives params only to a model_fn whose params are not bound.
+  model_fn = functools.partial(classifier_model_fn,
+                               params={'optimizer': OPTIMIZERS['sgd']})
+  replicated = trainer.replicate_model_fn(model_fn)
+  assert 'params' not in inspect.signature(replicated).parameters
+  config = trainer.make_run_config(str(tmp_path), cpu_devices=2)
+  estimator = tf.estimator.Estimator(replicated, config=config)
+  estimator.train(dataset_input_fn(*data), steps=2)
+  assert estimator.get_variable_value('global_step') == 2
