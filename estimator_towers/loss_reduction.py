@@ -251,7 +251,9 @@ class ExampleDependence:
 
   def __init__(self, shard, first_id: int, whole_batch=frozenset()):
     leaves = tf.nest.flatten(shard, expand_composites=True)
-    self._shard_ops = {t.op.name for t in leaves if isinstance(t, tf.Tensor)}
+    # A scalar feature is every tower's whole, not part of a shard.
+    self._shard_ops = {t.op.name for t in leaves if isinstance(t, tf.Tensor)
+                       and t.shape.rank != 0}
     dense = [t for t in tf.nest.flatten(shard) if isinstance(t, tf.Tensor)]
     # The shard's static number of examples; None when known only at run
     # time (the usual case; static when the input's batch size is).

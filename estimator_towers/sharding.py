@@ -3,6 +3,8 @@
 The split is computed at run time from the actual batch size, so the short
 last batch of an epoch and a serving request of one example work: shard sizes
 differ by at most one, and towers beyond the batch size get empty shards.
+A scalar feature (one value for the whole batch, such as a temperature) is
+not split: every tower gets it, as one device does.
 """
 
 from typing import Any, List, Optional, Sequence, Tuple
@@ -33,11 +35,12 @@ def _check_leaf(name: str, leaf: Any) -> None:
         f'{name} is a {type(leaf).__name__}; replicate_model_fn splits only '
         'Tensors, SparseTensors and RaggedTensors (in dicts, lists or tuples). '
         'Convert it to a Tensor in the input_fn.')
-  if isinstance(leaf, tf.Tensor) and leaf.shape.rank == 0:
-    raise ValueError(
-        f'{name} has no batch dimension (it is a scalar). Every feature and '
-        'label needs the batch as its first dimension; give it shape [batch] '
-        'or [batch, 1] in the input_fn.')
+
+
+def is_per_batch(leaf: Any) -> bool:
+  """Whether `leaf` is one value for the whole batch (a scalar Tensor),
+  which every tower gets whole."""
+  return isinstance(leaf, tf.Tensor) and leaf.shape.rank == 0
 
 
 def batch_size_of(leaf: Any) -> tf.Tensor:
@@ -68,14 +71,21 @@ def global_batch_size(named_leaves: Sequence[Tuple[str, Any]]) -> tf.Tensor:
     The batch size, an int32 scalar tensor.
 
   Raises:
-    ValueError: a leaf has no batch dimension, or the static batch sizes of
+    ValueError: no leaf has a batch dimension, or the static batch sizes of
       two leaves differ.
     TypeError: a leaf is not a Tensor, SparseTensor or RaggedTensor.
   """
-  if not named_leaves:
-    raise ValueError('replicate_model_fn got no features to split.')
+  named_leaves = [(name, leaf) for name, leaf in named_leaves
+                  if leaf is not None]
   for name, leaf in named_leaves:
     _check_leaf(name, leaf)
+  named_leaves = [(name, leaf) for name, leaf in named_leaves
+                  if not is_per_batch(leaf)]
+  if not named_leaves:
+    raise ValueError(
+        'replicate_model_fn found no feature or label with a batch '
+        'dimension to split over the towers (scalars are one value per '
+        'batch). Give the batched inputs shape [batch, ...] in the input_fn.')
   first_name, first = named_leaves[0]
   static = {name: _static_batch_size(leaf) for name, leaf in named_leaves}
   known = {name: size for name, size in static.items() if size is not None}
@@ -161,10 +171,12 @@ def split_batch(structure: Any, sizes: tf.Tensor, num_towers: int,
     starts = tf.where(sizes > 0, starts, tf.zeros_like(starts))
     batch = tf.reduce_sum(sizes)
     sizes = tf.maximum(sizes, 1)
-    leaves = [_with_a_row(leaf, batch) for leaf in leaves]
+    leaves = [leaf if is_per_batch(leaf) else _with_a_row(leaf, batch)
+              for leaf in leaves]
   shards = []
   for i in range(num_towers):
-    tower_leaves = [slice_rows(leaf, starts[i], sizes[i]) for leaf in leaves]
+    tower_leaves = [leaf if is_per_batch(leaf) else
+                    slice_rows(leaf, starts[i], sizes[i]) for leaf in leaves]
     shards.append(tf.nest.pack_sequence_as(structure, tower_leaves))
   return shards
 

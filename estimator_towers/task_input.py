@@ -111,6 +111,13 @@ def _batch_size(element):
   named = (sharding.named_leaves(*element) if
            isinstance(element, tuple) and len(element) == 2 else
            sharding.named_leaves(element, None))
+  # A scalar here means Dataset.batch has not run yet (towers take a
+  # per-batch scalar whole, but a task's slice comes from batches).
+  scalars = [name for name, leaf in named if sharding.is_per_batch(leaf)]
+  if scalars:
+    raise ValueError(f'{scalars[0]} has no batch dimension (it is a '
+                     'scalar). task_slice takes batches of the global batch '
+                     'size: call it after Dataset.batch.')
   try:
     size = sharding.global_batch_size(named)
   except ValueError as e:

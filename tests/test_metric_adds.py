@@ -144,7 +144,7 @@ def test_kmeans_score_equals_one_device(tmp_path):
   for towers in (2, 3):
     estimator = tf.estimator.Estimator(
         estimator_towers.replicate_model_fn(kmeans.model_fn),
-        params=kmeans.params, config=estimator_towers.make_run_config(
+        config=estimator_towers.make_run_config(
             str(tmp_path), cpu_devices=towers))
     actual = estimator.evaluate(input_fn, name=f'towers{towers}')
     np.testing.assert_allclose(actual['score'], expected['score'], rtol=1e-5,

@@ -68,10 +68,15 @@ def test_padding_gives_idle_towers_a_copy_of_the_first_example():
   assert [s.tolist() for s in shards] == [[[5.0]], [[6.0]], [[5.0]], [[5.0]]]
 
 
-def test_scalar_feature_has_no_batch_dimension():
+@pytest.mark.parametrize('pad', [False, True])
+def test_a_scalar_feature_goes_whole_to_every_tower(pad):
+  # One value per batch (one device sees it once per step), not a row.
   with tf.Graph().as_default():
-    with pytest.raises(ValueError, match=r"features\['scale'\] has no batch"):
-      _split({'x': tf.zeros([4, 2]), 'scale': tf.constant(1.0)}, 2)
+    shards = _run(_split({'x': tf.zeros([3, 2]), 'scale': tf.constant(7.0)},
+                         4, pad=pad))
+  assert [shard['scale'] for shard in shards] == [7.0] * 4
+  assert [len(shard['x']) for shard in shards] == (
+      [1, 1, 1, 1] if pad else [1, 1, 1, 0])
 
 
 def test_static_batch_sizes_that_differ_are_named():
@@ -124,3 +129,54 @@ def test_padding_gives_an_empty_batch_one_zero_row_of_every_kind():
     assert shard['w'].tolist() == [b'']
     assert list(shard['s'].dense_shape) == [1, 3] and shard['s'].values.size == 0
     assert shard['r'].to_list() == [[]]
+
+
+def _scaled_model_fn(features, labels, mode):
+  """A dense regression scaled by an optional per-batch scalar feature."""
+  features = features or {}
+  x = features.get('x', tf.ones_like(labels)[:, None])
+  if 'scale' in features:
+    x = x * features['scale']
+  predictions = tf.compat.v1.layers.dense(
+      x, 1, kernel_initializer=tf.compat.v1.constant_initializer(0.1))
+  loss = tf.compat.v1.losses.mean_squared_error(labels, predictions[:, 0])
+  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf.compat.v1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _trained_kernel(input_fn, towers, tmp_path):
+  import estimator_towers  # pylint: disable=g-import-not-at-top
+  model_fn = _scaled_model_fn
+  if towers > 1:
+    model_fn = estimator_towers.replicate_model_fn(model_fn)
+  estimator = tf.estimator.Estimator(
+      model_fn, config=estimator_towers.make_run_config(
+          str(tmp_path / str(towers)), cpu_devices=towers))
+  estimator.train(input_fn, steps=3)
+  return estimator.get_variable_value('dense/kernel')
+
+
+@pytest.mark.parametrize('features', ['scalar', 'none'])
+def test_a_per_batch_scalar_or_no_features_train_as_one_device(tmp_path,
+                                                                 features):
+  # A scalar is every tower's whole; without features, labels are split.
+  rng = np.random.RandomState(0)
+  x, y = rng.randn(20, 3).astype(np.float32), rng.randn(20).astype(np.float32)
+
+  def input_fn():
+    if features == 'none':
+      return None, tf.constant(y[:7])
+    data = tf.data.Dataset.from_tensor_slices(({'x': x}, y)).batch(7)
+    return data.map(lambda f, l: (dict(f, scale=tf.constant(2.0)), l))
+
+  expected = _trained_kernel(input_fn, 1, tmp_path)
+  for towers in (2, 3):
+    np.testing.assert_allclose(_trained_kernel(input_fn, towers, tmp_path),
+                               expected, rtol=1e-5, err_msg=f'{towers}')
+
+
+def test_only_scalars_have_nothing_to_split():
+  with pytest.raises(ValueError, match='no feature or label with a batch'):
+    sharding.global_batch_size(
+        sharding.named_leaves({'scale': tf.constant(2.0)}, None))
