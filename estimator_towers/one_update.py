@@ -50,6 +50,7 @@ import tensorflow as tf
 from estimator_towers import aggregation
 from estimator_towers import gradient_routing as calls
 from estimator_towers import loss_scaling
+from estimator_towers import write_order
 
 tf1 = tf.compat.v1
 _SUMMARY_OPS = frozenset(['ScalarSummary', 'HistogramSummary',
@@ -460,18 +461,23 @@ class OneUpdate:
     losses = self._counts['losses'][index]
     applied = self._counts['apply'][index]
     gradients = self._counts['optimizer_gradients'][index]
-    if index == 0 and losses == 0:
+    if index == 0 and losses == 0 and spec is not None and (
+        _writes_trainable_variables(spec.train_op)):
+      # An optimizer the routing did not see: the last tower's update
+      # would come from its shard alone.
       raise ValueError(
           'In TRAIN mode, replicate_model_fn needs the train_op built by a '
           'tf.compat.v1.train.Optimizer (minimize, or compute_gradients or '
           'tf.gradients(loss, variables) then apply_gradients) or a '
           'tf.keras.optimizers.legacy optimizer (get_updates, minimize, or '
           'get_gradients then apply_gradients), or by a subclass of either '
-          'that overrides these methods. The model_fn made no such call (an '
-          'optimizer whose methods are replaced on the instance, such as a '
-          'mock, is not seen: subclass it instead). The new '
-          'tf.keras.optimizers (non-legacy) do not run in graph mode: use '
-          'tf.keras.optimizers.legacy.')
+          'that overrides these methods. The model_fn made no such call, '
+          'yet its train_op writes trainable variables (an optimizer whose '
+          'methods are replaced on the instance, such as a mock, is not '
+          'seen: subclass it instead; the new tf.keras.optimizers apply '
+          'GradientTape gradients the towers cannot combine: use '
+          'tf.keras.optimizers.legacy). A train_op that only updates other '
+          'state (global_step.assign_add(1), counters) needs no optimizer.')
     if (losses, applied) != (self._counts['losses'][0],
                              self._counts['apply'][0]):
       raise ValueError(
@@ -521,6 +527,27 @@ class OneUpdate:
             'cannot be split over towers. Gradients with respect to inputs '
             '(per example, as in a WGAN-GP penalty) are fine; train this '
             'model_fn on one device.')
+
+
+def _writes_trainable_variables(train_op) -> bool:
+  """Whether the ops `train_op` runs write a trainable variable."""
+  if train_op is None:
+    return False
+  trainable = {v.op.name for v in (
+      tf1.trainable_variables() +
+      tf1.get_collection(tf1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES))}
+  seen, pending = set(), [getattr(train_op, 'op', train_op)]
+  while pending:
+    op = pending.pop()
+    if op in seen:
+      continue
+    seen.add(op)
+    if write_order.writes(op) and trainable & set(
+        write_order.variables_taken(op)):
+      return True
+    pending.extend(t.op for t in op.inputs)
+    pending.extend(op.control_inputs)
+  return False
 
 
 def _loss_of(call: calls.Call) -> tf.Tensor:

@@ -89,8 +89,8 @@ class _Step:
     for op in self.ops:
       if _in_v1_control_flow(op):
         continue
-      accesses = self.writes if _writes(op) else self.reads
-      for variable in _variables_taken(op):
+      accesses = self.writes if writes(op) else self.reads
+      for variable in variables_taken(op):
         accesses.setdefault(variable, []).append(op)
     self._position = self._reads_first_order()
 
@@ -134,7 +134,7 @@ class _Step:
     creation = {op: i for i, op in enumerate(
         next(iter(self.ops)).graph.get_operations())} if self.ops else {}
     waiting = {op: len(_predecessors(op, self.ops)) for op in self.ops}
-    ready = [(_writes(op), creation[op], op.name) for op, n in waiting.items()
+    ready = [(writes(op), creation[op], op.name) for op, n in waiting.items()
              if n == 0]
     heapq.heapify(ready)
     by_name = {op.name: op for op in self.ops}
@@ -146,7 +146,7 @@ class _Step:
       for successor in _successors(op, self.ops):
         waiting[successor] -= 1
         if waiting[successor] == 0:
-          heapq.heappush(ready, (_writes(successor), creation[successor],
+          heapq.heappush(ready, (writes(successor), creation[successor],
                                  successor.name))
     return position
 
@@ -182,7 +182,7 @@ def _takes_variable(tensor: tf.Tensor) -> bool:
   return tensor.dtype == tf.resource or tensor.dtype._is_ref_dtype  # pylint: disable=protected-access
 
 
-def _variables_taken(op: tf.Operation) -> List[str]:
+def variables_taken(op: tf.Operation) -> List[str]:
   """Names of the ops that make the variables (or tables) `op` takes."""
   return [_source(t).name for t in op.inputs if _takes_variable(t)]
 
@@ -195,7 +195,7 @@ def _source(tensor: tf.Tensor) -> tf.Operation:
   return op
 
 
-def _writes(op: tf.Operation) -> bool:
+def writes(op: tf.Operation) -> bool:
   """Whether `op` changes a variable or table it takes."""
   if op.type in tower_effects.WRITES or op.type in _STRIDED_ASSIGNS:
     return True

@@ -66,19 +66,6 @@ def test_two_optimizers_per_tower_each_make_one_update(tmp_path, data):
   assert runs[3]['global_step'] == 3
 
 
-def test_model_fn_without_optimizer_is_a_clear_error():
-
-  def model_fn(features, labels, mode):
-    loss = tf.reduce_mean(_linear(features))
-    return tf.estimator.EstimatorSpec(mode, loss=loss,
-                                      train_op=tf1.assign_add(
-                                          tf1.train.get_or_create_global_step(),
-                                          1))
-
-  with pytest.raises(ValueError, match='tf.compat.v1.train.Optimizer'):
-    build_replicated(model_fn, 2)
-
-
 def test_gradients_not_from_a_routed_call_are_a_clear_error():
   # A GradientTape's gradients are the tower's own: each tower would apply
   # only its shard's.
@@ -192,4 +179,50 @@ def test_one_gradient_call_split_over_two_optimizers_says_so():
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
   with pytest.raises(ValueError, match='one compute_gradients per optimizer'):
+    build_replicated(model_fn, 2)
+
+
+def _state_update_model_fn(features, labels, mode, params):
+  """No optimizer: the train_op advances the step and counts labels, as
+  tf.estimator's own tests and KMeans-like model_fns do."""
+  logits = tf1.layers.dense(features['x'], 2,
+                            kernel_initializer=tf1.constant_initializer(0.1))
+  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+  positives = tf1.get_variable('positives', [], tf.float32,
+                               initializer=tf.zeros_initializer(),
+                               trainable=False)
+  counted = positives.assign_add(tf.reduce_sum(tf.cast(labels, tf.float32)))
+  step = tf1.assign_add(tf1.train.get_or_create_global_step(), 1)
+  train_op = tf.group(step, counted) if params.get('count') else step
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize('count', [False, True])
+def test_a_train_op_without_an_optimizer_runs_once_per_step(tmp_path, data,
+                                                            count):
+  x, y = data
+  results = []
+  for towers in (1, 3):
+    estimator = make_estimator(_state_update_model_fn, tmp_path / str(towers),
+                               towers=towers, params={'count': count})
+    estimator.train(dataset_input_fn({'x': x}, y, batch_size=10), steps=4)
+    results.append(variables_of(estimator))
+  assert results[1]['global_step'] == 4
+  assert_same_variables(results[0], results[1])
+
+
+def test_an_update_the_towers_do_not_see_is_refused():
+  # GradientTape gradients applied by hand: the last tower's update would
+  # come from its shard alone; only routed optimizer calls make one update.
+  def model_fn(features, labels, mode):
+    layer = tf.keras.layers.Dense(2)
+    with tf.GradientTape() as tape:
+      logits = layer(features['x'])
+      loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    grads = tape.gradient(loss, layer.trainable_variables)
+    train_op = tf.group(*[v.assign_sub(0.1 * g) for g, v in
+                          zip(grads, layer.trainable_variables)])
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  with pytest.raises(ValueError, match='writes trainable variables'):
     build_replicated(model_fn, 2)
