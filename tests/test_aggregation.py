@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import estimator_towers
-from conftest import (OPTIMIZERS, assert_same_variables, build_replicated,
+from helpers import (OPTIMIZERS, assert_same_variables, build_replicated,
                       classifier_model_fn, dataset_input_fn, make_estimator,
                       save_start_checkpoint, variables_of)
 

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import trainer
-from conftest import (assert_same_variables, dataset_input_fn,
+from helpers import (assert_same_variables, dataset_input_fn,
                       save_start_checkpoint, variables_of)
 
 tf1 = tf.compat.v1

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (assert_same_variables, build_replicated,
+from helpers import (assert_same_variables, build_replicated,
                       dataset_input_fn, make_estimator, save_start_checkpoint,
                       seeded, variables_of)
 

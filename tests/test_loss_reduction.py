@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (assert_same_variables, dataset_input_fn, make_estimator,
+from helpers import (assert_same_variables, dataset_input_fn, make_estimator,
                       seeded, variables_of)
 from estimator_towers import loss_reduction
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (assert_same_variables, dataset_input_fn,
+from helpers import (assert_same_variables, dataset_input_fn,
                       save_start_checkpoint, seeded, variables_of)
 import trainer
 

@@ -460,7 +460,7 @@ def test_registry_names_and_kinds():
 
 @pytest.mark.parametrize('path,expected', [
     ('test_model_fns:custom_model_fn', 'custom_model_fn'),
-    ('conftest:classifier_model_fn', 'classifier_model_fn'),
+    ('helpers:classifier_model_fn', 'classifier_model_fn'),
     ('model_fns.dnn:dnn_model_fn', 'dnn_model_fn'),
 ])
 def test_registry_imports_a_users_model_fn(path, expected):

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import trainer
-from conftest import assert_same_variables, build_replicated, seeded
+from helpers import assert_same_variables, build_replicated, seeded
 
 tf1 = tf.compat.v1
 ModeKeys = tf.estimator.ModeKeys

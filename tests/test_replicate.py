@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import trainer
-from conftest import (OPTIMIZERS, assert_same_variables, build_replicated,
+from helpers import (OPTIMIZERS, assert_same_variables, build_replicated,
                       classifier_model_fn, dataset_input_fn, make_estimator,
                       variables_of)
 

@@ -74,7 +74,7 @@ def _stall_warnings(model_dir):
       train._with_step_logging(_stalled_model_fn, 2, 1, 6),  # pylint: disable=protected-access
       config=config)
   records, logger = _Records(), tf.get_logger()
-  level = logger.level  # conftest keeps TensorFlow's warnings quiet.
+  level = logger.level  # helpers.py keeps TensorFlow's warnings quiet.
   logger.addHandler(records)
   logger.setLevel(logging.WARNING)
   try:

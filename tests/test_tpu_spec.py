@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import trainer
-from conftest import assert_same_variables, seeded, variables_of
+from helpers import assert_same_variables, seeded, variables_of
 
 tf1 = tf.compat.v1
 BATCH = 7  # Divides by neither 2 nor 3 towers.

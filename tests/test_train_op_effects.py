@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (assert_same_variables, dataset_input_fn, make_estimator,
+from helpers import (assert_same_variables, dataset_input_fn, make_estimator,
                       seeded, variables_of)
 
 tf1 = tf.compat.v1
