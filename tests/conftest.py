@@ -11,6 +11,22 @@ import pytest
 from cli_helpers import CSV_FLAGS, run_module, write_tabular_csv
 from helpers import NUM_EXAMPLES, NUM_FEATURES
 
+TIERS = ('fast', 'training', 'cli', 'cluster')
+
+
+def pytest_collection_modifyitems(items):
+  """Refuses a test without exactly one tier, so `-m` selections stay whole.
+
+  A test left untiered would silently drop out of `-m "fast or training"`.
+  """
+  wrong = [f'{item.nodeid}: {tiers or "no tier"}'
+           for item in items
+           for tiers in [[t for t in TIERS if item.get_closest_marker(t)]]
+           if len(tiers) != 1]
+  if wrong:
+    raise pytest.UsageError('each test needs exactly one tier marker '
+                            f'{TIERS} (tests/README.md):\n' + '\n'.join(wrong))
+
 
 @pytest.fixture(scope='session')
 def data():

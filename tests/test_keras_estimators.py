@@ -11,6 +11,8 @@ import trainer
 from helpers import (assert_same_variables, dataset_input_fn,
                       save_start_checkpoint, seeded, variables_of)
 
+pytestmark = pytest.mark.training
+
 tf1 = tf.compat.v1
 STEPS = 4
 BATCH = 7

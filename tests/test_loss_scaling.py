@@ -24,6 +24,8 @@ from helpers import (assert_same_variables, dataset_input_fn,
                       save_start_checkpoint, seeded, variables_of)
 import trainer
 
+pytestmark = pytest.mark.training
+
 tf1 = tf.compat.v1
 RTOL, ATOL = 4e-3, 1e-3
 BATCH = 7  # Uneven over 2 and 3 towers.

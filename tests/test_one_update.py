@@ -15,6 +15,7 @@ def _linear(features):
   return tf1.layers.dense(features['x'], 2, kernel_initializer=seeded(21))
 
 
+@pytest.mark.fast
 def test_one_apply_op_and_one_global_step_increment():
 
   def model_fn(features, labels, mode):
@@ -38,6 +39,7 @@ def test_one_apply_op_and_one_global_step_increment():
                    'dense/kernel/Adam_1']
 
 
+@pytest.mark.training
 def test_two_optimizers_per_tower_each_make_one_update(tmp_path, data):
   # A GAN-style model_fn: two losses, two optimizers, calls matched in order.
   x, y = data
@@ -66,6 +68,7 @@ def test_two_optimizers_per_tower_each_make_one_update(tmp_path, data):
   assert runs[3]['global_step'] == 3
 
 
+@pytest.mark.fast
 def test_model_fn_without_optimizer_is_a_clear_error():
 
   def model_fn(features, labels, mode):
@@ -79,6 +82,7 @@ def test_model_fn_without_optimizer_is_a_clear_error():
     build_replicated(model_fn, 2)
 
 
+@pytest.mark.fast
 def test_gradients_not_from_a_routed_call_are_a_clear_error():
   # A GradientTape's gradients are the tower's own: each tower would apply
   # only its shard's.
@@ -96,6 +100,7 @@ def test_gradients_not_from_a_routed_call_are_a_clear_error():
     build_replicated(model_fn, 2)
 
 
+@pytest.mark.fast
 def test_compute_without_apply_is_a_clear_error():
 
   def model_fn(features, labels, mode):
@@ -110,6 +115,7 @@ def test_compute_without_apply_is_a_clear_error():
     build_replicated(model_fn, 2)
 
 
+@pytest.mark.fast
 def test_optimizer_is_left_unpatched_afterwards_even_on_error():
   original = tf1.train.Optimizer.compute_gradients
 
@@ -129,6 +135,7 @@ def test_optimizer_is_left_unpatched_afterwards_even_on_error():
       assert np.isclose(session.run(grad), 6.0)
 
 
+@pytest.mark.fast
 def test_sync_replicas_optimizer_is_refused_with_what_to_use():
   # It aggregates across workers itself: the towers would wait forever. An
   # optimizer overriding apply_gradients with only its own update is fine
@@ -169,6 +176,7 @@ def batch_sized_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('form', ['learning_rate', 'gradients'])
 def test_update_computed_from_the_batch_size_is_refused(tmp_path, data, form):
   x, y = data
@@ -178,6 +186,7 @@ def test_update_computed_from_the_batch_size_is_refused(tmp_path, data, form):
     estimator.train(dataset_input_fn({'x': x}, y, 7), steps=1)
 
 
+@pytest.mark.fast
 def test_one_gradient_call_split_over_two_optimizers_says_so():
 
   def model_fn(features, labels, mode):

@@ -6,6 +6,8 @@ import tensorflow as tf
 import trainer
 from helpers import build_replicated
 
+pytestmark = pytest.mark.fast
+
 tf1 = tf.compat.v1
 ModeKeys = tf.estimator.ModeKeys
 

@@ -21,6 +21,8 @@ from tests import sync_cluster_task
 from tests import sync_fault_cluster
 from trainer.cluster import private_network
 
+pytestmark = pytest.mark.cluster
+
 _TIMEOUT = 10
 # A fault must end every live task within the timeout, plus the time a
 # busy two-core machine takes to notice, unwind and exit.

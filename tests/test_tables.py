@@ -11,6 +11,8 @@ import tensorflow as tf
 from helpers import (assert_same_variables, dataset_input_fn,
                       make_estimator, seeded, variables_of)
 
+pytestmark = pytest.mark.training
+
 tf1 = tf.compat.v1
 STEPS = 3
 BATCH = 7  # Divides by neither 2 nor 3 towers.

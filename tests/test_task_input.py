@@ -8,6 +8,8 @@ import tensorflow as tf
 
 from estimator_towers import task_input
 
+pytestmark = pytest.mark.fast
+
 tf1 = tf.compat.v1
 
 

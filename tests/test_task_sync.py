@@ -66,6 +66,7 @@ def _one_process(model_dir, projection):
   return helpers.variables_of(estimator)
 
 
+@pytest.mark.cluster
 def test_sliced_global_batches_train_as_one_process_to_the_same_end(
     tmp_path):
   # 19 rows in global batches of 9: the tasks keep 5+4, 5+4, then 1+0 (the
@@ -96,6 +97,7 @@ def test_sliced_global_batches_train_as_one_process_to_the_same_end(
                                 actual['embedding'])
 
 
+@pytest.mark.cluster
 def test_chief_and_worker_train_as_one_process_on_the_global_batch(
     tmp_path):
   private_network.check_unshare_works()
@@ -130,6 +132,7 @@ def test_chief_and_worker_train_as_one_process_on_the_global_batch(
                                   err_msg=name)
 
 
+@pytest.mark.fast
 def test_the_server_keeps_virtual_cpus_and_leads_from_the_chief():
   session = tf.compat.v1.ConfigProto(device_count={'CPU': 3},
                                      intra_op_parallelism_threads=2)
@@ -155,6 +158,7 @@ def _counting_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+@pytest.mark.fast
 def test_a_table_written_while_training_is_refused_in_a_cluster(
     monkeypatch):
   # Not a variable: no task would see the others' inserts.
@@ -181,6 +185,7 @@ def _example_counter_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+@pytest.mark.fast
 def test_a_variable_written_from_the_shard_is_refused_in_a_cluster(
     monkeypatch):
   # Exact over one task's towers (they add up), but the chief's checkpoint
@@ -223,6 +228,7 @@ def _dropout_seeds(monkeypatch, task_type):
           if op.type == 'RandomUniform' and 'dropout' in op.name}
 
 
+@pytest.mark.fast
 def test_a_worker_draws_other_random_numbers_than_the_chief(monkeypatch):
   # One seed, one graph on every task: the worker's towers would repeat
   # the chief's dropout masks, where one process's 4 towers all differ.
@@ -245,6 +251,7 @@ def _noise_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+@pytest.mark.fast
 def test_a_variable_written_from_random_numbers_is_refused_in_a_cluster(
     monkeypatch):
   # Each task draws its own numbers: the variables would drift apart.

@@ -10,6 +10,8 @@ import tensorflow as tf
 from helpers import (assert_same_variables, dataset_input_fn, make_estimator,
                       seeded, variables_of)
 
+pytestmark = pytest.mark.training
+
 tf1 = tf.compat.v1
 STEPS = 3
 BATCH = 7

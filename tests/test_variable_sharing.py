@@ -6,6 +6,8 @@ import tensorflow as tf
 import trainer
 from helpers import build_replicated, classifier_model_fn, OPTIMIZERS
 
+pytestmark = pytest.mark.fast
+
 tf1 = tf.compat.v1
 
 
