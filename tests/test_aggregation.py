@@ -454,13 +454,35 @@ def test_shared_variable_strategies_without_ps_tasks_are_refused(
 @pytest.mark.fast
 def test_all_reduce_on_a_lone_chief_and_other_strategies_in_clusters_build(
     monkeypatch):
+  names = ['dense/kernel', 'dense_1/kernel', 'tower_1_replica/dense/kernel']
+  # A lone chief sums over its own two devices only.
   _as_task(monkeypatch, {'chief': ['127.0.0.1:1']})
-  build_replicated(classifier_model_fn, 2, aggregation='all_reduce')
+  graph, _ = build_replicated(classifier_model_fn, 2, aggregation='all_reduce')
+  assert list(_variable_devices(graph, names).values()) == [
+      '/device:CPU:0', '/device:CPU:0', '/device:CPU:1']
+  assert _collective_reduces(graph) == {('/device:CPU:0', 2),
+                                        ('/device:CPU:1', 2)}
+  # With a ps task round_robin still spreads over the towers, no collectives.
   _as_task(monkeypatch, {'chief': ['127.0.0.1:1'], 'ps': ['127.0.0.1:3']})
-  build_replicated(classifier_model_fn, 2, aggregation='round_robin')
-  # Without ps: synchronous (tests/test_task_sync.py trains it).
+  graph, _ = build_replicated(classifier_model_fn, 2,
+                              aggregation='round_robin')
+  assert list(_variable_devices(graph, names[:2]).values()) == [
+      '/device:CPU:0', '/device:CPU:1']
+  assert not _collective_reduces(graph)
+  # Without ps: synchronous, the sum spans both tasks (tests/test_task_sync.py
+  # trains it).
   _as_task(monkeypatch, {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']})
-  build_replicated(classifier_model_fn, 2, aggregation='all_reduce')
+  graph, _ = build_replicated(classifier_model_fn, 2, aggregation='all_reduce')
+  assert list(_variable_devices(graph, names).values()) == [
+      '/device:CPU:0', '/device:CPU:0', '/device:CPU:1']
+  assert _collective_reduces(graph) == {
+      ('/job:chief/replica:0/task:0/device:CPU:0', 2)}
+
+
+def _collective_reduces(graph):
+  """{(device, group size)} of the graph's CollectiveReduce ops."""
+  return {(op.device, op.get_attr('group_size'))
+          for op in graph.get_operations() if op.type == 'CollectiveReduce'}
 
 
 def _apply_every_other_step_model_fn(features, labels, mode):
