@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -83,22 +84,45 @@ def test_saved_model_cli_describes_the_export(trained):
   assert 'class_ids' in shown.stdout
 
 
-@pytest.mark.cli
-def test_rerun_resumes_from_the_latest_checkpoint(tmp_path, csv_files):
-  args = (f'--job-dir={tmp_path}', f'--train-files={csv_files[0]}',
+def _csv_args(job_dir, csv_files):
+  return (f'--job-dir={job_dir}', f'--train-files={csv_files[0]}',
           f'--eval-files={csv_files[1]}', *CSV_FLAGS)
-  first = run_module('trainer.task', *args, '--train-steps=40')
-  assert int(eval_line(first)['global_step']) == 40
+
+
+@pytest.fixture(scope='module')
+def trained_40(tmp_path_factory, csv_files):
+  """One finished 40-step CSV job: (job_dir, completed process).
+
+  The rerun tests copy it (`_copy_of`) instead of each training it again.
+  """
+  job_dir = tmp_path_factory.mktemp('job_40')
+  result = run_module('trainer.task', *_csv_args(job_dir, csv_files),
+                      '--train-steps=40')
+  return job_dir, result
+
+
+def _copy_of(trained_40, tmp_path):
+  """A private copy of the 40-step job in tmp_path (checkpoint paths are
+  relative, so the copy resumes from its own files)."""
+  shutil.copytree(trained_40[0], tmp_path, dirs_exist_ok=True)
+  return tmp_path
+
+
+@pytest.mark.cli
+def test_rerun_resumes_from_the_latest_checkpoint(tmp_path, csv_files,
+                                                  trained_40):
+  assert int(eval_line(trained_40[1])['global_step']) == 40
+  args = _csv_args(_copy_of(trained_40, tmp_path), csv_files)
   second = run_module('trainer.task', *args, '--train-steps=80')
   assert int(eval_line(second)['global_step']) == 80
-  assert 'model.ckpt-40' in second.stderr  # Restored, not started over.
+  # Restored from its own copy, not started over.
+  assert str(tmp_path / 'model.ckpt-40') in second.stderr
 
 
 @pytest.mark.cli
-def test_rejected_rerun_leaves_the_saved_config_alone(tmp_path, csv_files):
-  args = (f'--job-dir={tmp_path}', f'--train-files={csv_files[0]}',
-          f'--eval-files={csv_files[1]}', *CSV_FLAGS)
-  run_module('trainer.task', *args, '--train-steps=40')
+def test_rejected_rerun_leaves_the_saved_config_alone(tmp_path, csv_files,
+                                                      trained_40):
+  args = _csv_args(_copy_of(trained_40, tmp_path), csv_files)
   config = tmp_path / 'trainer_config.json'
   saved = config.read_text()
   rejected = run_module('trainer.task', *args, '--train-steps=80',
@@ -112,10 +136,9 @@ def test_rejected_rerun_leaves_the_saved_config_alone(tmp_path, csv_files):
 
 @pytest.mark.cli
 def test_rerun_of_a_finished_but_unexported_job_evaluates_and_exports(
-    tmp_path, csv_files):
-  args = (f'--job-dir={tmp_path}', f'--train-files={csv_files[0]}',
-          f'--eval-files={csv_files[1]}', *CSV_FLAGS, '--train-steps=40')
-  run_module('trainer.task', *args)
+    tmp_path, csv_files, trained_40):
+  args = (*_csv_args(_copy_of(trained_40, tmp_path), csv_files),
+          '--train-steps=40')
   # As if killed after the final checkpoint, before evaluating and exporting.
   for name in ('export', 'eval'):
     tf.io.gfile.rmtree(str(tmp_path / name))
