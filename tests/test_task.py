@@ -334,10 +334,9 @@ def test_second_task_on_a_busy_job_dir_is_refused(tmp_path):
 
 
 @pytest.mark.cli
-def test_rerun_with_another_architecture_is_refused(tmp_path, csv_files):
-  args = (f'--job-dir={tmp_path}', f'--train-files={csv_files[0]}',
-          f'--eval-files={csv_files[1]}', *CSV_FLAGS)
-  run_module('trainer.task', *args, '--train-steps=40')
+def test_rerun_with_another_architecture_is_refused(tmp_path, csv_files,
+                                                   trained_40):
+  args = _csv_args(_copy_of(trained_40, tmp_path), csv_files)
   rerun = run_module('trainer.task', *args, '--train-steps=80',
                      '--hidden-units=32', check=False)
   assert rerun.returncode == 1
