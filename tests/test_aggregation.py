@@ -15,8 +15,8 @@ import tensorflow as tf
 
 import estimator_towers
 from helpers import (OPTIMIZERS, assert_same_variables, build_replicated,
-                      classifier_model_fn, dataset_input_fn, make_estimator,
-                      save_start_checkpoint, variables_of)
+                     classifier_model_fn, dataset_input_fn, make_estimator,
+                     save_start_checkpoint, variables_of)
 
 tf1 = tf.compat.v1
 AGGREGATIONS = ['global_loss', 'round_robin', 'all_reduce']

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import trainer
 from helpers import (assert_same_variables, dataset_input_fn,
-                      save_start_checkpoint, variables_of)
+                     save_start_checkpoint, variables_of)
 
 pytestmark = pytest.mark.training
 

@@ -15,8 +15,8 @@ import pytest
 import tensorflow as tf
 
 from helpers import (assert_same_variables, build_replicated,
-                      dataset_input_fn, make_estimator, save_start_checkpoint,
-                      seeded, variables_of)
+                     dataset_input_fn, make_estimator, save_start_checkpoint,
+                     seeded, variables_of)
 
 tf1 = tf.compat.v1
 BATCH = 7  # Divides by neither 2 nor 3 towers.

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import trainer
 from helpers import (assert_same_variables, dataset_input_fn,
-                      save_start_checkpoint, seeded, variables_of)
+                     save_start_checkpoint, seeded, variables_of)
 
 pytestmark = pytest.mark.training
 

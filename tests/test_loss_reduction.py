@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from helpers import (assert_same_variables, dataset_input_fn, make_estimator,
-                      seeded, variables_of)
+                     seeded, variables_of)
 from estimator_towers import loss_reduction
 
 tf1 = tf.compat.v1

@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 from helpers import (assert_same_variables, dataset_input_fn,
-                      save_start_checkpoint, seeded, variables_of)
+                     save_start_checkpoint, seeded, variables_of)
 import trainer
 
 pytestmark = pytest.mark.training

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from helpers import (assert_same_variables, build_replicated,
-                      dataset_input_fn, make_estimator, seeded, variables_of)
+                     dataset_input_fn, make_estimator, seeded, variables_of)
 
 tf1 = tf.compat.v1
 TRAIN = tf.estimator.ModeKeys.TRAIN

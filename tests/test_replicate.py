@@ -15,8 +15,8 @@ import tensorflow as tf
 
 import trainer
 from helpers import (OPTIMIZERS, assert_same_variables, build_replicated,
-                      classifier_model_fn, dataset_input_fn, make_estimator,
-                      variables_of)
+                     classifier_model_fn, dataset_input_fn, make_estimator,
+                     variables_of)
 
 tf1 = tf.compat.v1
 STEPS = 3

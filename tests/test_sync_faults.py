@@ -94,7 +94,7 @@ def test_a_worker_late_within_the_timeout_trains_as_one_process(tmp_path):
   assert report['chief']['code'] == 0 and report['worker']['code'] == 0, (
       report)
   estimator = helpers.make_estimator(sync_cluster_task.model_fn, one_dir,
-                                      towers=4, aggregation='all_reduce')
+                                     towers=4, aggregation='all_reduce')
   estimator.train(lambda: sync_cluster_task.global_batches(rows, steps),
                   max_steps=steps)
   chief = tf.train.load_checkpoint(str(cluster_dir))
@@ -102,4 +102,4 @@ def test_a_worker_late_within_the_timeout_trains_as_one_process(tmp_path):
             for name in chief.get_variable_to_shape_map()}
   assert int(actual['global_step']) == steps
   helpers.assert_same_variables(helpers.variables_of(estimator), actual,
-                                 rtol=1e-4, atol=1e-5)
+                                rtol=1e-4, atol=1e-5)

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from helpers import (assert_same_variables, dataset_input_fn,
-                      make_estimator, seeded, variables_of)
+                     make_estimator, seeded, variables_of)
 
 pytestmark = pytest.mark.training
 

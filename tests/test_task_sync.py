@@ -59,7 +59,7 @@ def _one_process(model_dir, projection):
         features, labels, mode,
         projection=tf.compat.v1.constant_initializer(projection))
   estimator = helpers.make_estimator(model_fn, model_dir, towers=4,
-                                      aggregation='all_reduce')
+                                     aggregation='all_reduce')
   estimator.train(
       lambda: sync_cluster_task.global_batches(sum(_ROWS), _STEPS),
       max_steps=_STEPS)
@@ -77,13 +77,13 @@ def test_sliced_global_batches_train_as_one_process_to_the_same_end(
   cluster_dir, one_dir = tmp_path / 'cluster', tmp_path / 'one'
   batches = lambda: sync_cluster_task.sliced_batches(9, 19)
   helpers.save_start_checkpoint(sync_cluster_task.momentum_model_fn,
-                                 lambda: batches().take(1),
-                                 [cluster_dir, one_dir])
+                                lambda: batches().take(1),
+                                [cluster_dir, one_dir])
   done = _run_pair(cluster_dir, 9, [19], mode='sliced-pair')
   assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
   estimator = helpers.make_estimator(sync_cluster_task.momentum_model_fn,
-                                      one_dir, towers=4,
-                                      aggregation='all_reduce')
+                                     one_dir, towers=4,
+                                     aggregation='all_reduce')
   estimator.train(batches)
   expected = helpers.variables_of(estimator)
   assert int(expected['global_step']) == 3
@@ -103,7 +103,7 @@ def test_chief_and_worker_train_as_one_process_on_the_global_batch(
   private_network.check_unshare_works()
   cluster_dir, one_dir = tmp_path / 'cluster', tmp_path / 'one'
   helpers.save_start_checkpoint(sync_cluster_task.model_fn, _start_input_fn,
-                                 [cluster_dir, one_dir])
+                                [cluster_dir, one_dir])
   done = _run_pair(cluster_dir)
   assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
   # The tasks' random local projection is the chief's (broadcast with the
@@ -195,10 +195,10 @@ def test_a_variable_written_from_the_shard_is_refused_in_a_cluster(
        'task': {'type': 'chief', 'index': 0}}))
   with pytest.raises(ValueError, match='seen.*drift apart'):
     helpers.build_replicated(_example_counter_model_fn, 2,
-                              aggregation='all_reduce')
+                             aggregation='all_reduce')
   monkeypatch.delenv('TF_CONFIG')
   helpers.build_replicated(_example_counter_model_fn, 2,
-                            aggregation='all_reduce')
+                           aggregation='all_reduce')
 
 
 def _dropout_model_fn(features, labels, mode):
