@@ -1,28 +1,31 @@
-"""Shared fixtures: small data, seeded models and an Estimator runner.
+"""Shared fixtures: small data and one CSV training run; no helpers.
 
-Every multi-device test runs on virtual CPU devices
-(`make_run_config(cpu_devices=N)`), the way the package is tested without
-GPUs. Initializers carry op-level seeds so the one-device and the towered
-graph start from the same weights although their graphs differ.
+Helpers live in tests/helpers.py and tests/cli_helpers.py; tests import them
+from there, never from this file. Test tiers (markers) are described in
+tests/README.md.
 """
 
-import inspect
-import os
+import numpy as np
+import pytest
 
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+from cli_helpers import CSV_FLAGS, run_module, write_tabular_csv
+from helpers import NUM_EXAMPLES, NUM_FEATURES
 
-import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
-import pytest  # pylint: disable=wrong-import-position
-import tensorflow as tf  # pylint: disable=wrong-import-position
+TIERS = ('fast', 'training', 'cli', 'cluster')
 
-import trainer  # pylint: disable=wrong-import-position
-from cli_helpers import CSV_FLAGS, run_module, write_tabular_csv  # pylint: disable=wrong-import-position
 
-tf1 = tf.compat.v1
-tf.get_logger().setLevel('ERROR')
+def pytest_collection_modifyitems(items):
+  """Refuses a test without exactly one tier, so `-m` selections stay whole.
 
-NUM_EXAMPLES = 48
-NUM_FEATURES = 5
+  A test left untiered would silently drop out of `-m "fast or training"`.
+  """
+  wrong = [f'{item.nodeid}: {tiers or "no tier"}'
+           for item in items
+           for tiers in [[t for t in TIERS if item.get_closest_marker(t)]]
+           if len(tiers) != 1]
+  if wrong:
+    raise pytest.UsageError('each test needs exactly one tier marker '
+                            f'{TIERS} (tests/README.md):\n' + '\n'.join(wrong))
 
 
 @pytest.fixture(scope='session')
@@ -32,125 +35,6 @@ def data():
   x = rng.randn(NUM_EXAMPLES, NUM_FEATURES).astype(np.float32)
   y = (x[:, 0] - 0.5 * x[:, 1] + 0.3 * rng.randn(NUM_EXAMPLES) > 0)
   return x, y.astype(np.int32)
-
-
-def dataset_input_fn(features, labels=None, batch_size=12, repeat=True):
-  """An input_fn yielding the arrays in order, in batches of batch_size."""
-
-  def input_fn():
-    items = features if labels is None else (features, labels)
-    ds = tf.data.Dataset.from_tensor_slices(items).batch(batch_size)
-    return ds.repeat() if repeat else ds
-
-  return input_fn
-
-
-def make_estimator(model_fn, model_dir, towers=1, params=None, replicate=None,
-                   **wrapper_kwargs):
-  """An Estimator on `towers` virtual CPUs; replicated when towers > 1."""
-  config = trainer.make_run_config(
-      str(model_dir), cpu_devices=towers, tf_random_seed=7,
-      save_checkpoints_steps=10_000, log_step_count_steps=10_000)
-  if replicate is None:
-    replicate = towers > 1
-  fn = trainer.replicate_model_fn(model_fn, **wrapper_kwargs) if replicate \
-      else model_fn
-  return tf.estimator.Estimator(fn, config=config, params=params)
-
-
-def variables_of(estimator):
-  """Every checkpointed variable of the estimator, by name.
-
-  The object graph that object-based checkpoints add is not a variable.
-  """
-  return {name: estimator.get_variable_value(name)
-          for name in estimator.get_variable_names()
-          if name != '_CHECKPOINTABLE_OBJECT_GRAPH'}
-
-
-def assert_same_variables(expected, actual, rtol=1e-5, atol=1e-6):
-  """Same names, same values within float32 tolerance."""
-  assert sorted(expected) == sorted(actual)
-  for name in expected:
-    np.testing.assert_allclose(actual[name], expected[name], rtol=rtol,
-                               atol=atol, err_msg=name)
-
-
-def seeded(seed):
-  return tf1.glorot_uniform_initializer(seed=seed)
-
-
-def classifier_model_fn(features, labels, mode, params):
-  """Dense net mixing tf.compat.v1.layers and an unnamed tf.keras layer.
-
-  params: 'optimizer' (callable returning a tf.compat.v1.train.Optimizer),
-  optional 'clip_norm' to go through compute/clip/apply.
-  """
-  x = features['x'] if isinstance(features, dict) else features
-  hidden = tf1.layers.dense(
-      x, 8, activation=tf.nn.tanh, kernel_initializer=seeded(1),
-      kernel_regularizer=tf.keras.regularizers.l2(0.01))
-  logits = tf.keras.layers.Dense(2, kernel_initializer=seeded(2))(hidden)
-  classes = tf.argmax(logits, 1, output_type=tf.int32)
-  probabilities = tf.nn.softmax(logits)
-  if mode == tf.estimator.ModeKeys.PREDICT:
-    return tf.estimator.EstimatorSpec(
-        mode, predictions={'logits': logits, 'classes': classes})
-  tf1.losses.sparse_softmax_cross_entropy(labels, logits)
-  loss = tf1.losses.get_total_loss()  # Cross entropy plus the L2 term.
-  if mode == tf.estimator.ModeKeys.EVAL:
-    per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=labels, logits=logits)
-    metrics = {
-        'accuracy': tf1.metrics.accuracy(labels, classes),
-        'mean_xent': tf1.metrics.mean(per_example),
-        'auc': tf1.metrics.auc(labels, probabilities[:, 1]),
-    }
-    return tf.estimator.EstimatorSpec(mode, loss=loss,
-                                      eval_metric_ops=metrics)
-  optimizer = params['optimizer']()
-  step = tf1.train.get_or_create_global_step()
-  if 'clip_norm' in params:
-    grads_and_vars = optimizer.compute_gradients(loss)
-    grads, variables = zip(*grads_and_vars)
-    grads, _ = tf.clip_by_global_norm(grads, params['clip_norm'])
-    train_op = optimizer.apply_gradients(zip(grads, variables), step)
-  else:
-    train_op = optimizer.minimize(loss, step)
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
-
-
-OPTIMIZERS = {
-    'sgd': lambda: tf1.train.GradientDescentOptimizer(0.5),
-    'momentum': lambda: tf1.train.MomentumOptimizer(0.2, momentum=0.9),
-    'adam': lambda: tf1.train.AdamOptimizer(0.05),
-    'adagrad': lambda: tf1.train.AdagradOptimizer(0.3),
-}
-
-
-def build_replicated(model_fn, towers, mode=tf.estimator.ModeKeys.TRAIN,
-                     batch_size=10, params=None, with_labels=True,
-                     **wrapper_kwargs):
-  """Calls the replicated model_fn once in a fresh graph, as Estimator would.
-
-  Returns:
-    (graph, spec) for inspecting placement, names and errors without
-    training.
-  """
-  graph = tf.Graph()
-  with graph.as_default():
-    x = np.zeros((batch_size, NUM_FEATURES), np.float32)
-    y = np.zeros((batch_size,), np.int32)
-    items = ({'x': x}, y) if with_labels else {'x': x}
-    next_item = tf1.data.make_one_shot_iterator(
-        tf.data.Dataset.from_tensors(items).repeat()).get_next()
-    features, labels = next_item if with_labels else (next_item, None)
-    config = trainer.make_run_config(cpu_devices=towers)
-    spec = trainer.replicate_model_fn(model_fn, **wrapper_kwargs)(
-        features, labels, mode,
-        params if params is not None else {'optimizer': OPTIMIZERS['sgd']},
-        config)
-  return graph, spec
 
 
 @pytest.fixture(scope='session')
@@ -169,29 +53,3 @@ def trained(tmp_path_factory, csv_files):
                       f'--eval-files={csv_files[1]}', '--train-steps=120',
                       '--export-best', *CSV_FLAGS)
   return job_dir, result
-
-
-def save_start_checkpoint(model_fn, input_fn, model_dirs, params=None):
-  """Writes one step-0 checkpoint of `model_fn` into each of `model_dirs`.
-
-  Layer initializers of canned and Keras models are not reproduced by
-  `tf_random_seed` across different graphs, so the one-device and the
-  replicated Estimator both resume from these weights instead.
-  """
-  with tf.Graph().as_default():
-    features, labels = tf1.data.make_one_shot_iterator(input_fn()).get_next()
-    tf1.train.get_or_create_global_step()
-    kwargs = {'labels': labels, 'mode': tf.estimator.ModeKeys.TRAIN,
-              'params': params, 'config': tf.estimator.RunConfig()}
-    accepted = inspect.signature(model_fn).parameters
-    spec = model_fn(features=features,
-                    **{k: v for k, v in kwargs.items() if k in accepted})
-    # The model_fn's own Saver if it has one (e.g. object-based checkpoints).
-    saver = spec.scaffold.saver or tf1.train.Saver()
-    with tf1.Session() as session:
-      session.run([tf1.global_variables_initializer(),
-                   tf1.tables_initializer()])
-      for model_dir in model_dirs:
-        os.makedirs(str(model_dir), exist_ok=True)
-        saver.save(session, os.path.join(str(model_dir), 'model.ckpt'),
-                   global_step=0)

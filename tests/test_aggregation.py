@@ -14,9 +14,9 @@ import pytest
 import tensorflow as tf
 
 import estimator_towers
-from conftest import (OPTIMIZERS, assert_same_variables, build_replicated,
-                      classifier_model_fn, dataset_input_fn, make_estimator,
-                      save_start_checkpoint, variables_of)
+from helpers import (OPTIMIZERS, assert_same_variables, build_replicated,
+                     classifier_model_fn, dataset_input_fn, make_estimator,
+                     save_start_checkpoint, variables_of)
 
 tf1 = tf.compat.v1
 AGGREGATIONS = ['global_loss', 'round_robin', 'all_reduce']
@@ -33,6 +33,7 @@ def _train(tmp_path, name, towers, data, params, steps=STEPS, **kwargs):
   return estimator
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('aggregation', AGGREGATIONS)
 @pytest.mark.parametrize('towers', [2, 3])
 @pytest.mark.parametrize('optimizer', ['momentum', 'adam'])
@@ -47,6 +48,7 @@ def test_training_equals_one_device(tmp_path, data, aggregation, towers,
   assert many.get_variable_value('global_step') == STEPS
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('aggregation', AGGREGATIONS)
 def test_clipped_gradients_equal_one_device(tmp_path, data, aggregation):
   params = {'optimizer': OPTIMIZERS['momentum'], 'clip_norm': 0.05}
@@ -73,6 +75,7 @@ def _canned_pair(tmp_path, model_fn, towers, input_fn, aggregation):
   return one, many
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('aggregation', AGGREGATIONS)
 @pytest.mark.parametrize('version', ['v1', 'tf2_keras_optimizer'])
 def test_canned_dnn_classifier_equals_one_device(tmp_path, data, aggregation,
@@ -92,6 +95,7 @@ def test_canned_dnn_classifier_equals_one_device(tmp_path, data, aggregation,
   assert any('Adagrad' in name for name in variables_of(many))
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('aggregation', AGGREGATIONS)
 def test_eval_and_predict_equal_one_device(tmp_path, data, aggregation):
   x, y = data
@@ -118,6 +122,7 @@ def _checkpoint_names(model_dir):
                 if name != '_CHECKPOINTABLE_OBJECT_GRAPH')
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('aggregation', AGGREGATIONS)
 def test_checkpoints_hold_exactly_the_one_device_names(tmp_path, data,
                                                         aggregation):
@@ -129,6 +134,7 @@ def test_checkpoints_hold_exactly_the_one_device_names(tmp_path, data,
   assert not any('replica' in name for name in names)
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('first', AGGREGATIONS)
 def test_checkpoint_resumes_under_every_strategy_and_tower_count(
     tmp_path, data, first):
@@ -157,6 +163,7 @@ def _variable_devices(graph, names):
           for name in names}
 
 
+@pytest.mark.fast
 def test_round_robin_spreads_variables_over_the_towers():
   graph, _ = build_replicated(classifier_model_fn, 3,
                               params={'optimizer': OPTIMIZERS['momentum']},
@@ -172,6 +179,7 @@ def test_round_robin_spreads_variables_over_the_towers():
     assert slot.device == by_name[name].device
 
 
+@pytest.mark.fast
 def test_global_loss_keeps_every_variable_on_variables_device():
   graph, _ = build_replicated(classifier_model_fn, 3,
                               aggregation='global_loss')
@@ -179,6 +187,7 @@ def test_global_loss_keeps_every_variable_on_variables_device():
   assert set(devices.values()) == {'/device:CPU:0'}
 
 
+@pytest.mark.fast
 def test_all_reduce_has_one_copy_per_device_and_sums_with_collectives():
   graph, _ = build_replicated(classifier_model_fn, 3,
                               params={'optimizer': OPTIMIZERS['momentum']},
@@ -199,6 +208,7 @@ def test_all_reduce_has_one_copy_per_device_and_sums_with_collectives():
   assert len(reduce_devices) == 3
 
 
+@pytest.mark.fast
 def test_all_reduce_copies_stay_identical_to_the_primary(data):
   x, y = data
   graph = tf.Graph()
@@ -229,6 +239,7 @@ def test_all_reduce_copies_stay_identical_to_the_primary(data):
   assert not np.allclose(values['dense/kernel'], start)  # It trained.
 
 
+@pytest.mark.fast
 def test_bad_aggregation_is_named_with_the_choices():
   with pytest.raises(ValueError, match=r"aggregation='ring'.*'global_loss', "
                      r"'round_robin', 'all_reduce'"):
@@ -238,6 +249,7 @@ def test_bad_aggregation_is_named_with_the_choices():
     estimator_towers.replicate_model_fn(classifier_model_fn, aggregation=None)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('aggregation', ['round_robin', 'all_reduce'])
 def test_variables_device_with_a_placing_strategy_is_refused(aggregation):
   with pytest.raises(ValueError, match=r"variables_device='/cpu:0' cannot be "
@@ -247,6 +259,7 @@ def test_variables_device_with_a_placing_strategy_is_refused(aggregation):
         aggregation=aggregation)
 
 
+@pytest.mark.fast
 def test_all_reduce_refuses_a_model_fn_that_writes_its_weights():
 
   def model_fn(features, labels, mode):
@@ -267,6 +280,7 @@ def test_all_reduce_refuses_a_model_fn_that_writes_its_weights():
   build_replicated(model_fn, 2, aggregation='global_loss')  # Fine there.
 
 
+@pytest.mark.training
 def test_one_explicit_device_with_all_reduce_is_plain(tmp_path, data):
   params = {'optimizer': OPTIMIZERS['momentum']}
   one = _train(tmp_path, 'one', 1, data, params)
@@ -296,6 +310,7 @@ def _two_optimizers_model_fn(features, labels, mode):
                                     train_op=tf.group(train_a, train_b))
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('aggregation', AGGREGATIONS)
 def test_two_optimizers_equal_one_device(tmp_path, data, aggregation):
   x, y = data
@@ -327,6 +342,7 @@ def _embedding_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('aggregation', AGGREGATIONS)
 def test_sparse_embedding_gradients_equal_one_device(tmp_path, aggregation):
   rng = np.random.RandomState(1)
@@ -366,6 +382,7 @@ def _batch_norm_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+@pytest.mark.training
 def test_batch_norm_trains_alike_under_every_strategy(tmp_path, data):
   # Batch statistics are per tower under any in-graph replication, so the
   # reference is global_loss: the strategies must agree with each other.
@@ -392,6 +409,7 @@ def _constrained_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('aggregation', AGGREGATIONS)
 def test_variable_constraints_apply_to_every_copy(tmp_path, data,
                                                   aggregation):
@@ -414,6 +432,7 @@ def _as_task(monkeypatch, cluster):
       {'cluster': cluster, 'task': {'type': 'chief', 'index': 0}}))
 
 
+@pytest.mark.fast
 def test_all_reduce_with_ps_tasks_is_refused(monkeypatch):
   # Its per-device copies cannot hold the ps's variables.
   _as_task(monkeypatch, {'chief': ['127.0.0.1:1'], 'ps': ['127.0.0.1:3']})
@@ -421,6 +440,7 @@ def test_all_reduce_with_ps_tasks_is_refused(monkeypatch):
     build_replicated(classifier_model_fn, 2, aggregation='all_reduce')
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('strategy', ['global_loss', 'round_robin'])
 def test_shared_variable_strategies_without_ps_tasks_are_refused(
     monkeypatch, strategy):
@@ -431,15 +451,38 @@ def test_shared_variable_strategies_without_ps_tasks_are_refused(
     build_replicated(classifier_model_fn, 2, aggregation=strategy)
 
 
+@pytest.mark.fast
 def test_all_reduce_on_a_lone_chief_and_other_strategies_in_clusters_build(
     monkeypatch):
+  names = ['dense/kernel', 'dense_1/kernel', 'tower_1_replica/dense/kernel']
+  # A lone chief sums over its own two devices only.
   _as_task(monkeypatch, {'chief': ['127.0.0.1:1']})
-  build_replicated(classifier_model_fn, 2, aggregation='all_reduce')
+  graph, _ = build_replicated(classifier_model_fn, 2, aggregation='all_reduce')
+  assert list(_variable_devices(graph, names).values()) == [
+      '/device:CPU:0', '/device:CPU:0', '/device:CPU:1']
+  assert _collective_reduces(graph) == {('/device:CPU:0', 2),
+                                        ('/device:CPU:1', 2)}
+  # With a ps task round_robin still spreads over the towers, no collectives.
   _as_task(monkeypatch, {'chief': ['127.0.0.1:1'], 'ps': ['127.0.0.1:3']})
-  build_replicated(classifier_model_fn, 2, aggregation='round_robin')
-  # Without ps: synchronous (tests/test_task_sync.py trains it).
+  graph, _ = build_replicated(classifier_model_fn, 2,
+                              aggregation='round_robin')
+  assert list(_variable_devices(graph, names[:2]).values()) == [
+      '/device:CPU:0', '/device:CPU:1']
+  assert not _collective_reduces(graph)
+  # Without ps: synchronous, the sum spans both tasks (tests/test_task_sync.py
+  # trains it).
   _as_task(monkeypatch, {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']})
-  build_replicated(classifier_model_fn, 2, aggregation='all_reduce')
+  graph, _ = build_replicated(classifier_model_fn, 2, aggregation='all_reduce')
+  assert list(_variable_devices(graph, names).values()) == [
+      '/device:CPU:0', '/device:CPU:0', '/device:CPU:1']
+  assert _collective_reduces(graph) == {
+      ('/job:chief/replica:0/task:0/device:CPU:0', 2)}
+
+
+def _collective_reduces(graph):
+  """{(device, group size)} of the graph's CollectiveReduce ops."""
+  return {(op.device, op.get_attr('group_size'))
+          for op in graph.get_operations() if op.type == 'CollectiveReduce'}
 
 
 def _apply_every_other_step_model_fn(features, labels, mode):
@@ -460,6 +503,7 @@ def _apply_every_other_step_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+@pytest.mark.fast
 def test_all_reduce_refuses_an_update_inside_a_cond(monkeypatch):
   # Unrouted there, it would update the primaries only (a silent drift of
   # the copies), or wait forever on the all-reduce of the other devices.
@@ -476,6 +520,7 @@ def test_all_reduce_refuses_an_update_inside_a_cond(monkeypatch):
                      aggregation='all_reduce')
 
 
+@pytest.mark.fast
 def test_all_reduce_gradient_fetched_alone_completes():
   """A routed gradient run without the update (a hook's fetch) completes:
   tower 0's all-reduce result runs every device's, as a collective needs."""

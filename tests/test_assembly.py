@@ -8,6 +8,8 @@ import pytest
 from trainer import assembly
 from trainer import options
 
+pytestmark = pytest.mark.fast
+
 
 def test_concurrent_config_writers_never_collide(tmp_path):
   # Tasks of a cluster share the job dir; before each writer had its own

@@ -7,6 +7,8 @@ import tensorflow as tf
 
 from trainer import checkpoint_check
 
+pytestmark = pytest.mark.fast
+
 tf1 = tf.compat.v1
 
 

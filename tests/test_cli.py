@@ -22,6 +22,7 @@ def parsed():
   FLAGS.unparse_flags()
 
 
+@pytest.mark.fast
 def test_underscore_spellings_are_aliases(parsed):
   parsed('--job_dir=/j', '--train_files', 'a.csv', '--noallow_growth',
          '--verbosity=1')
@@ -30,6 +31,7 @@ def test_underscore_spellings_are_aliases(parsed):
   assert FLAGS['allow-growth'].value is False
 
 
+@pytest.mark.fast
 def test_no_dash_negates_boolean_flags(parsed):
   parsed('--no-allow-growth', '--no-skip_malformed', '--export-best')
   assert FLAGS['allow-growth'].value is False
@@ -37,12 +39,14 @@ def test_no_dash_negates_boolean_flags(parsed):
   assert FLAGS['export-best'].value is True
 
 
+@pytest.mark.fast
 def test_no_dash_of_a_non_boolean_is_unknown(parsed):
   with pytest.raises(SystemExit) as stopped:
     parsed('--no-train-steps')
   assert stopped.value.code == 2
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('fraction', ['0', '1.5'])
 def test_validators_refuse_values_the_bounds_cannot_say(parsed, fraction,
                                                         capsys):
@@ -52,6 +56,7 @@ def test_validators_refuse_values_the_bounds_cannot_say(parsed, fraction,
   assert 'must be in (0, 1]' in capsys.readouterr().err
 
 
+@pytest.mark.fast
 def test_args_after_double_dash_are_passed_through_or_refused(parsed):
   assert parsed('--job-dir=/j', '--', '--job_dir=kept', passthrough=True) == [
       'task', '--job_dir=kept']
@@ -60,11 +65,13 @@ def test_args_after_double_dash_are_passed_through_or_refused(parsed):
   assert stopped.value.code == 2
 
 
+@pytest.mark.fast
 def test_split_multi_accepts_repeats_commas_and_spaces():
   assert cli.split_multi(['a.csv,b.csv', 'c.csv d.csv', '']) == [
       'a.csv', 'b.csv', 'c.csv', 'd.csv']
 
 
+@pytest.mark.fast
 def test_a_file_name_with_a_space_stays_one_name(tmp_path):
   # It was split at the space into two globs that match nothing.
   spaced = tmp_path / 'my data.csv'
@@ -81,6 +88,7 @@ def test_a_file_name_with_a_space_stays_one_name(tmp_path):
       f'{tmp_path}/a.csv', other]
 
 
+@pytest.mark.fast
 def test_every_option_has_exactly_one_flag_with_its_default(parsed):
   parsed()
   defaults = options.from_flags()
@@ -89,6 +97,7 @@ def test_every_option_has_exactly_one_flag_with_its_default(parsed):
     assert options.flag_name(field) in FLAGS, field.name
 
 
+@pytest.mark.fast
 def test_flags_become_options(parsed):
   parsed('--categorical-column=colour=red|blue', '--image-size=8,16',
          '--hidden-units=4,2', '--export-format=CSV', '--gpu-ids=0,2')
@@ -101,6 +110,7 @@ def test_flags_become_options(parsed):
   assert options.model_params(got)['hidden_units'] == [4, 2]
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize('module', ['trainer.task', 'trainer.predict',
                                     'trainer.cluster'])
 def test_every_entry_point_exits_2_on_a_bad_flag(module):
@@ -111,12 +121,14 @@ def test_every_entry_point_exits_2_on_a_bad_flag(module):
   assert result.stderr.strip().splitlines()[-2].startswith(f'{name}: error: ')
 
 
+@pytest.mark.cli
 def test_every_entry_point_exits_0_after_help():
   for module in ('trainer.task', 'trainer.predict', 'trainer.cluster'):
     assert run_module(module, '--help', check=False,
                       timeout=120).returncode == 0, module
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('flag', ['--categorical-column=c=x|y',
                                   '--categorical-column=c=hash:4'])
 def test_a_column_given_twice_is_refused_not_overwritten(parsed, flag):
@@ -125,12 +137,14 @@ def test_a_column_given_twice_is_refused_not_overwritten(parsed, flag):
     options.from_flags()
 
 
+@pytest.mark.fast
 def test_a_column_default_given_twice_is_refused(parsed):
   parsed('--column-default=c=0', '--column_default=c=1')
   with pytest.raises(cli.UsageError, match='c=.*given twice'):
     options.from_flags()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('replaced', ['--first-layer-size=8',
                                       '--num_layers=3', '--scale-factor=1'])
 def test_hidden_units_refuses_the_layer_flags_it_replaces(parsed, replaced):
@@ -140,6 +154,7 @@ def test_hidden_units_refuses_the_layer_flags_it_replaces(parsed, replaced):
     options.from_flags()
 
 
+@pytest.mark.fast
 def test_hidden_units_or_the_layer_flags_alone_are_used(parsed):
   parsed('--first-layer-size=8', '--num-layers=3')
   got = options.model_params(options.from_flags())
@@ -147,6 +162,7 @@ def test_hidden_units_or_the_layer_flags_alone_are_used(parsed):
   assert 'hidden_units' not in got
 
 
+@pytest.mark.cli
 def test_dash_h_asks_for_help_unless_it_is_a_value(parsed):
   result = run_module('trainer.task', '--allow-growth', '-h', check=False,
                       timeout=120)
@@ -156,6 +172,7 @@ def test_dash_h_asks_for_help_unless_it_is_a_value(parsed):
   assert FLAGS['label-column'].value == '-h'
 
 
+@pytest.mark.fast
 def test_model_errors_name_the_flag_not_the_params_key():
   assert options.in_flag_terms(
       "params['resnet_depth']=21; use 20. params['learning_rate'] too.") == (

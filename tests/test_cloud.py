@@ -10,6 +10,7 @@ from cli_helpers import CSV_FLAGS, eval_line, run_module, write_tabular_csv
 from trainer import cluster_config
 
 
+@pytest.mark.cli
 def test_single_replica_vertex_job_evaluates_exports_and_reports(
     tmp_path, csv_files):
   # What Vertex AI gives a one-machine trial of a tuning job.
@@ -33,6 +34,7 @@ def test_single_replica_vertex_job_evaluates_exports_and_reports(
   assert reported and reported[-1]['global_step'] == '40'
 
 
+@pytest.mark.fast
 def test_chief_of_a_bigger_cluster_stays_a_cluster_task():
   config = {'cluster': {'chief': ['h:1'], 'worker': ['h:2']},
             'task': {'type': 'chief', 'index': 0}}
@@ -41,6 +43,7 @@ def test_chief_of_a_bigger_cluster_stays_a_cluster_task():
   assert json.loads(environ['TF_CONFIG']) == config
 
 
+@pytest.mark.fast
 def test_lone_chief_with_a_vertex_evaluator_pool_stays_a_cluster_task():
   # With an evaluator (pool 3, never in TF_CONFIG) the chief is no machine
   # alone: the evaluator evaluates while it trains.
@@ -56,6 +59,7 @@ def test_lone_chief_with_a_vertex_evaluator_pool_stays_a_cluster_task():
   assert 'cluster' not in cluster_config.single_machine(config, environ)
 
 
+@pytest.mark.cli
 def test_vertex_output_locations_without_job_dir(tmp_path):
   aip = {'AIP_CHECKPOINT_DIR': str(tmp_path / 'checkpoints'),
          'AIP_MODEL_DIR': str(tmp_path / 'model'),
@@ -70,6 +74,7 @@ def test_vertex_output_locations_without_job_dir(tmp_path):
   assert tf.io.gfile.glob(str(tmp_path / 'logs' / 'eval' / 'events.*'))
 
 
+@pytest.mark.cli
 def test_job_dir_wins_over_aip_checkpoint_dir(tmp_path):
   result = run_module('trainer.task', f'--job-dir={tmp_path / "job"}',
                       '--train-steps=5',
@@ -79,6 +84,7 @@ def test_job_dir_wins_over_aip_checkpoint_dir(tmp_path):
   assert not (tmp_path / 'aip').exists()
 
 
+@pytest.mark.fast
 def test_cluster_spec_becomes_tf_config_when_it_is_absent():
   spec = {'cluster': {'workerpool0': ['c:1'], 'workerpool1': ['w:1', 'w:2'],
                       'workerpool2': ['p:1'], 'workerpool3': ['e:1']},
@@ -106,6 +112,7 @@ def _summary_tags(directory):
   return tags
 
 
+@pytest.mark.cli
 def test_census_sample_conventions(tmp_path):
   # Several files in one flag value, space-separated; the format in capitals;
   # --num-epochs ends training before --train-steps.
@@ -135,6 +142,7 @@ def test_census_sample_conventions(tmp_path):
   assert int(steps[0].numpy()) == 8
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize('variable', ['AIP_MODEL_DIR',
                                       'AIP_TENSORBOARD_LOG_DIR'])
 def test_an_unwritable_vertex_output_stops_the_task_before_training(

@@ -7,11 +7,14 @@ import os
 import re
 import shlex
 
+import pytest
 import yaml
 
 from cli_helpers import ROOT
 from cli_helpers import is_task_flag
 from trainer import options
+
+pytestmark = pytest.mark.fast
 
 options.define_flags()
 _DOCS = ('docs/cloud.md', 'docs/cluster.md')

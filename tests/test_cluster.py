@@ -15,6 +15,8 @@ import tensorflow as tf
 from cli_helpers import ROOT, read_json_lines, run_module, wait_until
 from cli_helpers import write_tabular_csv
 
+pytestmark = pytest.mark.cluster
+
 TASK_ARGS = ('--hidden-units=16', '--train-batch-size=32',
              '--eval-batch-size=360')
 # How long a cluster may take to start training: four TensorFlow processes

@@ -19,6 +19,7 @@ def _env(cluster, task):
   return {'TF_CONFIG': json.dumps({'cluster': cluster, 'task': task})}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('cluster,task', [
     (CLUSTER, {'type': 'chief', 'index': 0}),
     (CLUSTER, {'type': 'worker', 'index': 0}),
@@ -32,6 +33,7 @@ def test_valid_configs_pass(cluster, task):
   assert cluster_config.check_tf_config(_env(cluster, task)) is not None
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('tf_config,match', [
     ('{"cluster": ', 'not valid JSON'),
     ('["chief"]', 'must be a JSON object'),
@@ -72,6 +74,7 @@ def test_malformed_configs_are_named(tf_config, match):
     cluster_config.check_tf_config({'TF_CONFIG': tf_config})
 
 
+@pytest.mark.cli
 def test_task_refuses_malformed_tf_config_before_starting(tmp_path):
   bad = json.dumps({'cluster': CLUSTER, 'task': {'type': 'worker',
                                                  'index': 4}})
@@ -83,6 +86,7 @@ def test_task_refuses_malformed_tf_config_before_starting(tmp_path):
   assert not (tmp_path / 'job').exists()
 
 
+@pytest.mark.fast
 def test_a_cluster_task_outside_a_private_network_warns_once(caplog):
   config = {'cluster': CLUSTER, 'task': {'type': 'worker', 'index': 0}}
   with caplog.at_level('WARNING'):
@@ -97,6 +101,7 @@ def test_a_cluster_task_outside_a_private_network_warns_once(caplog):
   assert 'without authentication' not in caplog.text
 
 
+@pytest.mark.cli
 def test_unshare_refused_says_how_to_get_a_private_network():
   # A stand-in for `unshare` refused by the kernel, as for an unprivileged
   # user without user namespaces.
@@ -132,6 +137,7 @@ print(json.dumps({'code': task.returncode, 'stderr': task.stderr,
 '''
 
 
+@pytest.mark.cli
 def test_a_taken_port_is_one_line_naming_the_task_and_address(tmp_path):
   command = private_network.unshare_command() + [
       '--', sys.executable, '-c', _TAKEN_PORT_SCRIPT, str(tmp_path / 'job')]

@@ -8,6 +8,8 @@ import pytest
 
 from cli_helpers import ROOT
 
+pytestmark = pytest.mark.cli
+
 
 def _task(tmp_path, *args):
   env = {k: v for k, v in os.environ.items()

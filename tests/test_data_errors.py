@@ -31,6 +31,7 @@ def _error_of(input_fn):
   return caught.value
 
 
+@pytest.mark.training
 def test_malformed_csv_row_during_training_names_the_flag(tmp_path):
   path = _write(tmp_path / 'bad.csv', 'a,b,label\n1,2,0\nx,3,1\n')
   data = input_fns.csv_data([path], [path], label_column='label',
@@ -44,6 +45,7 @@ def test_malformed_csv_row_during_training_names_the_flag(tmp_path):
       'row, or pass --skip-malformed to skip such rows.')
 
 
+@pytest.mark.fast
 def test_non_finite_csv_and_tfrecord_values_name_the_flag(tmp_path):
   path = _write(tmp_path / 'nan.csv', 'a,b,label\n1,nan,0\n')
   data = input_fns.csv_data([path], [path], label_column='label',
@@ -74,6 +76,7 @@ def test_non_finite_csv_and_tfrecord_values_name_the_flag(tmp_path):
       '--allow-non-finite to keep such values.')
 
 
+@pytest.mark.fast
 def test_other_errors_are_not_data_errors():
   with tf.Graph().as_default(), tf1.Session() as session:
     check = tf.debugging.Assert(False, ['some other assertion'])
@@ -83,6 +86,7 @@ def test_other_errors_are_not_data_errors():
   assert data_errors.cli_message(ValueError('Malformed CSV row x')) is None
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('kwargs,expected', [
     ({'columns': ['label'], 'header': False},
      "--columns=['label'] has no feature besides the label."),
@@ -101,6 +105,7 @@ def test_input_errors_name_the_task_flags(tmp_path, kwargs, expected):
   assert data_errors.in_flag_terms(str(caught.value)).startswith(expected)
 
 
+@pytest.mark.fast
 def test_a_malformed_predict_row_names_the_flag(tmp_path):
   path = write_tabular_csv(tmp_path / 'data.csv', 3)
   data = input_fns.csv_data([path], [path], label_column='label', n_classes=2)

@@ -9,6 +9,8 @@ from cli_helpers import ROOT
 from cli_helpers import is_task_flag
 from trainer import options
 
+pytestmark = pytest.mark.fast
+
 options.define_flags()
 DEPLOY = os.path.join(ROOT, 'deploy')
 

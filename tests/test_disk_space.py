@@ -11,6 +11,8 @@ import pytest
 
 from cli_helpers import run_module
 
+pytestmark = pytest.mark.cli
+
 
 @pytest.fixture
 def small_disk(tmp_path):

@@ -6,6 +6,8 @@ import pytest
 
 from trainer import environment
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture
 def clean_env(monkeypatch):

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (assert_same_variables, build_replicated,
-                      dataset_input_fn, make_estimator, save_start_checkpoint,
-                      seeded, variables_of)
+from helpers import (assert_same_variables, build_replicated,
+                     dataset_input_fn, make_estimator, save_start_checkpoint,
+                     seeded, variables_of)
 
 tf1 = tf.compat.v1
 BATCH = 7  # Divides by neither 2 nor 3 towers.
@@ -132,6 +132,7 @@ def bert_start(tmp_path_factory, data):
   return start, one
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('towers,aggregation,gradients', [
     (2, 'global_loss', 'tf.gradients'),
     (3, 'round_robin', 'tf.compat.v1.gradients'),
@@ -152,6 +153,7 @@ def test_bert_style_training_equals_one_device(tmp_path, data, bert_start,
   assert_same_variables(variables_of(one), trained, **ADAM_TOLERANCE)
 
 
+@pytest.mark.training
 def test_bert_style_training_resumes_under_all_reduce(tmp_path, data,
                                                       bert_start):
   # Resumes one device's checkpoint on 3 towers: the copies are set from the
@@ -251,6 +253,7 @@ def overriding_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('optimizer,aggregation', [
     ('minimize', 'global_loss'),
     ('get_updates', 'all_reduce'),
@@ -295,6 +298,7 @@ def gradient_penalty_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+@pytest.mark.training
 def test_gradient_penalty_on_inputs_equals_one_device(tmp_path, data):
   params = {'penalty': 'inputs'}
   runs = {}
@@ -306,6 +310,7 @@ def test_gradient_penalty_on_inputs_equals_one_device(tmp_path, data):
   assert_same_variables(runs[1], runs[3])
 
 
+@pytest.mark.fast
 def test_gradient_penalty_on_the_weights_is_refused():
   with pytest.raises(ValueError, match='depends on gradients of the loss'):
     build_replicated(gradient_penalty_model_fn, 2,
@@ -329,6 +334,7 @@ def _plain_model_fn(optimizer_fn, gradients=None):
   return model_fn
 
 
+@pytest.mark.fast
 def test_cross_shard_optimizer_is_refused_with_what_to_use():
   model_fn = _plain_model_fn(lambda: tf1.tpu.CrossShardOptimizer(
       tf1.train.GradientDescentOptimizer(0.1)))
@@ -338,6 +344,7 @@ def test_cross_shard_optimizer_is_refused_with_what_to_use():
     build_replicated(model_fn, 2)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('gradients,message', [
     (lambda loss, logits: tf.gradients(
         loss, tf1.trainable_variables() + [logits]),
@@ -355,6 +362,7 @@ def test_tf_gradients_that_cannot_be_routed_are_refused(gradients, message):
     build_replicated(model_fn, 2)
 
 
+@pytest.mark.fast
 def test_gradients_functions_are_restored_and_plain_afterwards():
   originals = (tf.gradients, tf1.gradients, tf1.train.Optimizer.minimize)
   build_replicated(_plain_model_fn(
@@ -364,6 +372,7 @@ def test_gradients_functions_are_restored_and_plain_afterwards():
   assert '__init_subclass__' not in vars(tf1.train.Optimizer)
 
 
+@pytest.mark.fast
 def test_optimizer_class_defined_inside_the_model_fn_is_routed():
   seen = []
 
@@ -387,6 +396,7 @@ def test_optimizer_class_defined_inside_the_model_fn_is_routed():
   assert seen[0].op.name.startswith('global_loss/AddN')
 
 
+@pytest.mark.fast
 def test_summary_of_routed_gradients_warns_that_it_shows_zeros(caplog):
 
   def model_fn(features, labels, mode):

@@ -10,6 +10,7 @@ import tensorflow as tf
 from trainer import hptuning
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('raw,expected', [
     ('7', '7'), ('trial-3_b.x', 'trial-3_b.x'), ('../../etc', '_.._etc'),
     ('..', 'trial'), ('/abs/path', '_abs_path'), ('a b\nc', 'a_b_c'),
@@ -21,6 +22,7 @@ def test_sanitize_trial_id_stays_one_safe_component(raw, expected):
       'job'
 
 
+@pytest.mark.fast
 def test_trial_id_from_tf_config_then_env():
   assert hptuning.trial_id({}) is None
   assert hptuning.trial_id({'CLOUD_ML_TRIAL_ID': '5'}) == '5'
@@ -30,6 +32,7 @@ def test_trial_id_from_tf_config_then_env():
   assert hptuning.trial_id({'TF_CONFIG': json.dumps({'task': {}})}) is None
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('value,match', [('{not json', 'not valid JSON'),
                                          ('[1, 2]', 'JSON object')])
 def test_malformed_tf_config_is_named(value, match):
@@ -37,6 +40,7 @@ def test_malformed_tf_config_is_named(value, match):
     hptuning.trial_id({'TF_CONFIG': value})
 
 
+@pytest.mark.fast
 def test_trial_dir_only_for_trials():
   assert hptuning.trial_dir('/j', None) == '/j'
   assert hptuning.trial_dir('/j', '3') == '/j/3'
@@ -49,6 +53,7 @@ def _set_tag(monkeypatch, tag):
     monkeypatch.setenv('CLOUD_ML_HP_METRIC_TAG', tag)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('tag,flag,expected', [
     (None, None, 'accuracy'),
     (hptuning.DEFAULT_SUMMARY_TAG, None, 'accuracy'),
@@ -64,6 +69,7 @@ def test_tuning_metric_is_the_one_the_tag_names(monkeypatch, tag, flag,
                                 'dnn') == expected
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('tag,flag,message', [
     ('val_rmse', None, 'CLOUD_ML_HP_METRIC_TAG=val_rmse (hyperparameterMetric'
      'Tag) is not an evaluation result of --model=dnn, which reports '
@@ -79,6 +85,7 @@ def test_tuning_metric_that_names_no_result_is_refused(monkeypatch, tag, flag,
     hptuning.tuning_metric(flag, reported, 'dnn')
 
 
+@pytest.mark.fast
 def test_goal_follows_the_metric_name():
   assert hptuning.goal_for('loss') == 'MINIMIZE'
   assert hptuning.goal_for('mean_error') == 'MINIMIZE'
@@ -95,6 +102,7 @@ class _FakeEstimator:
     return self._dir
 
 
+@pytest.mark.training
 def test_reporter_writes_summary_and_metric_file(tmp_path, monkeypatch):
   metric_file = tmp_path / 'hp' / 'metrics'
   monkeypatch.setenv('CLOUD_ML_HP_METRIC_FILE', str(metric_file))
@@ -114,6 +122,7 @@ def test_reporter_writes_summary_and_metric_file(tmp_path, monkeypatch):
   assert values == [(10, 0.5), (20, 0.75)]
 
 
+@pytest.mark.training
 def test_reporter_names_the_metrics_there_are(tmp_path):
   reporter = hptuning.HypertuneReporter('auc', report_file=False)
   with pytest.raises(ValueError, match=r"'auc'.*\['accuracy', 'loss'\]"):

@@ -128,6 +128,7 @@ def input_layer_width(data, features_batch):
 
 # The shared pipeline.
 
+@pytest.mark.fast
 @pytest.mark.parametrize('bad', [0, -1, 1.5, True, '8', None])
 def test_batch_size_must_be_a_positive_int(bad):
   data = input_fns.synthetic_tabular(num_examples=20)
@@ -139,6 +140,7 @@ def test_batch_size_must_be_a_positive_int(bad):
 
 # digits.
 
+@pytest.mark.fast
 def test_digits_split_is_fixed_and_aligned_with_example_ids():
   from sklearn import datasets  # pylint: disable=g-import-not-at-top
   data = input_fns.digits()
@@ -174,6 +176,7 @@ def test_digits_split_is_fixed_and_aligned_with_example_ids():
                                                                          64)
 
 
+@pytest.mark.fast
 def test_digits_image_view():
   data = input_fns.digits('image')
   assert (data.kind, data.image_shape, data.feature_columns) == (
@@ -187,11 +190,13 @@ def test_digits_image_view():
   np.testing.assert_array_equal(labels, tabular_labels)
 
 
+@pytest.mark.fast
 def test_digits_unknown_view():
   with pytest.raises(ValueError, match="view='pictures'"):
     input_fns.digits('pictures')
 
 
+@pytest.mark.fast
 def test_train_shuffle_is_seeded_and_covers_each_epoch():
   data = input_fns.synthetic_tabular(num_features=2, num_examples=50)
   in_order = concat(run_input_fn(data.train_input_fn(40, shuffle=False), 1))
@@ -210,6 +215,7 @@ def test_train_shuffle_is_seeded_and_covers_each_epoch():
 
 # synthetic.
 
+@pytest.mark.fast
 def test_synthetic_tabular_is_learnable_and_ordered():
   data = input_fns.synthetic_tabular(num_features=8, n_classes=3,
                                      num_examples=600, seed=1)
@@ -225,6 +231,7 @@ def test_synthetic_tabular_is_learnable_and_ordered():
   assert (nearest == eval_y).mean() > 0.6  # Chance is 1/3.
 
 
+@pytest.mark.fast
 def test_synthetic_images_are_deterministic_learnable_images():
   data = input_fns.synthetic_images((6, 5, 3), n_classes=4, num_examples=100)
   assert (data.kind, data.image_shape, data.n_classes) == (
@@ -247,6 +254,7 @@ def test_synthetic_images_are_deterministic_learnable_images():
   assert (np.argmin(distances, 1) == labels).mean() > 0.9
 
 
+@pytest.mark.fast
 def test_demo_helpers_still_serve_arrays():
   x, y = input_fns.gaussian_blobs(num_examples=10, num_features=3)
   features, labels = concat(run_input_fn(input_fns.arrays_input_fn(x, y, 4)))
@@ -284,6 +292,7 @@ def make_csv(train_glob, eval_file, **kwargs):
                             **kwargs)
 
 
+@pytest.mark.fast
 def test_csv_reads_header_types_and_order(csv_files):
   train_glob, eval_file = csv_files
   data = make_csv(train_glob, eval_file)
@@ -309,6 +318,7 @@ def test_csv_reads_header_types_and_order(csv_files):
   assert input_layer_width(data, features) == (4, 1 + 1 + 3)
 
 
+@pytest.mark.fast
 def test_csv_declared_columns_with_and_without_header(tmp_path, csv_files):
   train_glob, eval_file = csv_files
   expected = concat(run_input_fn(
@@ -334,6 +344,7 @@ def test_csv_declared_columns_with_and_without_header(tmp_path, csv_files):
     make_csv(train_glob, eval_file, columns=['a', 'b', 'label'])
 
 
+@pytest.mark.fast
 def test_csv_header_mismatch_names_the_file(tmp_path, csv_files):
   train_glob, _ = csv_files
   other = write_csv(tmp_path / 'other.csv', ['1,2,red,0'],
@@ -342,6 +353,7 @@ def test_csv_header_mismatch_names_the_file(tmp_path, csv_files):
     make_csv(train_glob, other)
 
 
+@pytest.mark.fast
 def test_csv_defaults_fill_empty_fields(tmp_path, csv_files):
   train_glob, _ = csv_files
   holes = write_csv(tmp_path / 'holes.csv', [',2,,1', '3,,green,0'])
@@ -358,6 +370,7 @@ def test_csv_defaults_fill_empty_fields(tmp_path, csv_files):
     make_csv(train_glob, holes, defaults={'height': 1.0})
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('row, reason', [
     ('1,2,red', 'expected 4 fields, found 3'),
     ('1,2,red,0,9', 'expected 4 fields, found 5'),
@@ -379,6 +392,7 @@ def test_csv_malformed_row_names_file_and_line(tmp_path, csv_files, row,
     data.example_ids()
 
 
+@pytest.mark.fast
 def test_csv_label_vocabulary(tmp_path, csv_files):
   _, _ = csv_files
   rows = ['1,2,red,cat', '3,4,red,dog', '5,6,red,bird']
@@ -401,6 +415,7 @@ def test_csv_label_vocabulary(tmp_path, csv_files):
                        categorical_columns=CATEGORICAL)
 
 
+@pytest.mark.fast
 def test_csv_skip_malformed_skips_and_counts(tmp_path, csv_files):
   train_glob, _ = csv_files
   good = write_csv(tmp_path / 'good.csv', ['1,2,red,0'])
@@ -423,6 +438,7 @@ def test_csv_skip_malformed_skips_and_counts(tmp_path, csv_files):
     data.skipped_rows('test')
 
 
+@pytest.mark.fast
 def test_csv_non_finite_numbers_are_malformed_unless_allowed(tmp_path,
                                                              csv_files):
   train_glob, _ = csv_files
@@ -458,6 +474,7 @@ def test_csv_non_finite_numbers_are_malformed_unless_allowed(tmp_path,
            allow_non_finite=True)
 
 
+@pytest.mark.fast
 def test_csv_bad_globs_fail_when_built(tmp_path, csv_files):
   train_glob, eval_file = csv_files
   with pytest.raises(ValueError, match='nothing-\\*.csv.*matches no file'):
@@ -476,6 +493,7 @@ def test_csv_bad_globs_fail_when_built(tmp_path, csv_files):
     input_fns.csv_data([], [eval_file], label_column='label', n_classes=3)
 
 
+@pytest.mark.fast
 def test_csv_serving_matches_training_features(csv_files):
   train_glob, eval_file = csv_files
   data = make_csv(train_glob, eval_file, defaults={'weight': 0.25})
@@ -505,6 +523,7 @@ def test_csv_serving_matches_training_features(csv_files):
 
 # TFRecord.
 
+@pytest.mark.fast
 def test_tfrecord_tabular_round_trip(tmp_path):
   rng = np.random.RandomState(0)
   def rows(n, offset):
@@ -564,6 +583,7 @@ def _png_images(n, shape, seed):
                                              dtype=np.uint8)
 
 
+@pytest.mark.fast
 def test_tfrecord_encoded_and_raw_images(tmp_path):
   pixels = _png_images(5, (4, 3, 3), 0)
   encoded = [tf.io.encode_png(p).numpy() for p in pixels]
@@ -603,6 +623,7 @@ def test_tfrecord_encoded_and_raw_images(tmp_path):
                             image_shape=(4, 4, 3))
 
 
+@pytest.mark.fast
 def test_tfrecord_bad_label_and_bad_globs(tmp_path):
   spec = {'x': tf.io.FixedLenFeature([], tf.float32),
           'label': tf.io.FixedLenFeature([], tf.int64)}
@@ -629,6 +650,7 @@ def test_tfrecord_bad_label_and_bad_globs(tmp_path):
         feature_spec=dict(spec, s=tf.io.FixedLenFeature([], tf.string)))
 
 
+@pytest.mark.fast
 def test_tfrecord_non_finite_floats_fail_unless_allowed(tmp_path):
   spec = {'x': tf.io.FixedLenFeature([2], tf.float32),
           'label': tf.io.FixedLenFeature([], tf.int64)}
@@ -681,6 +703,7 @@ def image_root(tmp_path):
   return str(root), paths
 
 
+@pytest.mark.fast
 def test_image_folder_split_labels_and_order(image_root):
   root, written = image_root
   data = input_fns.image_folder_data(root, image_size=(4, 4),
@@ -714,6 +737,7 @@ def test_image_folder_split_labels_and_order(image_root):
   assert 0 <= features['image'].min() and features['image'].max() <= 1
 
 
+@pytest.mark.fast
 def test_image_folder_with_eval_dir_and_serving(tmp_path, image_root):
   root, _ = image_root
   pixels = _png_images(2, (4, 4, 3), 2)
@@ -743,6 +767,7 @@ def test_image_folder_with_eval_dir_and_serving(tmp_path, image_root):
     input_fns.image_folder_data(root, str(unknown), image_size=(4, 4))
 
 
+@pytest.mark.fast
 def test_image_folder_errors_name_the_directory(tmp_path):
   with pytest.raises(ValueError, match='nowhere.*is not a directory'):
     input_fns.image_folder_data(str(tmp_path / 'nowhere'))
@@ -759,6 +784,7 @@ def test_image_folder_errors_name_the_directory(tmp_path):
 
 # Through a real Estimator: train, evaluate, predict, export and serve.
 
+@pytest.mark.training
 def test_estimator_trains_predicts_and_exports_csv_data(tmp_path, csv_files):
   train_glob, eval_file = csv_files
   data = make_csv(train_glob, eval_file)

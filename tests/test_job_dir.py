@@ -9,6 +9,8 @@ from trainer import assembly
 from trainer import job_dir
 from trainer import options
 
+pytestmark = pytest.mark.fast
+
 tf1 = tf.compat.v1
 
 

@@ -8,8 +8,10 @@ import pytest
 import tensorflow as tf
 
 import trainer
-from conftest import (assert_same_variables, dataset_input_fn,
-                      save_start_checkpoint, seeded, variables_of)
+from helpers import (assert_same_variables, dataset_input_fn,
+                     save_start_checkpoint, seeded, variables_of)
+
+pytestmark = pytest.mark.training
 
 tf1 = tf.compat.v1
 STEPS = 4

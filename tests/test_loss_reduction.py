@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (assert_same_variables, dataset_input_fn, make_estimator,
-                      seeded, variables_of)
+from helpers import (assert_same_variables, dataset_input_fn, make_estimator,
+                     seeded, variables_of)
 from estimator_towers import loss_reduction
 
 tf1 = tf.compat.v1
@@ -59,6 +59,7 @@ def _train(tmp_path, data, name, towers, loss, static_batch=False,
   return estimator
 
 
+@pytest.mark.training
 def test_v1_losses_default_with_a_static_batch_equals_one_device(tmp_path,
                                                                  data):
   # drop_remainder=True: the mean's count is built from static shapes.
@@ -67,6 +68,7 @@ def test_v1_losses_default_with_a_static_batch_equals_one_device(tmp_path,
   assert_same_variables(variables_of(one), variables_of(many))
 
 
+@pytest.mark.training
 def test_ratio_by_nonzero_weights_equals_one_device(tmp_path, data):
   # The towers' shares of the examples are not the right weights here: each
   # tower weighs by its share of the nonzero weights.
@@ -75,22 +77,26 @@ def test_ratio_by_nonzero_weights_equals_one_device(tmp_path, data):
   assert_same_variables(variables_of(one), variables_of(many))
 
 
+@pytest.mark.training
 def test_sum_with_regularization_is_refused(tmp_path, data):
   with pytest.raises(ValueError, match='sum over the examples plus terms'):
     _train(tmp_path, data, 'many', 2, 'sum_plus_l2')
 
 
+@pytest.mark.training
 def test_explicit_reduction_contradicting_the_loss_is_refused(tmp_path, data):
   with pytest.raises(ValueError, match=r"loss_reduction='sum'.*a mean"):
     _train(tmp_path, data, 'many', 2, 'mean', loss_reduction='sum')
 
 
+@pytest.mark.training
 def test_unreadable_loss_is_an_error_that_says_what_to_pass(tmp_path, data):
   with pytest.raises(ValueError, match="cannot tell how the loss.*"
                      "loss_reduction='mean'.*loss_reduction='sum'"):
     _train(tmp_path, data, 'many', 2, 'mean_plus_sum')
 
 
+@pytest.mark.training
 def test_unreadable_loss_trains_as_told(tmp_path, data):
   x, y = data
   one = _train(tmp_path, data, 'one', 1, 'mean_plus_sum')
@@ -102,6 +108,7 @@ def test_unreadable_loss_trains_as_told(tmp_path, data):
                          many.get_variable_value('dense/bias'))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('build,expected', [
     (lambda x: tf.reduce_sum(x), loss_reduction.SUM),
     (lambda x: 0.5 * tf.reduce_sum(tf.square(x)), loss_reduction.SUM),
@@ -120,6 +127,7 @@ def test_analyze_reads_the_reduction(build, expected):
   assert found.kind == expected, found.detail
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('build,expected', [
     (lambda x: tf.reduce_sum(x), loss_reduction.SUM),
     (lambda x: tf.reduce_mean(x), loss_reduction.RATIO),
@@ -139,6 +147,7 @@ def test_analyze_with_a_static_batch_size(build, expected):
   assert found.kind == expected, found.detail
 
 
+@pytest.mark.fast
 def test_analyze_tells_constant_terms():
   with tf.Graph().as_default():
     x = tf1.placeholder(tf.float32, [None, 3])

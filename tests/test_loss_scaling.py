@@ -20,9 +20,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (assert_same_variables, dataset_input_fn,
-                      save_start_checkpoint, seeded, variables_of)
+from helpers import (assert_same_variables, dataset_input_fn,
+                     save_start_checkpoint, seeded, variables_of)
 import trainer
+
+pytestmark = pytest.mark.training
 
 tf1 = tf.compat.v1
 RTOL, ATOL = 4e-3, 1e-3

@@ -16,6 +16,7 @@ import tensorflow as tf
 import estimator_towers
 
 tf1 = tf.compat.v1
+pytestmark = pytest.mark.training
 _ROWS, _BATCH = 26, 8  # Batches of 8, 8, 8, 2: 3 towers leave one idle.
 
 

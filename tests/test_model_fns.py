@@ -174,6 +174,7 @@ def runs(tmp_path_factory):
   return get
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('name', model_fns.MODEL_NAMES)
 def test_training_reduces_the_loss(runs, name):
   losses = runs(name).losses
@@ -183,6 +184,7 @@ def test_training_reduces_the_loss(runs, name):
   assert last < 0.6 * first, losses
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('name', model_fns.MODEL_NAMES)
 def test_evaluate_reports_loss_and_accuracy(runs, name):
   run = runs(name)
@@ -197,6 +199,7 @@ def test_evaluate_reports_loss_and_accuracy(runs, name):
     assert metrics['loss'] < run.losses[0]
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('name', model_fns.MODEL_NAMES)
 def test_predict_gives_one_row_per_example(runs, name):
   run = runs(name)
@@ -211,12 +214,14 @@ def test_predict_gives_one_row_per_example(runs, name):
     assert row['class_ids'] == np.argmax(row['logits'])
 
 
+@pytest.mark.training
 def test_predictions_follow_the_training_labels(runs):
   run = runs('cifar_cnn')
   class_ids = [row['class_ids'] for row in run.predictions]
   np.testing.assert_array_equal(class_ids, run.labels[:NUM_PREDICT])
 
 
+@pytest.mark.training
 def test_dropout_does_not_make_predictions_random(runs):
   run = runs('dnn')
   assert CASES['dnn'][0]['dropout'] > 0
@@ -225,6 +230,7 @@ def test_dropout_does_not_make_predictions_random(runs):
     np.testing.assert_array_equal(first['logits'], second['logits'])
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('name,variable', [
     ('resnet', 'initial_bn'),
     ('resnet', 'stage3/block1/bn2'),
@@ -240,6 +246,7 @@ def test_batch_norm_moving_statistics_are_updated(runs, name, variable):
   assert np.abs(variance - 1).max() > 1e-3
 
 
+@pytest.mark.training
 def test_learning_rate_is_logged(runs):
   model_dir = runs('linear').estimator.model_dir
   tags = set()
@@ -249,6 +256,7 @@ def test_learning_rate_is_logged(runs):
   assert 'learning_rate' in tags
 
 
+@pytest.mark.training
 def test_exported_model_serves_the_predictions(runs, tmp_path):
   run = runs('cifar_cnn')
 
@@ -267,6 +275,7 @@ def test_exported_model_serves_the_predictions(runs, tmp_path):
   np.testing.assert_array_equal(served['class_ids'].numpy(), expected)
 
 
+@pytest.mark.training
 def test_original_dnn_model_fn_on_x_still_trains(tmp_path):
   rng = np.random.RandomState(3)
   x = rng.randn(96, 4).astype(np.float32)
@@ -315,6 +324,7 @@ def _run_twice(graph, fetch):
     return session.run(fetch), session.run(fetch)
 
 
+@pytest.mark.fast
 def test_dropout_applies_only_in_training():
   params = dict(CASES['dnn'][0], dropout=0.5)
   for mode, random in ((ModeKeys.TRAIN, True), (ModeKeys.EVAL, False)):
@@ -330,6 +340,7 @@ def _is_kernel(name):
   return 'kernel' in name
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('name,decayed', [
     ('linear', lambda name: name != 'linear/bias:0'),
     ('dnn', _is_kernel),
@@ -357,6 +368,7 @@ def test_weight_decay_adds_l2_of_the_weights(name, decayed):
   np.testing.assert_allclose(penalty, expected, rtol=1e-4)
 
 
+@pytest.mark.fast
 def test_no_weight_decay_leaves_the_cross_entropy():
   graph, spec = _build('resnet', ModeKeys.EVAL, CASES['resnet'][0])
   with graph.as_default():
@@ -364,6 +376,7 @@ def test_no_weight_decay_leaves_the_cross_entropy():
   assert spec.loss is cross_entropy
 
 
+@pytest.mark.fast
 def test_resnet_depth_is_6n_plus_2():
   assert [resnet.blocks_per_stage(d) for d in (20, 32, 56, 110)] == [
       3, 5, 9, 18]
@@ -374,6 +387,7 @@ def test_resnet_depth_is_6n_plus_2():
   assert len(convs) == 20  # 19 convolutions and the logits layer.
 
 
+@pytest.mark.fast
 def test_hidden_units_from_first_layer_size():
   assert hparams.hidden_units({'first_layer_size': 100, 'num_layers': 4}) == [
       100, 50, 25, 12]
@@ -387,6 +401,7 @@ def test_hidden_units_from_first_layer_size():
 IMAGE_FEATURES = image_data(4, IMAGE_SHAPE, 4)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('name,change,mode,match', [
     ('resnet', {'resnet_depth': 21}, ModeKeys.TRAIN,
      r"resnet_depth'\]=21.*6n\+2"),
@@ -420,18 +435,21 @@ def test_bad_params_are_value_errors_saying_what_to_fix(name, change, mode,
     _build(name, mode, params, features, labels)
 
 
+@pytest.mark.fast
 def test_image_models_need_an_image_feature():
   with pytest.raises(ValueError, match=r"features\['image'\].*\['x'\]"):
     _build('cifar_cnn', ModeKeys.PREDICT, IMAGE_PARAMS,
            {'x': np.zeros([2, 64], np.float32)})
 
 
+@pytest.mark.fast
 def test_flattened_images_are_reshaped():
   flat = {'image': IMAGE_FEATURES[0]['image'].reshape(4, -1)}
   _, spec = _build('cifar_cnn', ModeKeys.PREDICT, IMAGE_PARAMS, flat)
   assert spec.predictions['logits'].shape.as_list() == [4, 4]
 
 
+@pytest.mark.fast
 def test_keras_app_min_image_sizes():
   assert keras_app.min_image_size('Xception') == 71
   assert keras_app.min_image_size('InceptionV3') == 75
@@ -443,6 +461,7 @@ def test_keras_app_min_image_sizes():
 # Registry --------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_registry_names_and_kinds():
   assert model_fns.MODEL_NAMES == ('linear', 'dnn', 'cifar_cnn', 'resnet',
                                    'keras_app')
@@ -458,9 +477,10 @@ def test_registry_names_and_kinds():
     assert model_fns.model_kind(name) == kind
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('path,expected', [
     ('test_model_fns:custom_model_fn', 'custom_model_fn'),
-    ('conftest:classifier_model_fn', 'classifier_model_fn'),
+    ('helpers:classifier_model_fn', 'classifier_model_fn'),
     ('model_fns.dnn:dnn_model_fn', 'dnn_model_fn'),
 ])
 def test_registry_imports_a_users_model_fn(path, expected):
@@ -469,6 +489,7 @@ def test_registry_imports_a_users_model_fn(path, expected):
   assert model_fns.model_kind(path) is None
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('name,match', [
     ('nope', r"'nope' is neither one of \['linear'.*'package.module:function'"),
     (None, r'None is neither'),
@@ -483,11 +504,13 @@ def test_registry_errors_name_the_path_and_the_form(name, match):
     model_fns.get_model_fn(name)
 
 
+@pytest.mark.fast
 def test_model_kind_of_an_unknown_name_is_an_error():
   with pytest.raises(ValueError, match="'nope' is neither"):
     model_fns.model_kind('nope')
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('name,variable', [
     ('resnet', 'initial_bn/moving_mean:0'),
     ('keras_app', 'conv1_bn/moving_mean:0'),

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import trainer
-from conftest import assert_same_variables, build_replicated, seeded
+from helpers import assert_same_variables, build_replicated, seeded
 
 tf1 = tf.compat.v1
 ModeKeys = tf.estimator.ModeKeys
@@ -121,6 +121,7 @@ def _evaluate(model_fn, variables, x, y):
       return session.run(spec.loss)
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('fused', [False, True])
 @pytest.mark.parametrize('towers', [1, 2, 3])
 def test_issue_example_moves_as_one_device(towers, fused):
@@ -177,6 +178,7 @@ def _assert_as_one_device(model_fn, examples, runs, steps=2):
       assert np.abs(value).max() > 1e-5, name  # The statistics moved.
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('name', sorted(LAYERS))
 def test_every_batch_norm_layer_moves_as_one_device(examples, name):
   layer, shape, fused = LAYERS[name]
@@ -191,6 +193,7 @@ def test_every_batch_norm_layer_moves_as_one_device(examples, name):
   assert ('FusedBatchNormV3' in types) == fused
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('name', ['v1_layers', 'keras_fused'])
 def test_every_aggregation_gives_the_same_statistics(examples, name):
   layer, shape, _ = LAYERS[name]
@@ -216,6 +219,7 @@ def _canned_dnn(version):
   return model_fn
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('version,runs', [
     ('v1', [(2, 7, 'global_loss'), (3, 7, 'all_reduce')]),
     ('tf2', [(3, 7, 'round_robin')])])
@@ -242,6 +246,7 @@ def _refused_model_fn(case):
   return model_fn
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('case,message', [
     ('renorm', r"'batch_normalization\w*' uses renorm=True"),
     ('virtual_batch_size', r"'batch_normalization\w*' sets virtual_batch_size"),

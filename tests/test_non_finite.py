@@ -18,6 +18,7 @@ from test_input_fns import (example, float_feature, int_feature,
 tf1 = tf.compat.v1
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('value', ['nan', '-inf', '1e39'])
 def test_csv_non_finite_value_names_file_and_line(tmp_path, value):
   path = write_tabular_csv(tmp_path / 'data.csv', 10,
@@ -37,6 +38,7 @@ def test_csv_non_finite_value_names_file_and_line(tmp_path, value):
   assert not np.isfinite(features['x2'][-1])
 
 
+@pytest.mark.fast
 def test_tfrecord_non_finite_value_names_file_and_record(tmp_path):
   spec = {'x': tf.io.FixedLenFeature([], tf.float32),
           'label': tf.io.FixedLenFeature([], tf.int64)}
@@ -50,6 +52,7 @@ def test_tfrecord_non_finite_value_names_file_and_record(tmp_path):
     run_input_fn(data.eval_input_fn(3))
 
 
+@pytest.mark.cli
 def test_task_rejects_nan_data_and_fails_on_nan_weights(tmp_path):
   path = write_tabular_csv(tmp_path / 'data.csv', 60,
                            extra_lines=['0.5,nan,red,1'] * 4)
@@ -69,6 +72,7 @@ def test_task_rejects_nan_data_and_fails_on_nan_weights(tmp_path):
   assert 'eval:' not in allowed.stdout
 
 
+@pytest.mark.fast
 def test_weights_turning_nan_stop_training_before_the_next_save():
   # A nan the loss does not show (e.g. behind a ReLU) still stops the run.
   with tf.Graph().as_default():

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (assert_same_variables, build_replicated,
-                      dataset_input_fn, make_estimator, seeded, variables_of)
+from helpers import (assert_same_variables, build_replicated,
+                     dataset_input_fn, make_estimator, seeded, variables_of)
 
 tf1 = tf.compat.v1
 TRAIN = tf.estimator.ModeKeys.TRAIN
@@ -15,6 +15,7 @@ def _linear(features):
   return tf1.layers.dense(features['x'], 2, kernel_initializer=seeded(21))
 
 
+@pytest.mark.fast
 def test_one_apply_op_and_one_global_step_increment():
 
   def model_fn(features, labels, mode):
@@ -38,6 +39,7 @@ def test_one_apply_op_and_one_global_step_increment():
                    'dense/kernel/Adam_1']
 
 
+@pytest.mark.training
 def test_two_optimizers_per_tower_each_make_one_update(tmp_path, data):
   # A GAN-style model_fn: two losses, two optimizers, calls matched in order.
   x, y = data
@@ -66,6 +68,7 @@ def test_two_optimizers_per_tower_each_make_one_update(tmp_path, data):
   assert runs[3]['global_step'] == 3
 
 
+@pytest.mark.fast
 def test_gradients_not_from_a_routed_call_are_a_clear_error():
   # A GradientTape's gradients are the tower's own: each tower would apply
   # only its shard's.
@@ -83,6 +86,7 @@ def test_gradients_not_from_a_routed_call_are_a_clear_error():
     build_replicated(model_fn, 2)
 
 
+@pytest.mark.fast
 def test_compute_without_apply_is_a_clear_error():
 
   def model_fn(features, labels, mode):
@@ -97,6 +101,7 @@ def test_compute_without_apply_is_a_clear_error():
     build_replicated(model_fn, 2)
 
 
+@pytest.mark.fast
 def test_optimizer_is_left_unpatched_afterwards_even_on_error():
   original = tf1.train.Optimizer.compute_gradients
 
@@ -116,6 +121,7 @@ def test_optimizer_is_left_unpatched_afterwards_even_on_error():
       assert np.isclose(session.run(grad), 6.0)
 
 
+@pytest.mark.fast
 def test_sync_replicas_optimizer_is_refused_with_what_to_use():
   # It aggregates across workers itself: the towers would wait forever. An
   # optimizer overriding apply_gradients with only its own update is fine
@@ -156,6 +162,7 @@ def batch_sized_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('form', ['learning_rate', 'gradients'])
 def test_update_computed_from_the_batch_size_is_refused(tmp_path, data, form):
   x, y = data
@@ -165,6 +172,7 @@ def test_update_computed_from_the_batch_size_is_refused(tmp_path, data, form):
     estimator.train(dataset_input_fn({'x': x}, y, 7), steps=1)
 
 
+@pytest.mark.fast
 def test_one_gradient_call_split_over_two_optimizers_says_so():
 
   def model_fn(features, labels, mode):
@@ -197,6 +205,7 @@ def _state_update_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('count', [False, True])
 def test_a_train_op_without_an_optimizer_runs_once_per_step(tmp_path, data,
                                                             count):
@@ -211,6 +220,7 @@ def test_a_train_op_without_an_optimizer_runs_once_per_step(tmp_path, data,
   assert_same_variables(results[0], results[1])
 
 
+@pytest.mark.fast
 def test_an_update_the_towers_do_not_see_is_refused():
   # GradientTape gradients applied by hand: the last tower's update would
   # come from its shard alone; only routed optimizer calls make one update.

@@ -17,6 +17,7 @@ def _tf_config(workers, ps, task_type='chief'):
                      'task': {'type': task_type, 'index': 0}})
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('workers,ps,task_type,given,expected', [
     (1, 0, 'chief', None, 'all_reduce'),      # Synchronous: the only way.
     # The evaluator only evaluates (the same graph under any aggregation);
@@ -35,12 +36,14 @@ def test_aggregation_defaults_to_all_reduce_in_a_cluster_without_ps(
                                      tf.estimator.RunConfig()) == expected
 
 
+@pytest.mark.fast
 def test_no_cluster_keeps_global_loss(monkeypatch):
   monkeypatch.delenv('TF_CONFIG', raising=False)
   assert options_lib.aggregation_for(options_lib.TaskOptions(),
                                      tf.estimator.RunConfig()) == 'global_loss'
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('workers,ps,given,fix', [
     (1, 0, 'global_loss', '--aggregation=all_reduce'),
     (1, 0, 'round_robin', '--aggregation=all_reduce'),
@@ -57,6 +60,7 @@ def test_an_aggregation_the_cluster_cannot_train_is_a_usage_error(
   assert "aggregation='" not in str(error.value)  # In flag terms.
 
 
+@pytest.mark.cli
 def test_the_task_refuses_it_in_one_line_before_training(tmp_path):
   result = run_module('trainer.task', f'--job-dir={tmp_path / "job"}',
                       '--aggregation=global_loss', '--train-steps=1',

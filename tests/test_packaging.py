@@ -15,6 +15,8 @@ import pytest
 
 from cli_helpers import ROOT, eval_line
 
+pytestmark = pytest.mark.cli
+
 _ROUTES = {
     # What gcloud runs when setup.py is beside trainer/, and what
     # deploy/vertex_custom_job.yaml tells users to run.

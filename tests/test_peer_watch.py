@@ -13,6 +13,8 @@ import tensorflow as tf
 
 from estimator_towers import peer_watch
 
+pytestmark = pytest.mark.fast
+
 
 class _Chief:
   """A listening loopback socket that can stop answering."""

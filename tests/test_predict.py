@@ -10,6 +10,8 @@ from cli_helpers import eval_line, run_module
 from trainer import assembly
 from trainer.options import TaskOptions
 
+pytestmark = pytest.mark.cli
+
 
 def _rows(path):
   with open(path) as f:

@@ -12,6 +12,8 @@ import tensorflow as tf
 
 from cli_helpers import ROOT, eval_line, run_module, wait_until
 
+pytestmark = pytest.mark.cli
+
 # Long enough that the signal always lands mid-training.
 ARGS = ('--train-steps=1000000', '--save-checkpoints-steps=2000',
         '--train-batch-size=32', '--hidden-units=16')

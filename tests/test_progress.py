@@ -24,6 +24,7 @@ def _lines(caplog):
           if r.getMessage().startswith(('predicted', 'evaluating'))]
 
 
+@pytest.mark.fast
 def test_counted_logs_how_far_it_is(caplog):
   items = progress.counted(iter('abc'), progress.Progress(
       'predicted', 'rows', total=3, every_secs=0))
@@ -32,6 +33,7 @@ def test_counted_logs_how_far_it_is(caplog):
                             'predicted: 3 of 3 rows']
 
 
+@pytest.mark.fast
 def test_no_line_before_the_period(caplog):
   assert list(progress.counted(range(50), progress.Progress(
       'predicted', 'rows', every_secs=3600))) == list(range(50))
@@ -48,6 +50,7 @@ def _model_fn(features, labels, mode):
           every_secs=0)])
 
 
+@pytest.mark.training
 def test_evaluation_logs_its_batches(tmp_path, caplog):
 
   def input_fn():

@@ -16,9 +16,9 @@ import pytest
 import tensorflow as tf
 
 import trainer
-from conftest import (OPTIMIZERS, assert_same_variables, build_replicated,
-                      classifier_model_fn, dataset_input_fn, make_estimator,
-                      variables_of)
+from helpers import (OPTIMIZERS, assert_same_variables, build_replicated,
+                     classifier_model_fn, dataset_input_fn, make_estimator,
+                     variables_of)
 
 tf1 = tf.compat.v1
 STEPS = 3
@@ -33,6 +33,7 @@ def _train(tmp_path, name, towers, batch_size, data, params, steps=STEPS,
   return estimator
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('towers,batch_size', [
     (2, 12), (3, 12), (4, 12),   # divides
     (2, 10), (3, 10), (4, 10),   # does not divide
@@ -46,6 +47,7 @@ def test_sgd_training_equals_one_device(tmp_path, data, towers, batch_size):
   assert many.get_variable_value('global_step') == STEPS
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('optimizer', ['momentum', 'adam', 'adagrad'])
 def test_stateful_optimizers_equal_one_device(tmp_path, data, optimizer):
   params = {'optimizer': OPTIMIZERS[optimizer]}
@@ -55,6 +57,7 @@ def test_stateful_optimizers_equal_one_device(tmp_path, data, optimizer):
   assert_same_variables(variables_of(one), variables_of(many))
 
 
+@pytest.mark.training
 def test_transformed_gradients_are_global_batch_gradients(tmp_path, data):
   # Clipping by global norm only matches one device if the towers' gradients
   # are combined before the user's transformation sees them.
@@ -69,6 +72,7 @@ def test_transformed_gradients_are_global_batch_gradients(tmp_path, data):
                          unclipped.get_variable_value('dense/kernel'))
 
 
+@pytest.mark.training
 def test_sum_loss_reduction_equals_one_device(tmp_path, data):
 
   def sum_loss_model_fn(features, labels, mode):
@@ -87,6 +91,7 @@ def test_sum_loss_reduction_equals_one_device(tmp_path, data):
   assert_same_variables(variables_of(one), variables_of(many))
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('towers,batch_size', [(4, 10), (4, 3), (3, 12)])
 def test_eval_metrics_equal_one_device(tmp_path, data, towers, batch_size):
   x, y = data
@@ -103,6 +108,7 @@ def test_eval_metrics_equal_one_device(tmp_path, data, towers, batch_size):
   assert 0.5 < expected['accuracy'] < 1.0  # The metrics are informative.
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('towers,batch_size', [(4, 7), (4, 1), (3, 10)])
 def test_predictions_equal_one_device_in_input_order(tmp_path, data, towers,
                                                      batch_size):
@@ -120,6 +126,7 @@ def test_predictions_equal_one_device_in_input_order(tmp_path, data, towers,
     assert a['classes'] == e['classes']
 
 
+@pytest.mark.training
 def test_checkpoints_move_between_tower_counts(tmp_path, data):
   params = {'optimizer': OPTIMIZERS['momentum']}
   reference = _train(tmp_path, 'reference', 1, 12, data, params, steps=6)
@@ -135,6 +142,7 @@ def test_checkpoints_move_between_tower_counts(tmp_path, data):
   assert_same_variables(variables_of(reference), variables_of(estimator))
 
 
+@pytest.mark.training
 def test_feature_columns_with_hashed_categorical(tmp_path):
   rng = np.random.RandomState(1)
   words = np.array([b'cat', b'dog', b'fish', b'bird', b'cow'])[
@@ -174,6 +182,7 @@ def test_feature_columns_with_hashed_categorical(tmp_path):
   assert any('embedding_weights' in name for name in runs[4])
 
 
+@pytest.mark.training
 def test_keras_layers_unnamed_are_shared_not_duplicated(tmp_path, data):
   x, y = data
 
@@ -200,6 +209,7 @@ def test_keras_layers_unnamed_are_shared_not_duplicated(tmp_path, data):
   assert_same_variables(runs[1], runs[3])
 
 
+@pytest.mark.training
 def test_batch_norm_statistics_move_once_per_step(tmp_path, data):
   x, y = data
 
@@ -230,6 +240,7 @@ def test_batch_norm_statistics_move_once_per_step(tmp_path, data):
   assert estimator.get_variable_value('global_step') == 4
 
 
+@pytest.mark.training
 def test_tower_context_tells_index_and_count(tmp_path, data):
   seen = []
 
@@ -244,6 +255,7 @@ def test_tower_context_tells_index_and_count(tmp_path, data):
   assert trainer.tower_context() == trainer.TowerContext(0, 1, None)
 
 
+@pytest.mark.fast
 def test_each_tower_computes_forward_and_gradients_on_its_device():
   graph, _ = build_replicated(classifier_model_fn, 3)
   matmuls = [op for op in graph.get_operations() if op.type == 'MatMul']
@@ -261,6 +273,7 @@ def test_each_tower_computes_forward_and_gradients_on_its_device():
   assert variables and all(op.device == '/device:CPU:0' for op in variables)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('kwargs,error,match', [
     ({'devices': '/cpu:0'}, TypeError, 'list of device strings'),
     ({'devices': []}, ValueError, 'devices is empty'),
@@ -278,28 +291,33 @@ def test_bad_arguments_fail_at_once(kwargs, error, match):
     trainer.replicate_model_fn(classifier_model_fn, **kwargs)
 
 
+@pytest.mark.fast
 def test_model_fn_must_be_callable():
   with pytest.raises(TypeError, match='model_fn must be callable'):
     trainer.replicate_model_fn('classifier_model_fn')
 
 
+@pytest.mark.fast
 def test_devices_the_session_lacks_are_named():
   with pytest.raises(ValueError, match=r'/device:CPU:5.*2 CPU device'):
     build_replicated(classifier_model_fn, 2, devices=['/cpu:0', '/cpu:5'])
 
 
+@pytest.mark.fast
 def test_variables_device_the_session_lacks_is_named():
   with pytest.raises(ValueError, match=r"variables_device='/device:GPU:0'.*0 "
                      'GPU device'):
     build_replicated(classifier_model_fn, 2, variables_device='/gpu:0')
 
 
+@pytest.mark.fast
 def test_variables_device_is_normalised_and_used():
   graph, _ = build_replicated(classifier_model_fn, 2, variables_device='/cpu:1')
   variables = [op for op in graph.get_operations() if op.type == 'VarHandleOp']
   assert variables and all(op.device == '/device:CPU:1' for op in variables)
 
 
+@pytest.mark.fast
 def test_one_explicit_device_is_pinned():
   graph, _ = build_replicated(classifier_model_fn, 2, devices=['/cpu:1'])
   matmuls = [op for op in graph.get_operations() if op.type == 'MatMul']
@@ -308,6 +326,7 @@ def test_one_explicit_device_is_pinned():
   assert variables and all(op.device == '/device:CPU:0' for op in variables)
 
 
+@pytest.mark.training
 def test_model_fn_arguments_in_any_order(tmp_path, data):
   # The Estimator passes features by keyword; so must the wrapper.
 
@@ -320,11 +339,13 @@ def test_model_fn_arguments_in_any_order(tmp_path, data):
   assert_same_variables(variables_of(one), variables_of(many))
 
 
+@pytest.mark.fast
 def test_model_fn_without_features_argument_is_refused():
   with pytest.raises(ValueError, match='no `features` argument'):
     trainer.replicate_model_fn(lambda inputs, labels, mode: None)
 
 
+@pytest.mark.training
 def test_predictions_not_one_row_per_example_fail_at_run_time(tmp_path, data):
   x, _ = data
 
@@ -339,6 +360,7 @@ def test_predictions_not_one_row_per_example_fail_at_run_time(tmp_path, data):
                                             repeat=False)))
 
 
+@pytest.mark.training
 def test_explicit_devices_pick_the_towers(tmp_path, data):
   params = {'optimizer': OPTIMIZERS['sgd']}
   one = _train(tmp_path, 'one', 1, 10, data, params)
@@ -353,6 +375,7 @@ def test_explicit_devices_pick_the_towers(tmp_path, data):
   assert_same_variables(variables_of(one), variables_of(estimator))
 
 
+@pytest.mark.training
 def test_features_as_bare_tensor_and_labels_as_dict(tmp_path, data):
   x, y = data
 
@@ -375,6 +398,7 @@ def test_features_as_bare_tensor_and_labels_as_dict(tmp_path, data):
   assert_same_variables(runs[1], runs[4])
 
 
+@pytest.mark.fast
 def test_model_fn_without_labels_argument_but_labels_given():
 
   def model_fn(features, mode):
@@ -401,6 +425,7 @@ for n in (1, 7):
 '''
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('replicate_serving', [False, True])
 def test_exported_saved_model_serves_batches_of_1_and_7(tmp_path, data,
                                                         replicate_serving):
@@ -426,6 +451,7 @@ def test_exported_saved_model_serves_batches_of_1_and_7(tmp_path, data,
     np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.training
 def test_idle_towers_with_a_plain_mean_loss_contribute_nothing(tmp_path, data):
   # tf.reduce_mean over an empty shard is NaN, and NaN * 0 is NaN: idle
   # towers must not see an empty batch in training.
@@ -449,6 +475,7 @@ def test_idle_towers_with_a_plain_mean_loss_contribute_nothing(tmp_path, data):
   assert_same_variables(runs[1], runs[4])
 
 
+@pytest.mark.training
 def test_idle_towers_leave_batch_norm_statistics_finite(tmp_path, data):
   # An empty shard's batch mean is NaN; an idle tower must not feed it to
   # the moving averages.
@@ -471,6 +498,7 @@ def test_idle_towers_leave_batch_norm_statistics_finite(tmp_path, data):
     assert np.all(np.isfinite(value)), name
 
 
+@pytest.mark.training
 def test_training_hooks_are_kept_and_run_once_per_step(tmp_path, data):
   calls = []
 
@@ -488,6 +516,7 @@ def test_training_hooks_are_kept_and_run_once_per_step(tmp_path, data):
   assert len(calls) == STEPS  # Tower 0's hook, not one per tower.
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('onednn,warned', [('1', True), ('0', False)])
 def test_cpu_eval_towers_warn_about_onednn_empty_shards(monkeypatch, caplog,
                                                         onednn, warned):
@@ -514,6 +543,7 @@ def _model_fn_with_an_unknown_argument(features, labels, mode, extra):
     (_model_fn_without_params, {'a': 1}, 'does not include params'),
     (_model_fn_with_an_unknown_argument, None, 'not expected args'),
 ])
+@pytest.mark.fast
 def test_estimator_checks_the_model_fns_own_arguments(tmp_path, model_fn,
                                                       params, message):
   # As for the unwrapped model_fn, at construction: params are not dropped
@@ -524,6 +554,7 @@ def test_estimator_checks_the_model_fns_own_arguments(tmp_path, model_fn,
       tf.estimator.Estimator(fn, config=config, params=params)
 
 
+@pytest.mark.training
 def test_a_partial_model_fn_binds_its_params(tmp_path, data):
   # Estimator gives params only to a model_fn whose params are not bound.
   model_fn = functools.partial(classifier_model_fn,

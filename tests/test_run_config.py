@@ -35,6 +35,7 @@ def _set_tf_config(monkeypatch, task_type, index=0):
       {'cluster': CLUSTER, 'task': {'type': task_type, 'index': index}}))
 
 
+@pytest.mark.fast
 def test_defaults(gpus):
   config = rc.make_run_config()
   session_config = config.session_config
@@ -53,6 +54,7 @@ def test_defaults(gpus):
   assert list(session_config.device_filters) == []
 
 
+@pytest.mark.fast
 def test_every_option_lands_in_session_config():
   session_config = rc.make_run_config(
       num_gpus=0,
@@ -72,6 +74,7 @@ def test_every_option_lands_in_session_config():
   assert session_config.intra_op_parallelism_threads == 5
 
 
+@pytest.mark.fast
 def test_run_config_kwargs_pass_through(tmp_path):
   config = rc.make_run_config(
       str(tmp_path),
@@ -89,11 +92,13 @@ def test_run_config_kwargs_pass_through(tmp_path):
   assert config.session_config.device_count['CPU'] == 2
 
 
+@pytest.mark.fast
 def test_session_config_kwarg_is_rejected():
   with pytest.raises(ValueError, match='cpu_devices'):
     rc.make_run_config(session_config=tf.compat.v1.ConfigProto())
 
 
+@pytest.mark.fast
 def test_cpu_devices_give_real_session_devices():
   session_config = rc.make_run_config(cpu_devices=3).session_config
   with tf.compat.v1.Session(graph=tf.Graph(), config=session_config) as sess:
@@ -103,6 +108,7 @@ def test_cpu_devices_give_real_session_devices():
   assert rc.session_device_counts(session_config)[1] == 3
 
 
+@pytest.mark.fast
 def test_too_many_gpus_names_what_exists(gpus):
   with pytest.raises(ValueError) as error:
     rc.make_run_config(num_gpus=gpus + 1)
@@ -113,11 +119,13 @@ def test_too_many_gpus_names_what_exists(gpus):
   assert 'fallback_to_available_gpus=True' in message
 
 
+@pytest.mark.fast
 def test_missing_gpu_id_names_it(gpus):
   with pytest.raises(ValueError, match=rf'includes \[{gpus}\].* has {gpus} '):
     rc.make_run_config(gpu_ids=[gpus])
 
 
+@pytest.mark.fast
 def test_fallback_logs_and_uses_what_exists(gpus, caplog):
   with caplog.at_level(logging.WARNING):
     config = rc.make_run_config(num_gpus=gpus + 2,
@@ -128,6 +136,7 @@ def test_fallback_logs_and_uses_what_exists(gpus, caplog):
              for record in caplog.records)
 
 
+@pytest.mark.fast
 def test_fallback_drops_missing_gpu_ids(caplog):
   with caplog.at_level(logging.WARNING):
     session_config = rc.build_session_config(
@@ -138,6 +147,7 @@ def test_fallback_drops_missing_gpu_ids(caplog):
   assert any('[3, 5]' in record.getMessage() for record in caplog.records)
 
 
+@pytest.mark.fast
 def test_fallback_with_no_gpus_left():
   session_config = rc.build_session_config(
       available_gpus=0, gpu_ids=[1], fallback_to_available_gpus=True)
@@ -145,6 +155,7 @@ def test_fallback_with_no_gpus_left():
   assert session_config.gpu_options.visible_device_list == ''
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('kwargs, count, visible', [
     ({}, 4, ''),
     ({'num_gpus': 2}, 2, ''),
@@ -161,6 +172,7 @@ def test_build_session_config_with_four_gpus(kwargs, count, visible):
       count, 1)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('kwargs, error, match', [
     ({'num_gpus': 5}, ValueError, r'num_gpus=5 .* has 4 GPUs .*\[0, 1, 2, 3\]'),
     ({'gpu_ids': [1, 4]}, ValueError, r'includes \[4\]'),
@@ -192,6 +204,7 @@ def test_bad_input_raises(kwargs, error, match):
     rc.build_session_config(**kwargs)
 
 
+@pytest.mark.fast
 def test_make_run_config_validates_too():
   with pytest.raises(ValueError, match='gpu_memory_fraction'):
     rc.make_run_config(gpu_memory_fraction=2.0)
@@ -199,12 +212,14 @@ def test_make_run_config_validates_too():
     rc.make_run_config(num_gpus=False)
 
 
+@pytest.mark.fast
 def test_fraction_of_one_is_allowed():
   session_config = rc.build_session_config(available_gpus=1,
                                            gpu_memory_fraction=1)
   assert session_config.gpu_options.per_process_gpu_memory_fraction == 1.0
 
 
+@pytest.mark.fast
 def test_worker_keeps_cluster_device_filters(monkeypatch):
   _set_tf_config(monkeypatch, 'worker', 0)
   config = rc.make_run_config(cpu_devices=2, inter_op_threads=4,
@@ -222,6 +237,7 @@ def test_worker_keeps_cluster_device_filters(monkeypatch):
   assert not session_config.gpu_options.allow_growth
 
 
+@pytest.mark.fast
 def test_chief_keeps_cluster_device_filters(monkeypatch):
   _set_tf_config(monkeypatch, 'chief', 0)
   config = rc.make_run_config(log_device_placement=True)
@@ -230,6 +246,7 @@ def test_chief_keeps_cluster_device_filters(monkeypatch):
   assert config.session_config.log_device_placement
 
 
+@pytest.mark.fast
 def test_evaluator_gets_no_filters_but_our_settings(monkeypatch):
   _set_tf_config(monkeypatch, 'evaluator', 0)
   config = rc.make_run_config(cpu_devices=2, intra_op_threads=2)
@@ -239,6 +256,7 @@ def test_evaluator_gets_no_filters_but_our_settings(monkeypatch):
   assert config.session_config.intra_op_parallelism_threads == 2
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('fields, available, expected', [
     ({}, 4, (4, 1)),
     ({}, 0, (0, 1)),
@@ -255,6 +273,7 @@ def test_session_device_counts(fields, available, expected):
   assert rc.session_device_counts(session_config, available) == expected
 
 
+@pytest.mark.fast
 def test_session_device_counts_of_none_uses_this_machine(gpus):
   assert rc.session_device_counts(None) == (gpus, 1)
 
@@ -265,6 +284,7 @@ def test_session_device_counts_of_none_uses_this_machine(gpus):
 _ON = rewriter_config_pb2.RewriterConfig.ON
 
 
+@pytest.mark.fast
 def test_bfloat16_switches_on_the_onednn_rewrite_for_cpu_towers():
   rewrite_options = rc.make_run_config(
       num_gpus=0, cpu_devices=2,
@@ -275,6 +295,7 @@ def test_bfloat16_switches_on_the_onednn_rewrite_for_cpu_towers():
   assert rewrite_options.meta_optimizer_iterations == ONE
 
 
+@pytest.mark.fast
 def test_float16_switches_on_the_gpu_rewrite_for_gpu_towers():
   rewrite_options = rc.build_session_config(
       available_gpus=2, mixed_precision='float16').graph_options.rewrite_options
@@ -282,6 +303,7 @@ def test_float16_switches_on_the_gpu_rewrite_for_gpu_towers():
   assert rewrite_options.auto_mixed_precision_onednn_bfloat16 != _ON
 
 
+@pytest.mark.fast
 def test_float16_on_cpu_towers_is_refused():
   # Grappler's float16 rewrite converts GPU ops only: on CPU towers it would
   # train in float32 while the user believes otherwise.
@@ -290,11 +312,13 @@ def test_float16_on_cpu_towers_is_refused():
                             mixed_precision='float16')
 
 
+@pytest.mark.fast
 def test_bfloat16_on_gpu_towers_is_refused():
   with pytest.raises(ValueError, match="2 GPU towers in float32.*'float16'"):
     rc.build_session_config(available_gpus=2, mixed_precision='bfloat16')
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('value', ['fp16', 'float32', 16])
 def test_unknown_mixed_precision_is_refused(value):
   with pytest.raises(ValueError, match=f"one of 'float16', 'bfloat16', got "
@@ -302,6 +326,7 @@ def test_unknown_mixed_precision_is_refused(value):
     rc.build_session_config(available_gpus=0, mixed_precision=value)
 
 
+@pytest.mark.fast
 def test_xla_sets_the_global_jit_level():
   default = rc.make_run_config(num_gpus=0).session_config
   assert (default.graph_options.optimizer_options.global_jit_level ==
@@ -311,6 +336,7 @@ def test_xla_sets_the_global_jit_level():
           tf.compat.v1.OptimizerOptions.ON_1)
 
 
+@pytest.mark.fast
 def test_xla_must_be_a_bool():
   with pytest.raises(TypeError, match="xla must be True or False, got 'on'"):
     rc.make_run_config(xla='on')
@@ -336,6 +362,7 @@ def _ops_run(session_config):
           for node in graph_def.node}
 
 
+@pytest.mark.fast
 def test_bfloat16_session_multiplies_in_bfloat16_and_xla_compiles():
   plain = _ops_run(rc.make_run_config(num_gpus=0,
                                       cpu_devices=2).session_config)
@@ -348,6 +375,7 @@ def test_bfloat16_session_multiplies_in_bfloat16_and_xla_compiles():
   assert {'_XlaCompile', '_XlaRun'} <= {op for op, _ in compiled}
 
 
+@pytest.mark.training
 def test_a_synchronous_cluster_starts_workers_without_delay(monkeypatch):
   # train_and_evaluate staggers workers by 5 s each; a synchronous step would
   # wait for the last one.

@@ -5,6 +5,8 @@ import shutil
 import stat
 import subprocess
 
+import pytest
+
 from cli_helpers import ROOT
 
 _FAKE_PYTHON = '''#!/bin/sh
@@ -16,6 +18,7 @@ esac
 '''
 
 
+@pytest.mark.cli
 def test_unsupported_python_stops_with_a_clear_message(tmp_path):
   project = tmp_path / 'project'
   project.mkdir()
@@ -36,6 +39,7 @@ def test_unsupported_python_stops_with_a_clear_message(tmp_path):
   assert not (project / '.venv').exists()
 
 
+@pytest.mark.fast
 def test_setup_cfg_pins_python_and_the_estimator_stack():
   with open(os.path.join(ROOT, 'setup.cfg')) as f:
     text = f.read()

@@ -6,6 +6,8 @@ import tensorflow as tf
 
 from estimator_towers import sharding
 
+pytestmark = pytest.mark.fast
+
 tf1 = tf.compat.v1
 
 

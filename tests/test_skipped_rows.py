@@ -7,6 +7,8 @@ from cli_helpers import write_tabular_csv
 from trainer import skipped_rows
 from trainer import train
 
+pytestmark = pytest.mark.fast
+
 _BAD_ROWS = ['1,x,red,0', '2,y,blue,1']
 
 

@@ -4,7 +4,9 @@ import pytest
 import tensorflow as tf
 
 import trainer
-from conftest import build_replicated
+from helpers import build_replicated
+
+pytestmark = pytest.mark.fast
 
 tf1 = tf.compat.v1
 ModeKeys = tf.estimator.ModeKeys

@@ -22,6 +22,7 @@ def _step_writes(graph):
           op.type.startswith('Assign')]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('aggregation', ['global_loss', 'round_robin',
                                          'all_reduce'])
 def test_the_increment_waits_for_the_step_counters_read(tmp_path,
@@ -74,7 +75,7 @@ def _stall_warnings(model_dir):
       train._with_step_logging(_stalled_model_fn, 2, 1, 6),  # pylint: disable=protected-access
       config=config)
   records, logger = _Records(), tf.get_logger()
-  level = logger.level  # conftest keeps TensorFlow's warnings quiet.
+  level = logger.level  # helpers.py keeps TensorFlow's warnings quiet.
   logger.addHandler(records)
   logger.setLevel(logging.WARNING)
   try:
@@ -85,6 +86,7 @@ def _stall_warnings(model_dir):
   return records.messages
 
 
+@pytest.mark.training
 def test_a_real_stall_is_still_reported(tmp_path, monkeypatch):
   # TensorFlow logs this warning only the first 5 times in a process
   # (log_first_n, counted per source line): a stall in an earlier test of

@@ -27,6 +27,8 @@ from trainer.sweep import devices as sweep_devices
 from trainer.sweep import process as sweep_process
 from trainer.sweep import study as sweep_study
 
+pytestmark = pytest.mark.cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ('--train-steps=30', '--cpu-towers=1', '--model=dnn',
         '--hidden-units=16', '--optimizer=sgd', '--eval-batch-size=360')

@@ -8,6 +8,8 @@ import pytest
 
 from trainer.sweep import config as sweep_config
 
+pytestmark = pytest.mark.fast
+
 
 def _block(**overrides):
   """A valid hyperparameters block with some fields replaced or removed."""

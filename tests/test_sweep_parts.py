@@ -47,6 +47,7 @@ def _draw(config, n, seed=0):
 # Search space.
 
 
+@pytest.mark.fast
 def test_reverse_log_scale_crowds_values_near_the_maximum():
   config = _config([{'parameterName': 'momentum', 'type': 'DOUBLE',
                      'minValue': 0.01, 'maxValue': 1.0,
@@ -64,6 +65,7 @@ def test_reverse_log_scale_crowds_values_near_the_maximum():
   assert trial.distributions['momentum:reverse_log'].log
 
 
+@pytest.mark.fast
 def test_scales_and_types_map_to_optuna_distributions():
   config = _config([
       {'parameterName': 'lr', 'type': 'DOUBLE', 'minValue': 1e-4,
@@ -89,6 +91,7 @@ def test_scales_and_types_map_to_optuna_distributions():
   assert sweep_space.flag_value(32) == '32'
 
 
+@pytest.mark.fast
 def test_samplers_and_pruners_follow_the_config():
   params = [{'parameterName': 'b', 'type': 'DISCRETE',
              'discreteValues': [1, 2]}]
@@ -108,6 +111,7 @@ def test_samplers_and_pruners_follow_the_config():
   assert sweep_space.direction(_config(params, goal='MINIMIZE')) == 'minimize'
 
 
+@pytest.mark.fast
 def test_grid_covers_every_point_around_a_queued_rerun():
   config = _config([{'parameterName': 's', 'type': 'INTEGER', 'minValue': 1,
                      'maxValue': 3}], algorithm='GRID_SEARCH', maxTrials=3)
@@ -137,6 +141,7 @@ def _line(step, value, tag='accuracy'):
                      'global_step': str(step), 'checkpoint_path': ''})
 
 
+@pytest.mark.fast
 def test_metric_file_reads_complete_lines_and_skips_other_tags(tmp_path):
   path = tmp_path / 'metrics'
   assert sweep_metrics.read_reports(str(path), 'accuracy', False) == []
@@ -150,6 +155,7 @@ def test_metric_file_reads_complete_lines_and_skips_other_tags(tmp_path):
   assert final == [sweep_metrics.Report(10, 0.5), sweep_metrics.Report(30, 0.9)]
 
 
+@pytest.mark.fast
 def test_malformed_metric_line_names_file_and_line(tmp_path):
   path = tmp_path / 'metrics'
   path.write_text(_line(10, 0.5) + '\n{oops\n')
@@ -163,6 +169,7 @@ def test_malformed_metric_line_names_file_and_line(tmp_path):
 # Devices and threads.
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('value,expected', [
     ('0,1', ['0', '1']), ('', []), ('-1', []), ('2,-1,3', ['2']),
     (' 1 , 3 ', ['1', '3']), ('GPU-abc', ['GPU-abc'])])
@@ -171,6 +178,7 @@ def test_cuda_visible_devices_is_honoured(value, expected):
       expected
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('gpus,parallel,shares', [
     (4, 2, [('0', '1'), ('2', '3')]),
     (3, 2, [('0', '1'), ('2',)]),
@@ -182,6 +190,7 @@ def test_gpus_are_divided_among_parallel_trials(gpus, parallel, shares):
   assert [s.gpus for s in slots] == shares
 
 
+@pytest.mark.fast
 def test_threads_are_shared_unless_the_fixed_flags_set_them():
   slot = sweep_devices.make_slots(2, [], cpus=8)[1]
   assert (slot.intra_op_threads, slot.inter_op_threads) == (4, 2)
@@ -207,6 +216,7 @@ def _sleeper():
                            'time.sleep(60)'], start_new_session=True)
 
 
+@pytest.mark.cli
 def test_stop_orphan_stops_only_the_recorded_process():
   process = _sleeper()
   try:
@@ -224,6 +234,7 @@ def test_stop_orphan_stops_only_the_recorded_process():
       process.wait()
 
 
+@pytest.mark.cli
 def test_stop_escalates_to_sigkill_after_the_grace_period(tmp_path):
   log = open(tmp_path / 'log', 'w')
   with log:
@@ -255,6 +266,7 @@ def _study(job_dir, config, settings):
                             sweep_space.pruner(config, 5))
 
 
+@pytest.mark.fast
 def test_resume_interrupts_running_trials_and_queues_one_rerun(tmp_path):
   config = _config([{'parameterName': 'lr', 'type': 'DOUBLE',
                      'minValue': 0.1, 'maxValue': 0.5}])
@@ -280,6 +292,7 @@ def test_resume_interrupts_running_trials_and_queues_one_rerun(tmp_path):
   assert sweep_study.remaining(resumed, 4) == 3
 
 
+@pytest.mark.fast
 def test_resume_refuses_other_settings_and_new_start_refuses_old_db(tmp_path):
   config = _config([{'parameterName': 'lr', 'type': 'DOUBLE',
                      'minValue': 0.1, 'maxValue': 0.5}])
@@ -300,6 +313,7 @@ def test_resume_refuses_other_settings_and_new_start_refuses_old_db(tmp_path):
                        sweep_space.pruner(config, 5))
 
 
+@pytest.mark.fast
 def test_parallel_trials_never_take_the_same_queued_trial(tmp_path):
   # Without the sweep's storage lock, SQLite lets two threads pop one
   # queued trial (a few times in these 48 pops, almost always).
@@ -325,6 +339,7 @@ def test_parallel_trials_never_take_the_same_queued_trial(tmp_path):
   assert len(taken) == 48 and len(set(taken)) == 48
 
 
+@pytest.mark.fast
 def test_job_dir_lock_keeps_a_second_sweep_out(tmp_path):
   first = sweep_study.lock(str(tmp_path))
   with first:
@@ -336,6 +351,7 @@ def test_job_dir_lock_keeps_a_second_sweep_out(tmp_path):
 # Results.
 
 
+@pytest.mark.fast
 def test_results_csv_is_written_whole(tmp_path):
   config = _config([{'parameterName': 'lr', 'type': 'DOUBLE',
                      'minValue': 0.1, 'maxValue': 0.5}])
@@ -355,6 +371,7 @@ def test_results_csv_is_written_whole(tmp_path):
                                           'status', 'duration_sec']
 
 
+@pytest.mark.cli
 def test_sweep_without_its_extra_says_how_to_install_it(tmp_path):
   # A Python where Optuna is not installed: an import path whose `optuna`
   # cannot be found (find_spec returns None for a None entry in sys.modules).
@@ -371,6 +388,7 @@ def test_sweep_without_its_extra_says_how_to_install_it(tmp_path):
   assert "pip install 'estimator-towers[sweep]'" in result.stderr
 
 
+@pytest.mark.fast
 def test_each_trial_gets_its_own_vertex_output_dirs(tmp_path):
   base_env = {'AIP_MODEL_DIR': '/out/model/', 'PATH': '/bin',
               'AIP_CHECKPOINT_DIR': 'gs://b/ckpt',

@@ -10,6 +10,8 @@ import tensorflow as tf
 from estimator_towers import task_sync
 from trainer import sync_errors
 
+pytestmark = pytest.mark.fast
+
 _SYNC = {'cluster': {'chief': ['a:1'], 'worker': ['b:1']},
          'task': {'type': 'worker', 'index': 0}}
 _REMEDY = "Restart every task; they resume from the chief's last checkpoint."

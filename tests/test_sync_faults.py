@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests import conftest
+from tests import helpers
 from tests import sync_cluster_task
 from tests import sync_fault_cluster
 from trainer.cluster import private_network
+
+pytestmark = pytest.mark.cluster
 
 _TIMEOUT = 10
 # A fault must end every live task within the timeout, plus the time a
@@ -83,7 +85,7 @@ def test_a_worker_late_within_the_timeout_trains_as_one_process(tmp_path):
   steps = 3
   cluster_dir, one_dir = tmp_path / 'cluster', tmp_path / 'one'
   rows = sum(sync_fault_cluster.ROWS)
-  conftest.save_start_checkpoint(
+  helpers.save_start_checkpoint(
       sync_cluster_task.model_fn,
       lambda: sync_cluster_task.global_batches(rows, steps).take(1),
       [cluster_dir, one_dir])
@@ -91,13 +93,13 @@ def test_a_worker_late_within_the_timeout_trains_as_one_process(tmp_path):
                      late_secs=_TIMEOUT // 3)
   assert report['chief']['code'] == 0 and report['worker']['code'] == 0, (
       report)
-  estimator = conftest.make_estimator(sync_cluster_task.model_fn, one_dir,
-                                      towers=4, aggregation='all_reduce')
+  estimator = helpers.make_estimator(sync_cluster_task.model_fn, one_dir,
+                                     towers=4, aggregation='all_reduce')
   estimator.train(lambda: sync_cluster_task.global_batches(rows, steps),
                   max_steps=steps)
   chief = tf.train.load_checkpoint(str(cluster_dir))
   actual = {name: chief.get_tensor(name)
             for name in chief.get_variable_to_shape_map()}
   assert int(actual['global_step']) == steps
-  conftest.assert_same_variables(conftest.variables_of(estimator), actual,
-                                 rtol=1e-4, atol=1e-5)
+  helpers.assert_same_variables(helpers.variables_of(estimator), actual,
+                                rtol=1e-4, atol=1e-5)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import tensorflow as tf
 from cli_helpers import (CSV_FLAGS, ROOT, eval_line, read_json_lines,
                          run_module, wait_until, write_tabular_csv)
 
+@pytest.mark.cli
 def test_trains_evaluates_and_exports(trained):
   job_dir, result = trained
   metrics = eval_line(result)
@@ -29,6 +31,7 @@ def test_trains_evaluates_and_exports(trained):
   assert 'examples/sec' in result.stderr and '2 towers' in result.stderr
 
 
+@pytest.mark.cli
 def test_writes_train_and_eval_summaries_with_the_tuning_tag(trained):
   job_dir, _ = trained
   assert tf.io.gfile.glob(os.path.join(job_dir, 'events.out.tfevents.*'))
@@ -57,6 +60,7 @@ print(json.dumps(out))
 '''
 
 
+@pytest.mark.cli
 def test_saved_model_serves_batches_of_1_and_7(trained):
   job_dir, result = trained
   export_dir = eval_line(result)['export']
@@ -69,6 +73,7 @@ def test_saved_model_serves_batches_of_1_and_7(trained):
   assert classes['7'][:2] == [1, 0]
 
 
+@pytest.mark.cli
 def test_saved_model_cli_describes_the_export(trained):
   _, result = trained
   cli = os.path.join(os.path.dirname(sys.executable), 'saved_model_cli')
@@ -79,20 +84,45 @@ def test_saved_model_cli_describes_the_export(trained):
   assert 'class_ids' in shown.stdout
 
 
-def test_rerun_resumes_from_the_latest_checkpoint(tmp_path, csv_files):
-  args = (f'--job-dir={tmp_path}', f'--train-files={csv_files[0]}',
+def _csv_args(job_dir, csv_files):
+  return (f'--job-dir={job_dir}', f'--train-files={csv_files[0]}',
           f'--eval-files={csv_files[1]}', *CSV_FLAGS)
-  first = run_module('trainer.task', *args, '--train-steps=40')
-  assert int(eval_line(first)['global_step']) == 40
+
+
+@pytest.fixture(scope='module')
+def trained_40(tmp_path_factory, csv_files):
+  """One finished 40-step CSV job: (job_dir, completed process).
+
+  The rerun tests copy it (`_copy_of`) instead of each training it again.
+  """
+  job_dir = tmp_path_factory.mktemp('job_40')
+  result = run_module('trainer.task', *_csv_args(job_dir, csv_files),
+                      '--train-steps=40')
+  return job_dir, result
+
+
+def _copy_of(trained_40, tmp_path):
+  """A private copy of the 40-step job in tmp_path (checkpoint paths are
+  relative, so the copy resumes from its own files)."""
+  shutil.copytree(trained_40[0], tmp_path, dirs_exist_ok=True)
+  return tmp_path
+
+
+@pytest.mark.cli
+def test_rerun_resumes_from_the_latest_checkpoint(tmp_path, csv_files,
+                                                  trained_40):
+  assert int(eval_line(trained_40[1])['global_step']) == 40
+  args = _csv_args(_copy_of(trained_40, tmp_path), csv_files)
   second = run_module('trainer.task', *args, '--train-steps=80')
   assert int(eval_line(second)['global_step']) == 80
-  assert 'model.ckpt-40' in second.stderr  # Restored, not started over.
+  # Restored from its own copy, not started over.
+  assert str(tmp_path / 'model.ckpt-40') in second.stderr
 
 
-def test_rejected_rerun_leaves_the_saved_config_alone(tmp_path, csv_files):
-  args = (f'--job-dir={tmp_path}', f'--train-files={csv_files[0]}',
-          f'--eval-files={csv_files[1]}', *CSV_FLAGS)
-  run_module('trainer.task', *args, '--train-steps=40')
+@pytest.mark.cli
+def test_rejected_rerun_leaves_the_saved_config_alone(tmp_path, csv_files,
+                                                      trained_40):
+  args = _csv_args(_copy_of(trained_40, tmp_path), csv_files)
   config = tmp_path / 'trainer_config.json'
   saved = config.read_text()
   rejected = run_module('trainer.task', *args, '--train-steps=80',
@@ -104,11 +134,11 @@ def test_rejected_rerun_leaves_the_saved_config_alone(tmp_path, csv_files):
   assert json.loads(saved)['learning_rate'] == 0.05
 
 
+@pytest.mark.cli
 def test_rerun_of_a_finished_but_unexported_job_evaluates_and_exports(
-    tmp_path, csv_files):
-  args = (f'--job-dir={tmp_path}', f'--train-files={csv_files[0]}',
-          f'--eval-files={csv_files[1]}', *CSV_FLAGS, '--train-steps=40')
-  run_module('trainer.task', *args)
+    tmp_path, csv_files, trained_40):
+  args = (*_csv_args(_copy_of(trained_40, tmp_path), csv_files),
+          '--train-steps=40')
   # As if killed after the final checkpoint, before evaluating and exporting.
   for name in ('export', 'eval'):
     tf.io.gfile.rmtree(str(tmp_path / name))
@@ -120,6 +150,7 @@ def test_rerun_of_a_finished_but_unexported_job_evaluates_and_exports(
   assert (tmp_path / 'hp.json').exists()  # The tuning metric is reported.
 
 
+@pytest.mark.cli
 def test_gcloud_local_train_trial_layout_and_metric_file(tmp_path, csv_files):
   metric_file = tmp_path / 'hypertune' / 'metrics.txt'
   # What a non-distributed `gcloud ai-platform local train` sets (no cluster,
@@ -142,6 +173,7 @@ def test_gcloud_local_train_trial_layout_and_metric_file(tmp_path, csv_files):
       float(eval_line(result)['accuracy']), abs=1e-4)
 
 
+@pytest.mark.cli
 def test_trial_id_cannot_escape_the_job_dir(tmp_path, csv_files):
   job_dir = tmp_path / 'job'
   result = run_module(
@@ -159,12 +191,14 @@ def test_trial_id_cannot_escape_the_job_dir(tmp_path, csv_files):
                                           abs=1e-4)
 
 
+@pytest.mark.cli
 def test_default_run_trains_on_embedded_digits(tmp_path):
   result = run_module('trainer.task', f'--job-dir={tmp_path}',
                       '--train-steps=300', '--cpu-towers=2')
   assert float(eval_line(result)['accuracy']) > 0.9
 
 
+@pytest.mark.cli
 def test_bfloat16_and_xla_train_on_cpu_towers(tmp_path):
   result = run_module('trainer.task', f'--job-dir={tmp_path}',
                       '--train-steps=50', '--cpu-towers=2',
@@ -174,6 +208,7 @@ def test_bfloat16_and_xla_train_on_cpu_towers(tmp_path):
   assert (saved['mixed_precision'], saved['xla']) == ('bfloat16', True)
 
 
+@pytest.mark.cli
 def test_float16_on_cpu_towers_fails_in_one_line(tmp_path):
   result = run_module('trainer.task', f'--job-dir={tmp_path}',
                       '--cpu-towers=2', '--mixed-precision=float16',
@@ -186,6 +221,7 @@ def test_float16_on_cpu_towers_fails_in_one_line(tmp_path):
       "train in float32. On CPUs use mixed_precision='bfloat16'."]
 
 
+@pytest.mark.cli
 def test_helpfull_lists_every_flag():
   result = run_module('trainer.task', '--helpfull')
   for flag in ('--job-dir', '--train-files', '--eval-files', '--model',
@@ -194,6 +230,7 @@ def test_helpfull_lists_every_flag():
     assert flag in result.stdout, flag
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize('args,message', [
     (['--no-such-flag=1'], "Unknown command line flag 'no-such-flag'"),
     (['--train-steps=many'], 'train-steps'),
@@ -214,6 +251,7 @@ def test_bad_flags_exit_2_with_a_message(tmp_path, args, message):
   assert not os.listdir(tmp_path)  # Nothing was started.
 
 
+@pytest.mark.cli
 def test_missing_train_files_fail_before_training(tmp_path):
   result = run_module('trainer.task', f'--job-dir={tmp_path / "job"}',
                       f'--train-files={tmp_path}/nothing-*.csv',
@@ -223,6 +261,7 @@ def test_missing_train_files_fail_before_training(tmp_path):
   assert not (tmp_path / 'job').exists()
 
 
+@pytest.mark.cli
 def test_malformed_csv_row_names_file_and_line(tmp_path):
   bad = write_tabular_csv(tmp_path / 'bad.csv', 30,
                           extra_lines=['0.5,not-a-number,red,1'])
@@ -257,6 +296,7 @@ print(json.dumps({n: serve(csv_lines=tf.constant(lines[:n]))['class_ids']
 """
 
 
+@pytest.mark.cli
 def test_csv_export_format_serves_csv_lines(tmp_path, csv_files):
   result = run_module('trainer.task', f'--job-dir={tmp_path}',
                       f'--train-files={csv_files[0]}',
@@ -270,6 +310,7 @@ def test_csv_export_format_serves_csv_lines(tmp_path, csv_files):
   assert classes['7'][:2] == [1, 0]
 
 
+@pytest.mark.cli
 def test_second_task_on_a_busy_job_dir_is_refused(tmp_path):
   env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT}
   env.pop('TF_CONFIG', None)
@@ -292,10 +333,10 @@ def test_second_task_on_a_busy_job_dir_is_refused(tmp_path):
   assert 'another trainer.task is running' in second.stderr
 
 
-def test_rerun_with_another_architecture_is_refused(tmp_path, csv_files):
-  args = (f'--job-dir={tmp_path}', f'--train-files={csv_files[0]}',
-          f'--eval-files={csv_files[1]}', *CSV_FLAGS)
-  run_module('trainer.task', *args, '--train-steps=40')
+@pytest.mark.cli
+def test_rerun_with_another_architecture_is_refused(tmp_path, csv_files,
+                                                   trained_40):
+  args = _csv_args(_copy_of(trained_40, tmp_path), csv_files)
   rerun = run_module('trainer.task', *args, '--train-steps=80',
                      '--hidden-units=32', check=False)
   assert rerun.returncode == 1
@@ -303,6 +344,7 @@ def test_rerun_with_another_architecture_is_refused(tmp_path, csv_files):
   assert tf.train.latest_checkpoint(str(tmp_path)).endswith('-40')
 
 
+@pytest.mark.cli
 def test_job_dir_that_is_a_file_is_one_clear_error(tmp_path):
   path = tmp_path / 'a_file'
   path.write_text('not a directory')
@@ -315,6 +357,7 @@ def test_job_dir_that_is_a_file_is_one_clear_error(tmp_path):
 
 # No network here but package registries: Cloud Storage cannot be reached,
 # as on a machine without network or credentials.
+@pytest.mark.cli
 @pytest.mark.parametrize('where,args', [
     ('--job-dir gs://no-bucket/jobs/x', ('--job-dir=gs://no-bucket/jobs/x',)),
     ('--train-files', ('--train-files=gs://no-bucket/data/train-*.csv',
@@ -347,6 +390,7 @@ def returns_none(features, labels, mode, params):
 '''
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize('name,message', [
     ('raises', "--model=broken_models:raises failed building the eval graph: "
                "KeyError: 'no such feature: age'"),
@@ -364,6 +408,7 @@ def test_user_model_that_fails_is_one_clear_error(tmp_path, name, message):
   assert 'Traceback' not in result.stderr
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize('args,env,message', [
     (('--hypertune-metric=accurracy',), {},
      '--hypertune-metric=accurracy is not an evaluation result of '
@@ -380,6 +425,7 @@ def test_tuning_problems_fail_before_training(tmp_path, args, env, message):
   assert not tmp_path.exists() or not any(tmp_path.iterdir())  # Untouched.
 
 
+@pytest.mark.cli
 def test_aggregation_flag_trains_and_checkpoints_move_between_strategies(
     tmp_path):
   job = tmp_path / 'job'
@@ -394,6 +440,7 @@ def test_aggregation_flag_trains_and_checkpoints_move_between_strategies(
   assert 'Resuming from' in second.stderr
 
 
+@pytest.mark.cli
 def test_same_tf_random_seed_gives_the_same_start_weights(tmp_path):
   def kernels(job, seed):
     run_module('trainer.task', f'--job-dir={job}', '--train-steps=1',
@@ -411,6 +458,7 @@ def test_same_tf_random_seed_gives_the_same_start_weights(tmp_path):
   assert any(not np.allclose(first[n], other[n]) for n in first)
 
 
+@pytest.mark.fast
 def test_only_an_evaluator_task_pauses_between_checkpoint_polls(tmp_path):
   # With no pause an evaluator that finds no new checkpoint loops at once,
   # logging each time: megabytes a minute.
@@ -423,6 +471,7 @@ def test_only_an_evaluator_task_pauses_between_checkpoint_polls(tmp_path):
   assert local.eval_spec.throttle_secs == 0
 
 
+@pytest.mark.cli
 def test_a_bad_model_option_is_named_as_its_flag(tmp_path):
   result = run_module('trainer.task', f'--job-dir={tmp_path}',
                       '--model=resnet', '--resnet-depth=21',

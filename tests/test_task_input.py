@@ -8,6 +8,8 @@ import tensorflow as tf
 
 from estimator_towers import task_input
 
+pytestmark = pytest.mark.fast
+
 tf1 = tf.compat.v1
 
 
@@ -122,15 +124,30 @@ def test_orders_left_to_chance_are_refused(monkeypatch, pipeline, error):
       task_input.task_slice(batches, config)
 
 
-def test_seeded_shuffles_are_accepted(monkeypatch):
-  config = _config(monkeypatch)
-  with tf.Graph().as_default():
-    task_input.task_slice(tf.data.Dataset.range(10).shuffle(10, seed=0)
-                          .batch(4), config)
+@pytest.mark.parametrize('op_seed,graph_seed', [
+    (0, None),
+    (None, 3),  # The RunConfig's tf_random_seed, as the Estimator sets.
+])
+def test_seeded_shuffles_are_accepted(monkeypatch, op_seed, graph_seed):
+  # Accepted means sliced: every task draws the same order, so the chief's
+  # and the worker's parts of each step make up the one global batch.
+  def batches():
+    return tf.data.Dataset.range(10).shuffle(10, seed=op_seed).batch(4)
+
+  parts = []
+  for config in _tasks(monkeypatch, workers=1):
+    with tf.Graph().as_default() as graph:
+      graph.seed = graph_seed
+      parts.append(_batches(task_input.task_slice(batches(), config)))
   with tf.Graph().as_default() as graph:
-    graph.seed = 3  # The RunConfig's tf_random_seed, as the Estimator sets.
-    task_input.task_slice(tf.data.Dataset.range(10).shuffle(10).batch(4),
-                          config)
+    graph.seed = graph_seed
+    whole = _batches(batches())
+  chief, worker = parts
+  assert [len(b) for b in chief] == [2, 2, 1]
+  assert [len(b) for b in worker] == [2, 2, 1]
+  assert [list(np.concatenate(p)) for p in zip(chief, worker)] == [
+      list(b) for b in whole]
+  assert sorted(np.concatenate(whole)) == list(range(10))
 
 
 def test_examples_that_are_not_batched_are_refused(monkeypatch):

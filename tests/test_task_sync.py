@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import estimator_towers
 from estimator_towers import task_sync
-from tests import conftest
+from tests import helpers
 from tests import sync_cluster_task
 from trainer.cluster import private_network
 
@@ -59,14 +59,15 @@ def _one_process(model_dir, projection):
         features, labels, mode,
         projection=tf.compat.v1.constant_initializer(projection),
         manual_step=True)
-  estimator = conftest.make_estimator(model_fn, model_dir, towers=4,
-                                      aggregation='all_reduce')
+  estimator = helpers.make_estimator(model_fn, model_dir, towers=4,
+                                     aggregation='all_reduce')
   estimator.train(
       lambda: sync_cluster_task.global_batches(sum(_ROWS), _STEPS),
       max_steps=_STEPS)
-  return conftest.variables_of(estimator)
+  return helpers.variables_of(estimator)
 
 
+@pytest.mark.cluster
 def test_sliced_global_batches_train_as_one_process_to_the_same_end(
     tmp_path):
   # 19 rows in global batches of 9: the tasks keep 5+4, 5+4, then 1+0 (the
@@ -76,33 +77,34 @@ def test_sliced_global_batches_train_as_one_process_to_the_same_end(
   private_network.check_unshare_works()
   cluster_dir, one_dir = tmp_path / 'cluster', tmp_path / 'one'
   batches = lambda: sync_cluster_task.sliced_batches(9, 19)
-  conftest.save_start_checkpoint(sync_cluster_task.momentum_model_fn,
-                                 lambda: batches().take(1),
-                                 [cluster_dir, one_dir])
+  helpers.save_start_checkpoint(sync_cluster_task.momentum_model_fn,
+                                lambda: batches().take(1),
+                                [cluster_dir, one_dir])
   done = _run_pair(cluster_dir, 9, [19], mode='sliced-pair')
   assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-  estimator = conftest.make_estimator(sync_cluster_task.momentum_model_fn,
-                                      one_dir, towers=4,
-                                      aggregation='all_reduce')
+  estimator = helpers.make_estimator(sync_cluster_task.momentum_model_fn,
+                                     one_dir, towers=4,
+                                     aggregation='all_reduce')
   estimator.train(batches)
-  expected = conftest.variables_of(estimator)
+  expected = helpers.variables_of(estimator)
   assert int(expected['global_step']) == 3
   chief = tf.train.load_checkpoint(str(cluster_dir))
   actual = {name: chief.get_tensor(name)
             for name in chief.get_variable_to_shape_map()}
   assert 'embedding/Momentum' in actual
-  conftest.assert_same_variables(expected, actual, rtol=1e-4, atol=1e-5)
+  helpers.assert_same_variables(expected, actual, rtol=1e-4, atol=1e-5)
   worker_final = np.load(cluster_dir / 'final-worker-0.npz')
   np.testing.assert_array_equal(worker_final['embedding'],
                                 actual['embedding'])
 
 
+@pytest.mark.cluster
 def test_chief_and_worker_train_as_one_process_on_the_global_batch(
     tmp_path):
   private_network.check_unshare_works()
   cluster_dir, one_dir = tmp_path / 'cluster', tmp_path / 'one'
-  conftest.save_start_checkpoint(sync_cluster_task.model_fn, _start_input_fn,
-                                 [cluster_dir, one_dir])
+  helpers.save_start_checkpoint(sync_cluster_task.model_fn, _start_input_fn,
+                                [cluster_dir, one_dir])
   done = _run_pair(cluster_dir)
   assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
   # The tasks' random local projection is the chief's (broadcast with the
@@ -117,7 +119,7 @@ def test_chief_and_worker_train_as_one_process_on_the_global_batch(
   # Adam's slots and the batch-norm statistics are among them.
   assert {'embedding/Adam', 'batch_normalization/moving_variance'} <= set(
       actual)
-  conftest.assert_same_variables(expected, actual, rtol=1e-4, atol=1e-5)
+  helpers.assert_same_variables(expected, actual, rtol=1e-4, atol=1e-5)
   # The logged loss is the global batch's, not the chief's share of it.
   one_step, one_loss = _first_logged_loss(one_dir)
   chief_step, chief_loss = _first_logged_loss(cluster_dir)
@@ -131,6 +133,7 @@ def test_chief_and_worker_train_as_one_process_on_the_global_batch(
                                   err_msg=name)
 
 
+@pytest.mark.fast
 def test_the_server_keeps_virtual_cpus_and_leads_from_the_chief():
   session = tf.compat.v1.ConfigProto(device_count={'CPU': 3},
                                      intra_op_parallelism_threads=2)
@@ -156,6 +159,7 @@ def _counting_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+@pytest.mark.fast
 def test_a_table_written_while_training_is_refused_in_a_cluster(
     monkeypatch):
   # Not a variable: no task would see the others' inserts.
@@ -163,9 +167,9 @@ def test_a_table_written_while_training_is_refused_in_a_cluster(
       {'cluster': {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
        'task': {'type': 'worker', 'index': 0}}))
   with pytest.raises(ValueError, match='mutable lookup table.*drift apart'):
-    conftest.build_replicated(_counting_model_fn, 2, aggregation='all_reduce')
+    helpers.build_replicated(_counting_model_fn, 2, aggregation='all_reduce')
   monkeypatch.delenv('TF_CONFIG')
-  conftest.build_replicated(_counting_model_fn, 2, aggregation='all_reduce')
+  helpers.build_replicated(_counting_model_fn, 2, aggregation='all_reduce')
 
 
 def _example_counter_model_fn(features, labels, mode):
@@ -182,6 +186,7 @@ def _example_counter_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+@pytest.mark.fast
 def test_a_variable_written_from_the_shard_is_refused_in_a_cluster(
     monkeypatch):
   # Exact over one task's towers (they add up), but the chief's checkpoint
@@ -190,11 +195,11 @@ def test_a_variable_written_from_the_shard_is_refused_in_a_cluster(
       {'cluster': {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
        'task': {'type': 'chief', 'index': 0}}))
   with pytest.raises(ValueError, match='seen.*drift apart'):
-    conftest.build_replicated(_example_counter_model_fn, 2,
-                              aggregation='all_reduce')
+    helpers.build_replicated(_example_counter_model_fn, 2,
+                             aggregation='all_reduce')
   monkeypatch.delenv('TF_CONFIG')
-  conftest.build_replicated(_example_counter_model_fn, 2,
-                            aggregation='all_reduce')
+  helpers.build_replicated(_example_counter_model_fn, 2,
+                           aggregation='all_reduce')
 
 
 def _dropout_model_fn(features, labels, mode):
@@ -224,6 +229,7 @@ def _dropout_seeds(monkeypatch, task_type):
           if op.type == 'RandomUniform' and 'dropout' in op.name}
 
 
+@pytest.mark.fast
 def test_a_worker_draws_other_random_numbers_than_the_chief(monkeypatch):
   # One seed, one graph on every task: the worker's towers would repeat
   # the chief's dropout masks, where one process's 4 towers all differ.
@@ -246,6 +252,7 @@ def _noise_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+@pytest.mark.fast
 def test_a_variable_written_from_random_numbers_is_refused_in_a_cluster(
     monkeypatch):
   # Each task draws its own numbers: the variables would drift apart.
@@ -253,8 +260,8 @@ def test_a_variable_written_from_random_numbers_is_refused_in_a_cluster(
       {'cluster': {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
        'task': {'type': 'chief', 'index': 0}}))
   with pytest.raises(ValueError, match='noise.*random numbers'):
-    conftest.build_replicated(_noise_model_fn, 2, aggregation='all_reduce')
+    helpers.build_replicated(_noise_model_fn, 2, aggregation='all_reduce')
   # Dropout's draws reach the variables only through the summed gradients.
-  conftest.build_replicated(_dropout_model_fn, 2, aggregation='all_reduce')
+  helpers.build_replicated(_dropout_model_fn, 2, aggregation='all_reduce')
   monkeypatch.delenv('TF_CONFIG')
-  conftest.build_replicated(_noise_model_fn, 2, aggregation='all_reduce')
+  helpers.build_replicated(_noise_model_fn, 2, aggregation='all_reduce')

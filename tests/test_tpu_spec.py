@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import trainer
-from conftest import assert_same_variables, seeded, variables_of
+from helpers import assert_same_variables, seeded, variables_of
 
 tf1 = tf.compat.v1
 BATCH = 7  # Divides by neither 2 nor 3 towers.
@@ -114,6 +114,7 @@ def _estimator(kind, model_dir, towers, init_checkpoint, **wrapper_kwargs):
       predict_batch_size=BATCH)
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('kind,towers,aggregation', [
     ('tpu_estimator', 3, 'global_loss'),
     ('estimator', 2, 'all_reduce'),
@@ -145,6 +146,7 @@ def test_tpu_spec_equals_one_device(tmp_path, data, init_checkpoint, kind,
   np.testing.assert_allclose(actual, expected, rtol=1e-5)
 
 
+@pytest.mark.fast
 def test_session_config_of_a_tpu_run_config_has_the_virtual_cpus():
   run_config = trainer.make_run_config(cpu_devices=3)
   config = tf1.estimator.tpu.RunConfig(session_config=run_config.session_config)
@@ -153,6 +155,7 @@ def test_session_config_of_a_tpu_run_config_has_the_virtual_cpus():
   assert len(cpus) == 3
 
 
+@pytest.mark.training
 def test_scalar_eval_metrics_tensor_is_refused(tmp_path, data,
                                                init_checkpoint):
   def model_fn(features, labels, mode, params):
@@ -170,6 +173,7 @@ def test_scalar_eval_metrics_tensor_is_refused(tmp_path, data,
     estimator.evaluate(_input_fn(data, repeat=False))
 
 
+@pytest.mark.training
 def test_per_step_host_call_tensor_is_refused(tmp_path, data):
   # TPU model_fns pass e.g. tf.reshape(loss, [1]): one row per tower, not
   # per example; fn would read one tower's loss as the batch's.

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (assert_same_variables, dataset_input_fn, make_estimator,
-                      seeded, variables_of)
+from helpers import (assert_same_variables, dataset_input_fn, make_estimator,
+                     seeded, variables_of)
+
+pytestmark = pytest.mark.training
 
 tf1 = tf.compat.v1
 STEPS = 3

@@ -4,7 +4,9 @@ import pytest
 import tensorflow as tf
 
 import trainer
-from conftest import build_replicated, classifier_model_fn, OPTIMIZERS
+from helpers import build_replicated, classifier_model_fn, OPTIMIZERS
+
+pytestmark = pytest.mark.fast
 
 tf1 = tf.compat.v1
 

@@ -7,6 +7,8 @@ import tensorflow as tf
 
 from trainer import vertex
 
+pytestmark = pytest.mark.fast
+
 
 def _files(root):
   return sorted(os.path.relpath(os.path.join(d, f), root)

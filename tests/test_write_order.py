@@ -236,6 +236,7 @@ def unordered_accesses(fetches):
   return unordered
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('aggregation', AGGREGATIONS)
 @pytest.mark.parametrize('towers', [2, 3])
 @pytest.mark.parametrize('model_fn', [_hand_stepped_model_fn,
@@ -246,6 +247,7 @@ def test_a_hand_advanced_step_is_read_before_it_is_written(
   assert unordered_accesses([spec.train_op, spec.loss]) == []
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('aggregation', ['global_loss', 'all_reduce'])
 @pytest.mark.parametrize('model_fn', [
     _ema_beside_update_model_fn, _batch_norm_keras_schedule_model_fn,
@@ -258,6 +260,7 @@ def test_no_read_of_the_step_is_left_unordered_with_its_writes(
   assert unordered_accesses([spec.train_op, spec.loss]) == []
 
 
+@pytest.mark.fast
 def test_the_graph_check_sees_an_unordered_read():
   # The check itself: one device's BERT-style graph leaves the learning
   # rate's read of the step unordered with the increment.
@@ -267,6 +270,7 @@ def test_the_graph_check_sees_an_unordered_read():
              for read, write in unordered), unordered
 
 
+@pytest.mark.training
 def test_a_model_fn_ordered_read_after_the_write_keeps_its_order():
   # assign(...).read_value() reads after the write by the model_fn's own
   # dependency: no edge may reverse it (that would be a cycle).
@@ -287,6 +291,7 @@ def test_a_model_fn_ordered_read_after_the_write_keeps_its_order():
                                finals[0][0]['dense/kernel'], rtol=1e-5)
 
 
+@pytest.mark.training
 @pytest.mark.parametrize('model_fn', [_hand_stepped_model_fn,
                                       _bert_style_model_fn])
 def test_a_hand_advanced_step_trains_as_one_device_in_every_run(model_fn):
@@ -303,6 +308,7 @@ def test_a_hand_advanced_step_trains_as_one_device_in_every_run(model_fn):
               err_msg=f'{name}, {towers} towers, {aggregation}, run {run}')
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('task_type', ['chief', 'worker'])
 def test_a_synchronous_task_reads_the_step_before_it_is_written(
     monkeypatch, task_type):
@@ -313,6 +319,7 @@ def test_a_synchronous_task_reads_the_step_before_it_is_written(
   assert unordered_accesses([spec.train_op, spec.loss]) == []
 
 
+@pytest.mark.training
 def test_a_tf1_while_loop_in_the_step_builds_and_trains_as_one_device():
   # Control flow v1 has back edges (a cycle in the graph) and contexts no
   # control edge may cross: its ops are left alone, and nothing fails.

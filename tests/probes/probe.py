@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, 'tests'))
 import estimator_towers  # noqa
-from tests import conftest  # noqa
+from tests import helpers  # noqa
 from tests import sync_cluster_task as sct  # noqa
 from trainer.cluster import private_network  # noqa
 from tests.probes import models  # noqa
@@ -64,7 +64,7 @@ def drive(name, steps, rows):
       sum(rows), steps).take(1)
   if spec.get('label_less'):  # save_start_checkpoint unpacks a pair.
     start = (lambda first: lambda: first().map(lambda f: (f, 0)))(start)
-  conftest.save_start_checkpoint(spec['fn'], start, dirs, spec.get('params'))
+  helpers.save_start_checkpoint(spec['fn'], start, dirs, spec.get('params'))
   command = private_network.unshare_command() + [
       '--', sys.executable, os.path.abspath(__file__), 'pair', dirs[0], name,
       str(steps), *map(str, rows)]
@@ -79,12 +79,12 @@ def drive(name, steps, rows):
     return
   results = {}
   for d, towers in ((dirs[1], 4), (dirs[2], 1)):
-    est = conftest.make_estimator(
+    est = helpers.make_estimator(
         spec['fn'], d, towers=towers, params=spec.get('params'),
         aggregation='all_reduce', **spec.get('kwargs', {}))
     est.train(lambda: spec.get('global_input_fn', sct.global_batches)(
         sum(rows), steps), max_steps=steps)
-    results[towers] = conftest.variables_of(est)
+    results[towers] = helpers.variables_of(est)
   reader = tf.train.load_checkpoint(dirs[0])
   chief = {n: reader.get_tensor(n) for n in reader.get_variable_to_shape_map()
            if n != '_CHECKPOINTABLE_OBJECT_GRAPH'}
