@@ -15,9 +15,16 @@ file that looks whole.
 import csv
 import dataclasses
 import os
+import sys
 from typing import Dict, Iterable, List
 
+from trainer import environment
 
+if __name__ == '__main__':
+  # TensorFlow reads these variables once, when the imports below load it.
+  environment.configure(sys.argv)
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
 from absl import logging
 import numpy as np
@@ -31,7 +38,6 @@ from estimator_towers.saved_model_towers import SavedModelTowers
 from trainer import assembly
 from trainer import cli
 from trainer import data_errors
-from trainer import environment
 from trainer import progress as progress_lib
 from trainer.options import OptionError
 

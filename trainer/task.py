@@ -11,6 +11,13 @@ This module only parses flags; `trainer.train` does the work.
 import contextlib
 import sys
 
+from trainer import environment
+
+if __name__ == '__main__':
+  # TensorFlow reads these variables once, when the imports below load it.
+  environment.configure(sys.argv)
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
 from absl import logging
 import tensorflow as tf
@@ -18,7 +25,6 @@ import tensorflow as tf
 from trainer import cli
 from trainer import cluster_config
 from trainer import data_errors
-from trainer import environment
 from trainer import options as options_lib
 from trainer import preemption
 from trainer import sync_errors
