@@ -5,10 +5,9 @@
 model is saved next to the checkpoints as `trainer_config.json`.
 """
 
-import contextlib
 import os
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
 from absl import logging
 import tensorflow as tf
@@ -22,9 +21,9 @@ from estimator_towers.run_config import session_device_counts
 from estimator_towers import task_sync
 from trainer import assembly
 from trainer import checkpoint_check
-from trainer import disk_space
 from trainer import cluster_config
 from trainer.cluster import private_network
+from trainer import faults
 from trainer import finite_weights
 from trainer import hptuning
 from trainer import job_dir as job_dir_lib
@@ -260,7 +259,8 @@ def run(options: TaskOptions) -> Dict[str, Any]:
   _check_reachable(job_dir)
   vertex.check_outputs()
   run_ = _Run(options, model_dir, task)
-  with _explained(tf_config, model_dir):
+  # trainer.faults phrases a port taken or a full disk with these.
+  with faults.run_noted(model_dir, tf_config):
     if task.get('type') not in (None, 'chief', 'master'):
       return run_.train_and_evaluate()
     # A local run or a cluster's chief: the one writer of the job dir.
@@ -283,23 +283,6 @@ def _check_reachable(job_dir: str) -> None:
   except tf.errors.OpError as e:
     raise ValueError(f'--job-dir {job_dir}: '
                      f'{files_lib.unreachable(job_dir, e)}') from e
-
-
-@contextlib.contextmanager
-def _explained(tf_config, model_dir: str) -> Iterator[None]:
-  """TensorFlow's port-taken and disk-full errors as one clear ValueError."""
-  try:
-    yield
-  except tf.errors.UnknownError as e:
-    message = cluster_config.server_start_failure(e.message, tf_config)
-    if message is None:
-      raise
-    raise ValueError(message) from e
-  except tf.errors.ResourceExhaustedError as e:
-    message = disk_space.no_space_failure(e.message, model_dir)
-    if message is None:
-      raise
-    raise ValueError(message) from e
 
 
 def check(options: TaskOptions) -> str:
