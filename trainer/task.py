@@ -54,8 +54,8 @@ def main(argv):
     # SIGTERM, Ctrl-C and SIGHUP save a checkpoint instead of a traceback.
     with preemption.sigterm_handled():
       result = train.run(options)
-  if result['skipped']:
-    print(result['skipped'], flush=True)
+  if result.skipped:
+    print(result.skipped, flush=True)
   print(_summary_line(result), flush=True)
 
 
@@ -72,15 +72,16 @@ def _summaries_flushed():
     tf.compat.v1.summary.FileWriterCache.clear()
 
 
-def _summary_line(result) -> str:
+def _summary_line(result: train.RunResult) -> str:
   """The task's last line: eval metrics, or what this cluster task did."""
-  where = f' task={result["task"]}' if result['task'] else ''
-  if result['metrics'] is None:
-    return f'done:{where} towers={result["towers"]} model_dir={result["model_dir"]}'
+  where = f' task={result.task}' if result.task else ''
+  if result.metrics is None:
+    return (f'done:{where} towers={result.towers} '
+            f'model_dir={result.model_dir}')
   metrics = ' '.join(f'{k}={float(v):.4f}' if k != 'global_step' else
-                     f'{k}={int(v)}' for k, v in sorted(result['metrics'].items()))
-  return (f'eval: {metrics}{where} towers={result["towers"]} '
-          f'export={result["export_dir"]}')
+                     f'{k}={int(v)}' for k, v in sorted(result.metrics.items()))
+  return (f'eval: {metrics}{where} towers={result.towers} '
+          f'export={result.export_dir}')
 
 
 if __name__ == '__main__':
