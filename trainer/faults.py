@@ -81,6 +81,7 @@ def _cluster_failure(error, where: Where) -> Optional[str]:
 
 
 def _full_disk(error, where: Where) -> Optional[str]:
+  """A full disk while the run saved; its partial checkpoint is removed."""
   if where.model_dir is None:
     return None  # Not while writing a run's checkpoints.
   message = disk_space.no_space_failure(error.message, where.model_dir)
@@ -160,5 +161,6 @@ def handled(prog: str, **renamed: str) -> Iterator[None]:
 
 
 def _end(prog: str, fault: Fault, line: str, error: BaseException) -> NoReturn:
+  """Writes `<prog>: <label>: <line>` to stderr (Cloud logs it) and exits."""
   sys.stderr.write(f'{prog}: {fault.label}: {line}\n')
   sys.exit(error.exit_code if fault.exit_code is None else fault.exit_code)
