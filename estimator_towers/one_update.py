@@ -40,17 +40,22 @@ the model_fn's optimizer instead; see loss_scaling.py.
 """
 
 import contextlib
+import logging
 import threading
 from typing import (Any, Callable, Dict, Iterator, List, Optional, Set,
                     Tuple)
 
-from absl import logging
 import tensorflow as tf
 
 from estimator_towers import aggregation
 from estimator_towers import gradient_routing as calls
 from estimator_towers import loss_scaling
 from estimator_towers import write_order
+
+# A named logger, not absl's functions: their first call in a script
+# configures the root logger, after which every TensorFlow record prints
+# twice (through TensorFlow's own handler and the root's).
+_log = logging.getLogger(__name__)
 
 tf1 = tf.compat.v1
 _SUMMARY_OPS = frozenset(['ScalarSummary', 'HistogramSummary',
@@ -507,7 +512,7 @@ class OneUpdate:
     if not tainted:
       return
     if index == 0 and any(op.type in _SUMMARY_OPS for op in tainted):
-      logging.warning(
+      _log.warning(
           'A summary of tower 0 reads gradients of the loss w.r.t. '
           'variables; under replicate_model_fn they are the whole batch\'s '
           'only in the last tower, so TensorBoard shows zeros for them.')

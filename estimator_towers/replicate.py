@@ -9,10 +9,10 @@ variables whose names are those of the unwrapped model_fn.
 
 import contextlib
 import inspect
+import logging
 import os
 from typing import Any, Callable, List, Optional, Sequence
 
-from absl import logging
 import tensorflow as tf
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
@@ -35,6 +35,11 @@ from estimator_towers import tpu_spec
 from estimator_towers import variable_sharing
 from estimator_towers import write_order
 from estimator_towers.run_config import session_device_counts
+
+# A named logger, not absl's functions: their first call in a script
+# configures the root logger, after which every TensorFlow record prints
+# twice (through TensorFlow's own handler and the root's).
+_log = logging.getLogger(__name__)
 
 tf1 = tf.compat.v1
 ModeKeys = tf.estimator.ModeKeys
@@ -491,7 +496,7 @@ def _warn_about_onednn_once(devices: Sequence[str]) -> None:
       os.environ.get('TF_ENABLE_ONEDNN_OPTS') == '0'):
     return
   _warned_about_onednn = True
-  logging.warning(
+  _log.warning(
       'Evaluating on %d CPU towers with oneDNN on: an evaluation batch '
       'smaller than %d leaves some towers an empty shard, on which '
       'TensorFlow 2.15\'s oneDNN convolution fails. Models with '

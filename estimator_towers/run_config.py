@@ -22,15 +22,20 @@ change to the model_fn or its optimizer; float16's loss scaling is done by
 
 import collections.abc
 import numbers
+import logging
 from typing import Any, List, Optional, Sequence, Tuple
 
-from absl import logging
 import tensorflow as tf
 from tensorflow.core.protobuf import rewriter_config_pb2
 from tensorflow.python.client import pywrap_tf_session
 from tensorflow.python.util import _pywrap_util_port
 
 from estimator_towers import task_sync
+
+# A named logger, not absl's functions: their first call in a script
+# configures the root logger, after which every TensorFlow record prints
+# twice (through TensorFlow's own handler and the root's).
+_log = logging.getLogger(__name__)
 
 __all__ = [
     'MIXED_PRECISIONS',
@@ -298,7 +303,7 @@ def _resolve_gpus(num_gpus: Optional[int], gpu_ids: Optional[List[int]],
         f'{_describe_gpus(available)}; pick ids from that list, or pass '
         'fallback_to_available_gpus=True to drop the missing ones.')
   kept = [gpu_id for gpu_id in gpu_ids if gpu_id < available]
-  logging.warning(
+  _log.warning(
       'gpu_ids=%s includes %s, but this machine has %s; using gpu_ids=%s '
       'because fallback_to_available_gpus=True.', gpu_ids, missing,
       _describe_gpus(available), kept)
@@ -317,7 +322,7 @@ def _resolve_gpu_count(num_gpus: Optional[int], available: int,
         f'num_gpus={num_gpus} but this machine has '
         f'{_describe_gpus(available)}; ask for at most {available}, or pass '
         'fallback_to_available_gpus=True to use what is there.')
-  logging.warning(
+  _log.warning(
       'num_gpus=%d but this machine has %s; using %d because '
       'fallback_to_available_gpus=True.', num_gpus, _describe_gpus(available),
       available)

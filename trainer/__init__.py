@@ -5,24 +5,38 @@ For users of the library, `trainer` re-exports its public API, so
 `trainer.replicate_model_fn` and `trainer.make_run_config` are the same
 objects as in `estimator_towers`.
 
-TensorFlow reads some environment variables (log level, oneDNN) once, when it
-is imported; the package sets their defaults from the command line before it
-imports the library, so every entry point gets them. Values already in the
-environment win.
+Importing `trainer` does nothing else: it leaves sys.argv, the environment
+and the loaded modules as they were (TensorFlow is imported on the first use
+of a re-exported name). The entry points set TensorFlow's environment
+defaults themselves (`trainer.environment`); `quiet_tensorflow()` quiets
+TensorFlow for scripts.
 """
 
-import sys
+import importlib
+from typing import Any
 
-from trainer import environment
+# Re-exported name -> the module of the library that defines it.
+_EXPORTS = {
+    'TowerContext': 'estimator_towers',
+    'make_run_config': 'estimator_towers',
+    'replicate_model_fn': 'estimator_towers',
+    'task_slice': 'estimator_towers',
+    'tower_context': 'estimator_towers',
+    'quiet_tensorflow': 'trainer.environment',
+}
 
-environment.configure(sys.argv)
+__all__ = sorted(_EXPORTS)
 
-# pylint: disable=g-import-not-at-top,wrong-import-position
-from estimator_towers import make_run_config
-from estimator_towers import replicate_model_fn
-from estimator_towers import task_slice
-from estimator_towers import tower_context
-from estimator_towers import TowerContext
 
-__all__ = ['TowerContext', 'make_run_config', 'replicate_model_fn',
-           'task_slice', 'tower_context']
+def __getattr__(name: str) -> Any:
+  """Imports a re-exported name on first use; the import loads TensorFlow."""
+  module = _EXPORTS.get(name)
+  if module is None:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  value = getattr(importlib.import_module(module), name)
+  globals()[name] = value  # Later lookups skip this function.
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_EXPORTS))

@@ -106,9 +106,7 @@ def quiet_python_logs(verbosity_given: bool, level: int) -> None:
   """
   # pylint: disable=g-import-not-at-top
   import logging as py_logging
-  import warnings
   import tensorflow as tf
-  from tensorflow.python.util import deprecation
   logger = tf.get_logger()
   logger.handlers = []  # One log format: through absl's handler.
   if verbosity_given:
@@ -116,9 +114,35 @@ def quiet_python_logs(verbosity_given: bool, level: int) -> None:
                      -1: py_logging.WARNING, -2: py_logging.ERROR}.get(
                          level, py_logging.CRITICAL))
     return
-  logger.setLevel(py_logging.WARNING)
+  _quiet_python()
+
+
+def _quiet_python() -> None:
+  """TensorFlow's Python logger at WARNING, its deprecation notices off."""
+  # pylint: disable=g-import-not-at-top
+  import logging as py_logging
+  import warnings
+  import tensorflow as tf
+  from tensorflow.python.util import deprecation
+  tf.get_logger().setLevel(py_logging.WARNING)
   # Private, but the only switch for TensorFlow's deprecation notices.
   deprecation._PRINT_DEPRECATION_WARNINGS = False  # pylint: disable=protected-access
   warnings.filterwarnings('ignore', category=UserWarning,
                           module=r'(keras|tensorflow)\.')
   warnings.filterwarnings('ignore', category=DeprecationWarning)
+
+
+def quiet_tensorflow() -> None:
+  """Quiets TensorFlow in a script as the command-line tools do.
+
+  Call it before importing TensorFlow: the C++ runtime reads its log level
+  once, then. It hides the runtime's import-time notices, the Estimator's
+  INFO chatter and TensorFlow's deprecation notices; warnings and errors
+  still print. A TF_CPP_MIN_LOG_LEVEL already set wins.
+
+      import trainer
+      trainer.quiet_tensorflow()
+      import tensorflow as tf
+  """
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+  _quiet_python()

@@ -15,9 +15,16 @@ file that looks whole.
 import csv
 import dataclasses
 import os
+import sys
 from typing import Dict, Iterable, List
 
+from trainer import environment
 
+if __name__ == '__main__':
+  # TensorFlow reads these variables once, when the imports below load it.
+  environment.configure(sys.argv)
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
 from absl import logging
 import numpy as np
@@ -30,8 +37,7 @@ from estimator_towers.run_config import session_device_counts
 from estimator_towers.saved_model_towers import SavedModelTowers
 from trainer import assembly
 from trainer import cli
-from trainer import data_errors
-from trainer import environment
+from trainer import faults
 from trainer import progress as progress_lib
 from trainer.options import OptionError
 
@@ -211,22 +217,12 @@ def main(argv):
   del argv  # cli.run has refused any left-over arguments.
   environment.quiet_python_logs(flags.FLAGS['verbosity'].present,
                                 logging.get_verbosity())
-  try:
+  with faults.handled('predict', eval_files='--predict-files'):
     count = predict(cli.value('job-dir'),
                     cli.split_multi(cli.value('predict-files')),
                     cli.value('output'), cli.value('batch-size'),
                     cli.value('cpu-towers'), cli.value('num-gpus'),
                     cli.value('checkpoint'), cli.value('saved-model'))
-  except OptionError as e:
-    raise cli.UsageError(str(e)) from e
-  except ValueError as e:
-    raise cli.Failure(data_errors.in_flag_terms(
-        str(e), eval_files='--predict-files')) from e
-  except tf.errors.InvalidArgumentError as e:
-    message = data_errors.cli_message(e)
-    if message is None:
-      raise  # Not a data check: TensorFlow's own error, traceback and all.
-    raise cli.Failure(message) from e
   print(f'wrote {count} predictions to {cli.value("output")}', flush=True)
 
 

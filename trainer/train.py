@@ -5,10 +5,10 @@
 model is saved next to the checkpoints as `trainer_config.json`.
 """
 
-import contextlib
+import dataclasses
 import os
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
 from absl import logging
 import tensorflow as tf
@@ -22,9 +22,9 @@ from estimator_towers.run_config import session_device_counts
 from estimator_towers import task_sync
 from trainer import assembly
 from trainer import checkpoint_check
-from trainer import disk_space
 from trainer import cluster_config
 from trainer.cluster import private_network
+from trainer import faults
 from trainer import finite_weights
 from trainer import hptuning
 from trainer import job_dir as job_dir_lib
@@ -231,15 +231,32 @@ def latest_export(model_dir: str, name: str = 'final') -> Optional[str]:
   return os.path.join(base, done[-1].strip('/')) if done else None
 
 
-def run(options: TaskOptions) -> Dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+  """What `run` did.
+
+  Attributes:
+    metrics: The final eval metrics; None for the tasks of a cluster that
+      do not report them.
+    export_dir: The newest final SavedModel, or None.
+    model_dir: Where the checkpoints went.
+    towers: The tower count.
+    task: E.g. 'worker:1'; None outside a cluster.
+    skipped: What --skip-malformed skipped, or None.
+  """
+  metrics: Optional[Dict[str, Any]]
+  export_dir: Optional[str]
+  model_dir: str
+  towers: int
+  task: Optional[str]
+  skipped: Optional[str]
+
+
+def run(options: TaskOptions) -> RunResult:
   """Trains, evaluates and exports as the options say.
 
   Returns:
-    {'metrics': final eval metrics (None for tasks of a cluster that do not
-     evaluate), 'export_dir': SavedModel path or None, 'model_dir': where
-     checkpoints went, 'towers': tower count, 'task': e.g. 'worker:1' or
-     None outside a cluster, 'skipped': what --skip-malformed skipped, or
-     None}.
+    What the run did: its metrics, export, model dir, towers and task.
 
   Raises:
     ValueError: a bad option, TF_CONFIG or data problem, before training
@@ -260,7 +277,8 @@ def run(options: TaskOptions) -> Dict[str, Any]:
   _check_reachable(job_dir)
   vertex.check_outputs()
   run_ = _Run(options, model_dir, task)
-  with _explained(tf_config, model_dir):
+  # trainer.faults phrases a port taken or a full disk with these.
+  with faults.run_noted(model_dir, tf_config):
     if task.get('type') not in (None, 'chief', 'master'):
       return run_.train_and_evaluate()
     # A local run or a cluster's chief: the one writer of the job dir.
@@ -285,23 +303,6 @@ def _check_reachable(job_dir: str) -> None:
                      f'{files_lib.unreachable(job_dir, e)}') from e
 
 
-@contextlib.contextmanager
-def _explained(tf_config, model_dir: str) -> Iterator[None]:
-  """TensorFlow's port-taken and disk-full errors as one clear ValueError."""
-  try:
-    yield
-  except tf.errors.UnknownError as e:
-    message = cluster_config.server_start_failure(e.message, tf_config)
-    if message is None:
-      raise
-    raise ValueError(message) from e
-  except tf.errors.ResourceExhaustedError as e:
-    message = disk_space.no_space_failure(e.message, model_dir)
-    if message is None:
-      raise
-    raise ValueError(message) from e
-
-
 def check(options: TaskOptions) -> str:
   """What `run` checks before training, without training or writing.
 
@@ -319,27 +320,89 @@ def check(options: TaskOptions) -> str:
   return _Run(options, model_dir, {}).metric
 
 
+def create_run_config(options: TaskOptions,
+                      model_dir: str) -> tf.estimator.RunConfig:
+  """The RunConfig of the run: its devices, session and checkpoints."""
+  return make_run_config(
+      model_dir, num_gpus=options.num_gpus, gpu_ids=options.gpu_ids,
+      cpu_devices=options.cpu_towers,
+      gpu_memory_fraction=options.gpu_memory_fraction,
+      allow_growth=options.allow_growth,
+      inter_op_threads=options.inter_op_threads,
+      intra_op_threads=options.intra_op_threads,
+      mixed_precision=options.mixed_precision, xla=options.xla,
+      tf_random_seed=options.tf_random_seed,
+      save_checkpoints_steps=options.save_checkpoints_steps,
+      keep_checkpoint_max=options.keep_checkpoint_max,
+      log_step_count_steps=options.log_step_count_steps)
+
+
+def create_estimator(options: TaskOptions, config: tf.estimator.RunConfig,
+                     data, aggregation: str,
+                     towers: int) -> tf.estimator.Estimator:
+  """The Estimator of the towered, checked and step-logged model_fn."""
+  model_fn = replicate_model_fn(
+      model_fns.get_model_fn(options.model), aggregation=aggregation,
+      sync_timeout_secs=options.sync_timeout_secs)
+  return tf.estimator.Estimator(
+      _with_step_logging(_checked(options.model, model_fn),
+                         options.train_batch_size, towers,
+                         options.train_steps, options.eval_steps),
+      config=config, params=assembly.model_params(options, data))
+
+
+def create_train_hooks(options: TaskOptions, config: tf.estimator.RunConfig,
+                       model_dir: str) -> List[tf1.train.SessionRunHook]:
+  """The training hooks: preemption, finite weights, summaries, config."""
+  hooks = [preemption.PreemptionHook(model_dir, config.is_chief),
+           finite_weights.FiniteWeightsHook(), *_vertex_hooks(config)]
+  if config.cluster_spec:
+    hooks.append(_LogTaskDevices(config.task_type, config.task_id))
+  if config.is_chief:  # One writer per job dir: the chief (or a local run).
+    hooks.append(_SaveConfigWhenTraining(model_dir, options))
+  return hooks
+
+
+def create_train_spec(options: TaskOptions, data,
+                      hooks: List[tf1.train.SessionRunHook]
+                      ) -> tf.estimator.TrainSpec:
+  """The training input_fn, step count and hooks."""
+  return tf.estimator.TrainSpec(
+      data.train_input_fn(options.train_batch_size,
+                          seed=options.tf_random_seed or 0,
+                          num_epochs=options.num_epochs),
+      max_steps=options.train_steps, hooks=hooks)
+
+
+def create_eval_spec(options: TaskOptions, data, metric: str,
+                     task_type: Optional[str]) -> tf.estimator.EvalSpec:
+  """The evaluation input_fn, exporters and pacing of this task."""
+  return tf.estimator.EvalSpec(
+      data.eval_input_fn(options.eval_batch_size), steps=options.eval_steps,
+      # A cluster's final export is the chief's (see train_and_evaluate).
+      exporters=_exporters(options, data, metric,
+                           final=task_type != 'evaluator') +
+      _vertex_exporters(),
+      start_delay_secs=0,
+      # Locally each checkpoint is evaluated as it is saved; an evaluator
+      # task polls for new ones, and with no pause it spins, logging each
+      # time it finds none.
+      throttle_secs=_EVALUATOR_POLL_SECS if task_type == 'evaluator' else 0)
+
+
+def _evaluates(task_type: Optional[str]) -> bool:
+  """Whether this task evaluates (locally, a chief or the evaluator)."""
+  return not task_type or task_type in ('chief', 'master', 'evaluator')
+
+
 class _Run:
   """One task's Estimator and specs, built and checked before training."""
 
   def __init__(self, options: TaskOptions, model_dir: str,
                task: Dict[str, Any]):
     self._options, self._model_dir, self._task = options, model_dir, task
-    kind = model_fns.model_kind(options.model)
-    model_fn = model_fns.get_model_fn(options.model)
-    data = assembly.build_data(options, kind)
-    config = make_run_config(
-        model_dir, num_gpus=options.num_gpus, gpu_ids=options.gpu_ids,
-        cpu_devices=options.cpu_towers,
-        gpu_memory_fraction=options.gpu_memory_fraction,
-        allow_growth=options.allow_growth,
-        inter_op_threads=options.inter_op_threads,
-        intra_op_threads=options.intra_op_threads,
-        mixed_precision=options.mixed_precision, xla=options.xla,
-        tf_random_seed=options.tf_random_seed,
-        save_checkpoints_steps=options.save_checkpoints_steps,
-        keep_checkpoint_max=options.keep_checkpoint_max,
-        log_step_count_steps=options.log_step_count_steps)
+    data = assembly.build_data(options, model_fns.model_kind(options.model))
+    config = create_run_config(options, model_dir)
     # Before any graph is built: a cluster it cannot train in is a usage
     # error of every task.
     self.aggregation = options_lib.aggregation_for(options, config)
@@ -348,56 +411,30 @@ class _Run:
     self.towers = num_gpus or num_cpus
     self.devices = (f'GPU 0-{num_gpus - 1}' if num_gpus else
                     f'virtual CPU 0-{num_cpus - 1}' if num_cpus > 1 else 'CPU')
-    self.estimator = tf.estimator.Estimator(
-        _with_step_logging(
-            _checked(options.model, replicate_model_fn(
-                model_fn, aggregation=self.aggregation,
-                sync_timeout_secs=options.sync_timeout_secs)),
-            options.train_batch_size, self.towers, options.train_steps,
-            options.eval_steps),
-        config=config, params=assembly.model_params(options, data))
+    self.estimator = create_estimator(options, config, data, self.aggregation,
+                                      self.towers)
     self._check_batch_sizes(data, assembly.model_params(options, data))
-    if not task.get('type') or task['type'] in ('chief', 'master',
-                                                'evaluator'):
-      # Found out only after the first evaluation otherwise.
-      hptuning.check_metric_file()
-      self.skipped = skipped_rows.check(data, not options.eval_files)
-      metric = hptuning.tuning_metric(
-          options.hypertune_metric,
-          _eval_metric_names(self.estimator, data, options), options.model)
-    else:  # A task that never evaluates: its exporters never run.
-      metric = options.hypertune_metric or 'accuracy'
-      self.skipped = None
-    self.metric = metric
-    self.train_spec = tf.estimator.TrainSpec(
-        data.train_input_fn(options.train_batch_size,
-                            seed=options.tf_random_seed or 0,
-                            num_epochs=options.num_epochs),
-        max_steps=options.train_steps,
-        hooks=[preemption.PreemptionHook(model_dir, config.is_chief),
-               finite_weights.FiniteWeightsHook(),
-               *_vertex_hooks(config)] + (
-                   [_LogTaskDevices(config.task_type, config.task_id)]
-                   if config.cluster_spec else []) + (
-                   # One writer per job dir: the chief (or a local run).
-                   [_SaveConfigWhenTraining(model_dir, options)]
-                   if config.is_chief else []))
-    self.eval_spec = tf.estimator.EvalSpec(
-        data.eval_input_fn(options.eval_batch_size), steps=options.eval_steps,
-        # A cluster's final export is the chief's (see train_and_evaluate).
-        exporters=_exporters(options, data, metric,
-                             final=task.get('type') != 'evaluator') +
-        _vertex_exporters(),
-        start_delay_secs=0,
-        # Locally each checkpoint is evaluated as it is saved; an evaluator
-        # task polls for new ones, and with no pause it spins, logging each
-        # time it finds none.
-        throttle_secs=_EVALUATOR_POLL_SECS if task.get('type') == 'evaluator'
-        else 0)
+    self.skipped, self.metric = self._checked_metric(data, task.get('type'))
+    self.train_spec = create_train_spec(
+        options, data, create_train_hooks(options, config, model_dir))
+    self.eval_spec = create_eval_spec(options, data, self.metric,
+                                      task.get('type'))
     if not options.eval_files and options.train_files:
       logging.warning('No --eval-files: evaluating on the training files, so '
                       'the eval metrics (and the tuning metric) measure '
                       'training data.')
+
+  def _checked_metric(self, data, task_type: Optional[str]):
+    """(what --skip-malformed skips, the tuning metric), checked now."""
+    options = self._options
+    if not _evaluates(task_type):  # Its exporters never run.
+      return None, options.hypertune_metric or 'accuracy'
+    # Found out only after the first evaluation otherwise.
+    hptuning.check_metric_file()
+    skipped = skipped_rows.check(data, not options.eval_files)
+    return skipped, hptuning.tuning_metric(
+        options.hypertune_metric,
+        _eval_metric_names(self.estimator, data, options), options.model)
 
   def _check_batch_sizes(self, data, params) -> None:
     try:
@@ -411,7 +448,7 @@ class _Run:
     limits.check_batch_size('eval-batch-size', self._options.eval_batch_size,
                             floats, memory)
 
-  def train_and_evaluate(self) -> Dict[str, Any]:
+  def train_and_evaluate(self) -> RunResult:
     """Trains, evaluates and exports; returns what `run` returns."""
     task, model_dir = self._task, self._model_dir
     logging.info('Training %s on %d tower(s) (%s) into %s, %d steps of %d '
@@ -463,8 +500,8 @@ class _Run:
       _final_export(self.estimator, self.eval_spec, model_dir, metrics)
     if metrics is not None:
       vertex.copy_model(latest_export(model_dir))
-    return {'metrics': metrics, 'export_dir': latest_export(model_dir),
-            'model_dir': model_dir, 'towers': self.towers,
-            'skipped': self.skipped,
-            'task': f"{task['type']}:{task.get('index', 0)}"
-                    if task.get('type') else None}
+    return RunResult(
+        metrics=metrics, export_dir=latest_export(model_dir),
+        model_dir=model_dir, towers=self.towers, skipped=self.skipped,
+        task=(f"{task['type']}:{task.get('index', 0)}" if task.get('type')
+              else None))

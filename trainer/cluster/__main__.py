@@ -1,5 +1,14 @@
 """Runs `python -m trainer.cluster`; see trainer/cluster/main.py."""
 
+import sys
+
+from trainer import environment
+
+# The --verbosity names (and the tasks' TensorFlow defaults) as trainer.task
+# takes them; the launcher itself never loads TensorFlow.
+environment.configure(sys.argv)
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
 
 from trainer import cli

@@ -5,5 +5,6 @@ Modules: `main` (flags, the entry point), `config` (hptuning_config.yaml),
 `preflight` (a dry run of the trainer before the first trial), `runner`
 and `trials` (trial processes), `process`, `devices`, `metrics`,
 `hparams` (TensorBoard HParams), `report` (results table). The sweep runs
-`trainer.task` processes; it never imports the estimator_towers library.
+`trainer.task` processes; it imports neither the estimator_towers library
+nor TensorFlow (tests/test_imports.py checks).
 """

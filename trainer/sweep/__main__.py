@@ -3,6 +3,12 @@
 import importlib.util
 import sys
 
+from trainer import environment
+
+# The --verbosity names (and the trials' TensorFlow defaults) as trainer.task
+# takes them; the sweep itself never loads TensorFlow.
+environment.configure(sys.argv)
+
 # Optuna and PyYAML are the `sweep` extra: trainer images do not need them.
 _MISSING = [name for name in ('optuna', 'yaml')
             if importlib.util.find_spec(name) is None]
