@@ -12,6 +12,8 @@ import pytest
 
 from cli_helpers import ROOT
 
+pytestmark = pytest.mark.cli
+
 _RAISE = """
 import tensorflow as tf
 from trainer import faults, options, preemption

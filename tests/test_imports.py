@@ -39,6 +39,7 @@ def _imported(module):
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize('module', ['trainer', 'trainer.sweep',
                                     'trainer.cluster', 'trainer.sweep.main',
                                     'trainer.cluster.main'])
@@ -49,6 +50,7 @@ def test_an_import_changes_nothing_and_loads_no_tensorflow(module):
       'tensorflow': False}
 
 
+@pytest.mark.cli
 def test_the_public_names_load_the_library_on_first_use():
   result = subprocess.run(
       [sys.executable, '-c',
@@ -65,6 +67,7 @@ def test_the_public_names_load_the_library_on_first_use():
   assert result.stdout.strip().splitlines()[-1] == 'same'
 
 
+@pytest.mark.fast
 def test_an_unknown_name_is_an_attribute_error():
   import trainer  # pylint: disable=g-import-not-at-top
   with pytest.raises(AttributeError, match='no_such_name'):

@@ -8,7 +8,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from cli_helpers import ROOT
+
+pytestmark = pytest.mark.cli
 
 # The README's "Use" snippet, trained for 3 steps on 2 virtual CPU towers.
 _README_SCRIPT = """
