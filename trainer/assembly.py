@@ -45,7 +45,7 @@ def build_data(options: TaskOptions, kind: Optional[str]) -> input_fns.Data:
         label_column=options.label_column, columns=options.columns,
         header=options.columns is None,
         categorical_columns=options.categorical_columns,
-        defaults=options.column_defaults,
+        defaults=options_lib.typed_column_defaults(options),
         label_vocabulary=options.label_vocabulary,
         n_classes=options.n_classes, skip_malformed=options.skip_malformed,
         allow_non_finite=options.allow_non_finite)

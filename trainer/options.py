@@ -169,7 +169,8 @@ class TaskOptions:
       flag='categorical-column', flag_default=[], parse=_categorical,
       architecture=True)
   column_defaults: Dict[str, str] = _option(
-      _MULTI, {}, 'NAME=VALUE used where a CSV field is empty. Repeat for '
+      _MULTI, {}, 'NAME=VALUE used where a CSV field is empty: a number '
+      'for a numeric column, text for a --categorical-column. Repeat for '
       'more.', flag='column-default', flag_default=[], parse=_pairs)
   label_vocabulary: Optional[List[str]] = _option(
       _LIST, None, 'String labels in class-id order; default: labels are '
@@ -400,6 +401,33 @@ def in_flag_terms(message: str) -> str:
       message = message.replace(f"params['{field.name}']",
                                 f'--{flag_name(field)}')
   return message
+
+
+def typed_column_defaults(options: TaskOptions) -> Dict[str, Any]:
+  """--column-default values converted by their column's type.
+
+  A flag's value is text; a numeric column's default is a number (an int
+  where it reads as one), a --categorical-column's stays a string.
+
+  Raises:
+    OptionError: a numeric column's default is not a number.
+  """
+  typed = {}
+  for name, value in options.column_defaults.items():
+    if name in options.categorical_columns or not isinstance(value, str):
+      typed[name] = value
+      continue
+    try:
+      typed[name] = int(value)
+    except ValueError:
+      try:
+        typed[name] = float(value)
+      except ValueError:
+        raise OptionError(
+            f'--column-default={name}={value}: {name} is a numeric column, '
+            f'so its default must be a number (or declare it with '
+            f'--categorical-column={name}=...).') from None
+  return typed
 
 
 def from_saved(saved: Dict[str, Any]) -> TaskOptions:
