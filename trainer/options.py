@@ -164,8 +164,9 @@ class TaskOptions:
       'without a header row), or the numeric tf.Example keys of tabular '
       'TFRecords.', architecture=True)
   categorical_columns: Dict[str, Any] = _option(
-      _MULTI, {}, 'A categorical CSV column: NAME=v1|v2|v3 (vocabulary) or '
-      'NAME=hash:N. Repeat for more. Other columns are numeric.',
+      _MULTI, {}, 'A categorical CSV column: NAME=\'v1|v2|v3\' (vocabulary; '
+      'quote it: a shell pipes at |) or NAME=hash:N. Repeat for more. Other '
+      'columns are numeric.',
       flag='categorical-column', flag_default=[], parse=_categorical,
       architecture=True)
   column_defaults: Dict[str, str] = _option(
