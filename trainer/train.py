@@ -24,6 +24,7 @@ from trainer import assembly
 from trainer import checkpoint_check
 from trainer import disk_space
 from trainer import cluster_config
+from trainer import data_sample
 from trainer.cluster import private_network
 from trainer import finite_weights
 from trainer import hptuning
@@ -305,8 +306,9 @@ def _explained(tf_config, model_dir: str) -> Iterator[None]:
 def check(options: TaskOptions) -> str:
   """What `run` checks before training, without training or writing.
 
-  Options, data, model graph and tuning metric, as the local run (or a
-  trial) with these options would check them.
+  Options, data (the first rows of each split, read and parsed), model
+  graph and tuning metric, as the local run (or a trial) with these options
+  would check them.
 
   Returns:
     The tuning metric the run would report.
@@ -316,7 +318,9 @@ def check(options: TaskOptions) -> str:
   """
   job_dir = vertex.job_dir(options.job_dir) or default_job_dir()
   model_dir = hptuning.trial_dir(job_dir, hptuning.trial_id())
-  return _Run(options, model_dir, {}).metric
+  run_ = _Run(options, model_dir, {})
+  data_sample.check(run_.data, same_files=not options.eval_files)
+  return run_.metric
 
 
 class _Run:
@@ -327,7 +331,7 @@ class _Run:
     self._options, self._model_dir, self._task = options, model_dir, task
     kind = model_fns.model_kind(options.model)
     model_fn = model_fns.get_model_fn(options.model)
-    data = assembly.build_data(options, kind)
+    data = self.data = assembly.build_data(options, kind)
     config = make_run_config(
         model_dir, num_gpus=options.num_gpus, gpu_ids=options.gpu_ids,
         cpu_devices=options.cpu_towers,
