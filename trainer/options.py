@@ -145,12 +145,14 @@ class TaskOptions:
       'else a new directory under ./runs.')
   # Data.
   train_files: List[str] = _option(
-      _MULTI, [], 'Training file globs (repeat the flag, or separate with '
-      'commas or spaces; a name with a space: repeat the flag or use commas).',
+      _MULTI, [], 'Training file globs: --train-files a.csv b.csv, or repeat the '
+      'flag, or separate with commas (a name with a space: repeat the flag '
+      'or use commas).',
       parse=_files)
   eval_files: List[str] = _option(
-      _MULTI, [], 'Evaluation file globs (repeat the flag, or separate with '
-      'commas or spaces; a name with a space: repeat the flag or use commas).',
+      _MULTI, [], 'Evaluation file globs: --eval-files a.csv b.csv, or repeat the '
+      'flag, or separate with commas (a name with a space: repeat the flag '
+      'or use commas).',
       parse=_files)
   input_format: Optional[str] = _option(
       _ENUM, None, 'Data source. Default: csv/tfrecord from the file suffix, '
@@ -194,7 +196,8 @@ class TaskOptions:
   # Training.
   model: str = _option(
       _STRING, 'dnn', 'A model_fn name from model_fns (linear, dnn, '
-      'cifar_cnn, resnet, keras_app) or your own as package.module:function.',
+      'wide_deep, cifar_cnn, resnet, keras_app) or your own as '
+      'package.module:function.',
       architecture=True)
   train_steps: int = _option(_INT, 1000, 'Total training steps.',
                              lower_bound=1)
@@ -226,6 +229,11 @@ class TaskOptions:
   scale_factor: float = _option(
       _FLOAT, 0.5, 'Each DNN layer is this times the previous one.',
       lower_bound=0.0, param=True, architecture=True)
+  embedding_size: Optional[int] = _option(
+      _INT, None, 'wide_deep: dimensions of the embedding of each categorical '
+      'column in its DNN part (as the census sample\'s flag). Default: one-hot '
+      'up to 16 values, else about the fourth root of the values.',
+      lower_bound=1, param=True, architecture=True)
   dropout: float = _option(_FLOAT, 0.0, 'Dropout rate in training.',
                            lower_bound=0.0, upper_bound=0.99, param=True)
   resnet_depth: int = _option(_INT, 20, 'ResNet depth (6n+2).', param=True,
@@ -300,6 +308,16 @@ class TaskOptions:
       'is written under.')
 
 
+# Census-sample flags that have no meaning here: each is refused with the
+# flag that does its job (after parsing, so that the line says so instead of
+# "unknown flag").
+_REFUSED = {
+    'eval-delay-secs': 'evaluation follows the checkpoints here: set when '
+                       'with --save-checkpoints-steps',
+    'min-eval-frequency': 'each checkpoint is evaluated here: set how often '
+                          'with --save-checkpoints-steps',
+}
+
 _defined = False
 
 
@@ -324,6 +342,8 @@ def define_flags() -> None:
                meta['help'], **meta['flag_args'])
     if meta['check']:
       flags.register_validator(flag_name(field), *meta['check'])
+  for name, instead in _REFUSED.items():
+    cli.define(_STRING, name, None, f'Not taken: {instead}.')
 
 
 def from_flags() -> TaskOptions:
@@ -334,6 +354,9 @@ def from_flags() -> TaskOptions:
       of which one would be silently ignored.
   """
   _check_replaced_flags()
+  for name, instead in _REFUSED.items():
+    if flags.FLAGS[name].present:
+      raise cli.UsageError(f'--{name} is not taken: {instead}.')
   values = {}
   for field in dataclasses.fields(TaskOptions):
     name = flag_name(field)
