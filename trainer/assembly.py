@@ -60,6 +60,17 @@ def build_data(options: TaskOptions, kind: Optional[str]) -> input_fns.Data:
   raise ValueError(f'Unknown --input-format={fmt!r}.')
 
 
+def evaluates_on_training_files(options: TaskOptions) -> bool:
+  """Whether evaluation reads the training examples themselves.
+
+  True for CSV and TFRecord files without --eval-files. An image folder
+  without them holds out a fifth of each class; the made-up sources have
+  eval data of their own.
+  """
+  return (not options.eval_files and bool(options.train_files) and
+          input_format(options) in ('csv', 'tfrecord'))
+
+
 def input_format(options: TaskOptions) -> str:
   """--input-format, or the one the training files' names imply.
 

@@ -398,7 +398,7 @@ class _Run:
         # time it finds none.
         throttle_secs=_EVALUATOR_POLL_SECS if task.get('type') == 'evaluator'
         else 0)
-    if not options.eval_files and options.train_files:
+    if assembly.evaluates_on_training_files(options):
       logging.warning('No --eval-files: evaluating on the training files, so '
                       'the eval metrics (and the tuning metric) measure '
                       'training data.')
