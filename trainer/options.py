@@ -158,6 +158,12 @@ class TaskOptions:
       _ENUM, None, 'Data source. Default: csv/tfrecord from the file suffix, '
       'or the embedded digits data set when no files are given.',
       enum_values=_FORMATS, architecture=True)
+  data_view: Optional[str] = _option(
+      _ENUM, None, 'How the embedded digits reach the model_fn: tabular '
+      "(features['pixels'], float32 [batch, 64]) or image (features['image'], "
+      'float32 [batch, 8, 8, 1]). Default: the view the --model reads '
+      '(tabular for your own model_fn).', enum_values=['tabular', 'image'],
+      architecture=True)
   label_column: str = _option(
       _STRING, 'label', 'CSV column / tf.Example key holding the class label.',
       architecture=True)

@@ -67,7 +67,8 @@ def _checked(name: str, model_fn):
       raise  # A stop signal may land while the graph is built.
     except Exception as e:  # pylint: disable=broad-except
       raise ModelFnError(f'--model={name} failed building the {mode} graph: '
-                         f'{type(e).__name__}: {e}') from e
+                         f'{type(e).__name__}: {e}'
+                         f'{assembly.missing_feature_hint(e, features)}') from e
     if not isinstance(spec, tf.estimator.EstimatorSpec):
       raise ModelFnError(
           f'--model={name} returned {type(spec).__name__} in {mode} mode; a '
