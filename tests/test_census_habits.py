@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from tests import cli_helpers
+import cli_helpers
 
 
 def test_wide_deep_trains_on_space_separated_csv_files(tmp_path):

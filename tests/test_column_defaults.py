@@ -6,9 +6,7 @@ text, so the trainer converts it by the column's type.
 
 import csv
 
-import pytest
-
-from tests import cli_helpers
+import cli_helpers
 
 
 def _census_like(path):
@@ -42,21 +40,15 @@ def test_numeric_int_and_string_defaults_train_every_row(tmp_path):
   assert cli_helpers.eval_line(result)['global_step'] == '2'
 
 
-@pytest.mark.parametrize('flag, words', [
-    ('--column-default=age=young', ['age=young', 'number']),
-    ('--column-default=nosuch=1', ['nosuch', 'hours']),
-])
-def test_a_default_that_does_not_fit_its_column_is_one_line(
-    tmp_path, flag, words):
+def test_a_numeric_column_default_that_is_no_number_is_one_line(tmp_path):
   data = _census_like(tmp_path / 'census.csv')
   result = cli_helpers.run_module(
       'trainer.task', f'--job-dir={tmp_path / "job"}', f'--train-files={data}',
-      flag, '--dry-run', *_FLAGS, check=False)
-  assert result.returncode != 0
-  last = result.stderr.strip().splitlines()[-1]
+      '--column-default=age=young', '--dry-run', *_FLAGS, check=False)
+  assert result.returncode == 2
   assert 'Traceback' not in result.stderr, result.stderr[-2000:]
-  for word in words:
-    assert word in last, last
+  last = result.stderr.strip().splitlines()[-1]
+  assert '--column-default=age=young' in last and 'number' in last, last
 
 
 def test_an_empty_cell_without_default_names_the_flag_to_pass(tmp_path):

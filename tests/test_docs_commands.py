@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from tests import cli_helpers
+import cli_helpers
 
 ROOT = cli_helpers.ROOT
 _DOCS = ['README.md'] + sorted(

@@ -3,7 +3,7 @@ first step does not block the fixed rerun."""
 
 import os
 
-from tests import cli_helpers
+import cli_helpers
 
 _FLAGS = ('--n-classes=2', '--model=linear', '--train-steps=2',
           '--train-batch-size=8', '--eval-batch-size=20',
@@ -26,6 +26,8 @@ def test_dry_run_parses_the_training_and_the_eval_files(tmp_path):
       check=False)
   assert undeclared.returncode == 1, undeclared.stderr[-2000:]
   assert 'good.csv:2: column `colour`' in _last_line(undeclared)
+  # No --eval-files: CSV evaluation reads the training rows, and says so.
+  assert 'evaluating on the training files' in undeclared.stderr
   # The eval files are read too: a bad label on their last row.
   bad_eval = cli_helpers.run_module(
       'trainer.task', job, f'--train-files={good}', f'--eval-files={bad}',

@@ -3,7 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
-from tests import cli_helpers
+import cli_helpers
 
 _WARNING = 'evaluating on the training files'
 
@@ -27,11 +27,3 @@ def test_image_folder_holds_out_a_fifth_so_no_warning(tmp_path):
   assert 'dry run' in result.stdout
   assert _WARNING not in result.stderr
 
-
-def test_csv_without_eval_files_is_warned(tmp_path):
-  data = cli_helpers.write_tabular_csv(tmp_path / 'data.csv', rows=20)
-  result = cli_helpers.run_module(
-      'trainer.task', f'--job-dir={tmp_path / "job"}', '--dry-run',
-      f'--train-files={data}', '--n-classes=2',
-      '--categorical-column=colour=red|green|blue')
-  assert _WARNING in result.stderr

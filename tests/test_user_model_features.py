@@ -2,7 +2,7 @@
 
 import os
 
-from tests import cli_helpers
+import cli_helpers
 
 # What a newcomer writes for images: it reads features['image'].
 _USER_MODEL = '''
