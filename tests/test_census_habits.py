@@ -29,9 +29,12 @@ def test_wide_deep_trains_on_space_separated_csv_files(tmp_path):
   assert saved['embedding_size'] == 4
 
 
-def test_census_evaluation_flags_point_to_the_one_that_does_it():
-  """--eval-delay-secs and --min-eval-frequency parse, then are refused."""
-  commands = [['--eval-delay-secs=10'], ['--min-eval-frequency', '100']]
+def test_census_flags_that_do_nothing_here_point_to_what_does():
+  """--eval-delay-secs and --min-eval-frequency parse, then are refused;
+  --embedding-size too, but for --model=wide_deep."""
+  commands = [['--eval-delay-secs=10'], ['--min-eval-frequency', '100'],
+              ['--embedding-size=8'],
+              ['--embedding-size=8', '--model=wide_deep']]
   result = subprocess.run(
       [sys.executable, os.path.join('tests', 'docs_flag_check.py'),
        'trainer.task'], input=json.dumps(commands), cwd=cli_helpers.ROOT,
@@ -40,7 +43,10 @@ def test_census_evaluation_flags_point_to_the_one_that_does_it():
            'TF_CPP_MIN_LOG_LEVEL': '3'})
   assert result.returncode == 0, result.stderr[-2000:]
   errors = json.loads(result.stdout.strip().splitlines()[-1])
-  for command, error in zip(commands, errors):
+  for command, error in zip(commands[:2], errors):
     assert error and '\n' not in error, (command, error)
     assert command[0].split('=')[0] in error
     assert '--save-checkpoints-steps' in error
+  # --embedding-size only where a model reads it.
+  assert '--model=dnn would ignore it' in errors[2]
+  assert errors[3] is None

@@ -33,7 +33,9 @@ _record() { printf '%s\0' "$@" > "$(mktemp "$RECORD/cmd.XXXXXX")"; }
 python() { _record python "$@"; }
 gcloud() { _record gcloud "$@"; }
 run_sh() { _record run.sh "$@"; }
-for _tool in tensorboard docker gsutil kubectl; do eval "$_tool() { :; }"; done
+for _tool in tensorboard docker gsutil kubectl pip; do
+  eval "$_tool() { :; }"
+done
 command_not_found_handle() { echo "not a command: $1" >&2; return 127; }
 '''
 
@@ -50,11 +52,13 @@ def _run_block(text, record_dir):
   """Runs one block under the stand-ins; returns (result, recorded argvs)."""
   os.makedirs(record_dir)
   script = _PRELUDE + text.replace('./run.sh', 'run_sh')
+  # Not in the checkout: a block's mkdir or rm must not touch it.
   result = subprocess.run(['bash', '-c', script], capture_output=True,
-                          text=True, timeout=30, cwd=ROOT,
+                          text=True, timeout=30, cwd=record_dir,
                           env={**os.environ, 'RECORD': record_dir})
   argvs = []
-  for name in sorted(os.listdir(record_dir)):
+  for name in sorted(n for n in os.listdir(record_dir)
+                     if n.startswith('cmd.')):
     with open(os.path.join(record_dir, name)) as f:
       argvs.append(f.read().split('\0')[:-1])
   return result, argvs

@@ -145,14 +145,14 @@ class TaskOptions:
       'else a new directory under ./runs.')
   # Data.
   train_files: List[str] = _option(
-      _MULTI, [], 'Training file globs: --train-files a.csv b.csv, or repeat the '
-      'flag, or separate with commas (a name with a space: repeat the flag '
-      'or use commas).',
+      _MULTI, [], 'Training file globs: --train-files a.csv b.csv, or '
+      'repeat the flag, or separate with commas (a name with a space: '
+      'repeat the flag or use commas).',
       parse=_files)
   eval_files: List[str] = _option(
-      _MULTI, [], 'Evaluation file globs: --eval-files a.csv b.csv, or repeat the '
-      'flag, or separate with commas (a name with a space: repeat the flag '
-      'or use commas).',
+      _MULTI, [], 'Evaluation file globs: --eval-files a.csv b.csv, or '
+      'repeat the flag, or separate with commas (a name with a space: '
+      'repeat the flag or use commas).',
       parse=_files)
   input_format: Optional[str] = _option(
       _ENUM, None, 'Data source. Default: csv/tfrecord from the file suffix, '
@@ -369,7 +369,22 @@ def from_flags() -> TaskOptions:
     value = flags.FLAGS[name].value
     parse = field.metadata['parse']
     values[field.name] = parse(name, value) if parse else value
+  _check_embedding_size(values)
   return TaskOptions(**values)
+
+
+def _check_embedding_size(values: Dict[str, Any]) -> None:
+  """Refuses --embedding-size for a ready-made model that ignores it.
+
+  A sweep over it would otherwise train the same model in every trial. A
+  user's model_fn (package.module:function) may read it from params.
+  """
+  model = values['model']
+  if (values['embedding_size'] is not None and ':' not in model and
+      model != 'wide_deep'):
+    raise cli.UsageError(f'--embedding-size sizes the embeddings of '
+                         f'--model=wide_deep; --model={model} would ignore '
+                         'it. Drop it, or use --model=wide_deep.')
 
 
 def _check_replaced_flags() -> None:
