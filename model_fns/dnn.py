@@ -19,7 +19,7 @@ ModeKeys = tf.estimator.ModeKeys
 __all__ = ['dnn_model_fn', 'tabular_dnn_model_fn', 'make_optimizer']
 
 
-def _dnn_logits(inputs: tf.Tensor, mode: str, params: Mapping[str, Any]
+def dnn_logits(inputs: tf.Tensor, mode: str, params: Mapping[str, Any]
                ) -> Tuple[tf.Tensor, List[tf.Variable]]:
   """ReLU hidden layers, dropout while training, then linear logits.
 
@@ -67,7 +67,7 @@ def tabular_dnn_model_fn(features: Dict[str, tf.Tensor],
   """
   columns = hparams.feature_columns(params)
   inputs = tf1.feature_column.input_layer(features, columns)
-  logits, kernels = _dnn_logits(inputs, mode, params)
+  logits, kernels = dnn_logits(inputs, mode, params)
   return classifier_spec(mode, logits, labels, params, kernels)
 
 
@@ -94,5 +94,5 @@ def dnn_model_fn(features: Dict[str, tf.Tensor], labels: Optional[tf.Tensor],
     raise ValueError(f"dnn_model_fn reads features['x'], got {features!r}; "
                      'use tabular_dnn_model_fn for feature columns.')
   inputs = tf.cast(features['x'], tf.float32)
-  logits, kernels = _dnn_logits(inputs, mode, params)
+  logits, kernels = dnn_logits(inputs, mode, params)
   return classifier_spec(mode, logits, labels, params, kernels)

@@ -11,7 +11,7 @@ zero examples, which a tower gets when the last batch of an evaluation or
 prediction is smaller than the number of towers.
 """
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
@@ -72,8 +72,23 @@ def linear_model_fn(features: Dict[str, tf.Tensor],
   Raises:
     ValueError: a param is missing or invalid.
   """
-  columns = hparams.feature_columns(params)
-  n_classes = hparams.n_classes(params)
+  logits, weights = linear_logits(features, hparams.feature_columns(params),
+                                  hparams.n_classes(params))
+  return classifier_spec(mode, logits, labels, params, weights)
+
+
+def linear_logits(features: Dict[str, tf.Tensor], columns: List[Any],
+                  n_classes: int) -> Tuple[tf.Tensor, List[tf.Variable]]:
+  """The linear model's logits, in variable scope 'linear'.
+
+  Args:
+    features: Column name -> Tensor.
+    columns: Dense and categorical feature columns (see linear_model_fn).
+    n_classes: Logits per example.
+
+  Returns:
+    (logits [batch, n_classes], the weights weight decay applies to).
+  """
   dense = [c for c in columns if _is_dense(c)]
   categorical = [c for c in columns if not _is_dense(c)]
   weights, parts = [], []
@@ -85,5 +100,4 @@ def linear_model_fn(features: Dict[str, tf.Tensor],
                                      weights))
     bias = tf1.get_variable('bias', [n_classes],
                             initializer=tf1.zeros_initializer())
-  logits = tf.nn.bias_add(tf.add_n(parts), bias)
-  return classifier_spec(mode, logits, labels, params, weights)
+  return tf.nn.bias_add(tf.add_n(parts), bias), weights

@@ -8,6 +8,7 @@ from model_fns import dnn
 from model_fns import keras_app
 from model_fns import linear
 from model_fns import resnet
+from model_fns import wide_deep
 
 ModelFn = Callable[..., object]
 
@@ -15,6 +16,7 @@ ModelFn = Callable[..., object]
 _MODELS: Dict[str, Tuple[ModelFn, str]] = {
     'linear': (linear.linear_model_fn, 'tabular'),
     'dnn': (dnn.tabular_dnn_model_fn, 'tabular'),
+    'wide_deep': (wide_deep.wide_deep_model_fn, 'tabular'),
     'cifar_cnn': (cifar_cnn.cifar_cnn_model_fn, 'image'),
     'resnet': (resnet.resnet_model_fn, 'image'),
     'keras_app': (keras_app.keras_app_model_fn, 'image'),

@@ -24,14 +24,22 @@ def _checkpoint_at(model_dir, step):
                              global_step=step)
 
 
-@pytest.mark.parametrize('step', [0, 5])
-def test_untrained_step_0_job_dir_says_deleting_loses_nothing(tmp_path, step):
+def test_untrained_step_0_checkpoint_of_another_model_is_discarded(tmp_path):
   assembly.save_options(str(tmp_path), options.TaskOptions(num_layers=2))
-  _checkpoint_at(tmp_path, step)
-  with pytest.raises(ValueError, match='--num-layers: 2 -> 3') as refused:
+  _checkpoint_at(tmp_path, 0)
+  job_dir.check_same_architecture(str(tmp_path), assembly.CONFIG_FILE,
+                                  options.TaskOptions(num_layers=3))
+  assert tf.train.latest_checkpoint(str(tmp_path)) is None
+  assert not list(tmp_path.glob('model.ckpt-0.*'))
+
+
+def test_trained_checkpoint_of_another_model_is_refused(tmp_path):
+  assembly.save_options(str(tmp_path), options.TaskOptions(num_layers=2))
+  _checkpoint_at(tmp_path, 5)
+  with pytest.raises(ValueError, match='--num-layers: 2 -> 3'):
     job_dir.check_same_architecture(str(tmp_path), assembly.CONFIG_FILE,
                                     options.TaskOptions(num_layers=3))
-  assert ('deleting' in str(refused.value)) == (step == 0)
+  assert tf.train.latest_checkpoint(str(tmp_path)).endswith('-5')
 
 
 @pytest.mark.parametrize('saved,rerun,difference', [

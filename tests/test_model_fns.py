@@ -86,6 +86,11 @@ CASES = {
                  first_layer_size=16, num_layers=2, dropout=0.1,
                  learning_rate=0.05),
             tabular_data, 30, 32),
+    # The data's one-hot and embedded columns: linear and DNN parts.
+    'wide_deep': (dict(BASE, n_classes=2,
+                       feature_columns=tabular_columns(True),
+                       hidden_units=[8], embedding_size=2, learning_rate=0.05),
+                  tabular_data, 30, 32),
     # 60 steps: at 30 the accuracy sat close to the 0.9 the test asks for.
     'cifar_cnn': (IMAGE_PARAMS,
                   lambda: image_data(64, IMAGE_SHAPE, 4), 60, 32),
@@ -463,11 +468,12 @@ def test_keras_app_min_image_sizes():
 
 @pytest.mark.fast
 def test_registry_names_and_kinds():
-  assert model_fns.MODEL_NAMES == ('linear', 'dnn', 'cifar_cnn', 'resnet',
-                                   'keras_app')
+  assert model_fns.MODEL_NAMES == ('linear', 'dnn', 'wide_deep', 'cifar_cnn',
+                                   'resnet', 'keras_app')
   expected = {
       'linear': (model_fns.linear_model_fn, 'tabular'),
       'dnn': (model_fns.tabular_dnn_model_fn, 'tabular'),
+      'wide_deep': (model_fns.wide_deep_model_fn, 'tabular'),
       'cifar_cnn': (model_fns.cifar_cnn_model_fn, 'image'),
       'resnet': (model_fns.resnet_model_fn, 'image'),
       'keras_app': (model_fns.keras_app_model_fn, 'image'),

@@ -29,7 +29,7 @@ def build_data(options: TaskOptions, kind: Optional[str]) -> input_fns.Data:
     ValueError: files are missing or the source does not fit the model.
   """
   fmt = input_format(options)
-  view = 'image' if kind == 'image' else 'tabular'
+  view = _digits_view(options, fmt, kind)
   if fmt == 'digits':
     return input_fns.digits(view=view)
   if fmt == 'synthetic_images':
@@ -45,7 +45,7 @@ def build_data(options: TaskOptions, kind: Optional[str]) -> input_fns.Data:
         label_column=options.label_column, columns=options.columns,
         header=options.columns is None,
         categorical_columns=options.categorical_columns,
-        defaults=options.column_defaults,
+        defaults=options_lib.typed_column_defaults(options),
         label_vocabulary=options.label_vocabulary,
         n_classes=options.n_classes, skip_malformed=options.skip_malformed,
         allow_non_finite=options.allow_non_finite)
@@ -58,6 +58,50 @@ def build_data(options: TaskOptions, kind: Optional[str]) -> input_fns.Data:
         image_size=tuple(options.image_size),
         channels=options.image_channels)
   raise ValueError(f'Unknown --input-format={fmt!r}.')
+
+
+def _digits_view(options: TaskOptions, fmt: str, kind: Optional[str]) -> str:
+  """--data-view, or the view the model reads; checked.
+
+  Raises:
+    OptionError: --data-view with other data, or one the model cannot read.
+  """
+  if options.data_view is None:
+    return 'image' if kind == 'image' else 'tabular'
+  if fmt != 'digits':
+    raise OptionError(f'--data-view chooses how the embedded digits are read; '
+                      f'--input-format={fmt} has one view: drop --data-view.')
+  if kind not in (None, options.data_view):
+    raise OptionError(f'--data-view={options.data_view} does not fit '
+                      f'--model={options.model}, which reads {kind} features.')
+  return options.data_view
+
+
+def missing_feature_hint(error: Exception, features: Any) -> str:
+  """For a model_fn's KeyError on its features: the keys they do have.
+
+  A user's model_fn written for images fails on the digits' default
+  (tabular) view with a bare `KeyError: 'image'`.
+  """
+  if (not isinstance(error, KeyError) or not isinstance(features, dict) or
+      not error.args or error.args[0] in features):
+    return ''
+  hint = (f'. The features are {sorted(features)} (docs/writing_model_fns.md '
+          'lists them per input format)')
+  if error.args[0] == 'image' and 'pixels' in features:
+    hint += "; --data-view=image gives the digits as features['image']"
+  return hint + '.'
+
+
+def evaluates_on_training_files(options: TaskOptions) -> bool:
+  """Whether evaluation reads the training examples themselves.
+
+  True for CSV and TFRecord files without --eval-files. An image folder
+  without them holds out a fifth of each class; the made-up sources have
+  eval data of their own.
+  """
+  return (not options.eval_files and bool(options.train_files) and
+          input_format(options) in ('csv', 'tfrecord'))
 
 
 def input_format(options: TaskOptions) -> str:

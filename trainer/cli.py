@@ -128,7 +128,7 @@ def parse(argv: Sequence[str], prog: str, passthrough: bool = False,
   """
   argv = list(argv)
   split = argv.index('--') if '--' in argv else len(argv)
-  own, rest = _short_help(argv[:split]), argv[split + 1:]
+  own, rest = _short_help(_file_lists(argv[:split])), argv[split + 1:]
   ending = f'; {hint}' if hint else '.'
   try:
     unparsed = FLAGS(own)
@@ -144,6 +144,34 @@ def parse(argv: Sequence[str], prog: str, passthrough: bool = False,
   if stray:
     fail(prog, f'unexpected arguments {stray}{ending}', EXIT_USAGE)
   return [argv[0], *rest]
+
+
+def _file_lists(args: List[str]) -> List[str]:
+  """`--train-files a.csv b.csv` as `--train-files a.csv --train-files b.csv`.
+
+  The census sample takes its file flags so (argparse's nargs='+'); absl
+  would leave the second file over as an unexpected argument. Applies to
+  the repeatable `--*-files` flags: the arguments after one, up to the next
+  that starts with `-`, are its values.
+  """
+  out, files_flag, awaiting = [], None, False
+  for arg in args:
+    if arg.startswith('-'):
+      name, equals, _ = arg.lstrip('-').partition('=')
+      name = name.replace('_', '-')  # The alias is no MultiFlag itself.
+      files_flag = name if _is_file_list(name) else None
+      awaiting = files_flag is not None and not equals
+    elif files_flag and not awaiting:
+      out.append(f'--{files_flag}')  # A further value of the flag.
+    else:
+      awaiting = False
+    out.append(arg)
+  return out
+
+
+def _is_file_list(name: str) -> bool:
+  return (name.endswith('-files') and name in FLAGS and
+          isinstance(FLAGS[name], flags.MultiFlag))
 
 
 def _short_help(args: List[str]) -> List[str]:

@@ -39,6 +39,9 @@ _ARGUMENTS = {'train_files': '--train-files', 'eval_files': '--eval-files',
               'defaults': '--column-default', 'n_classes': '--n-classes',
               'label_vocabulary': '--label-vocabulary'}
 _ARGUMENT = re.compile(r'(?<![\w.-])(' + '|'.join(_ARGUMENTS) + r')(?=[=\[:])')
+# csv_rows' empty field: the column's name, then the library's fix.
+_NO_DEFAULT = re.compile(r'(column `([^`]+)` is empty and has no default) '
+                         r'\(pass defaults=\{\.\.\.\}\)')
 # How a message names both: keep the flag alone.
 _BOTH = re.compile(r'(--[a-z-]+) / [a-z_]+=True|(--[a-z-]+) \([a-z_]+=True\)')
 
@@ -56,6 +59,8 @@ def in_flag_terms(message: str, **renamed: str) -> str:
   """
   for argument, flag in _FLAGS:
     message = message.replace(argument, flag)
+  # The library's `defaults={...}` is a dict; the flag takes one column.
+  message = _NO_DEFAULT.sub(r'\1 (pass --column-default=\2=VALUE)', message)
   flags = {**_ARGUMENTS, **renamed}
   return _ARGUMENT.sub(lambda m: flags[m.group(1)], message)
 

@@ -13,6 +13,7 @@ import json
 import os
 from typing import Any, Dict, Iterator
 
+from absl import logging
 import tensorflow as tf
 
 from model_fns import hparams
@@ -64,9 +65,13 @@ def check_same_architecture(model_dir: str, config_file: str,
     config_file: The name of the saved options file in it.
     options: The run's TaskOptions.
 
+  A job dir whose only checkpoint is the untrained step 0 (its run failed
+  before the first step, e.g. on its data) is no model to resume: that
+  checkpoint is discarded, so the rerun with the fix starts afresh.
+
   Raises:
-    ValueError: the job dir has checkpoints of a model built with other
-      architecture options; names each difference.
+    ValueError: the job dir has trained checkpoints of a model built with
+      other architecture options; names each difference.
   """
   path = os.path.join(model_dir, config_file)
   if (tf.train.latest_checkpoint(model_dir) is None or
@@ -89,17 +94,33 @@ def check_same_architecture(model_dir: str, config_file: str,
   differences += [f'--{architecture[n]}: {_shown(saved[n])} -> '
                   f'{_shown(current[n])}'
                   for n in names if saved[n] != current[n]]
-  if differences:
-    checkpoint = tf.train.latest_checkpoint(model_dir)
-    untrained = int(tf.train.load_variable(checkpoint, 'global_step')) == 0
-    raise ValueError(
-        f'{model_dir} holds checkpoints of another model ('
-        + '; '.join(differences) + '). Resuming would restore weights of the '
-        'old architecture or fail halfway. Use a new --job-dir, or the '
-        'options the job was trained with.' + (
-            f' Its only checkpoint is the untrained step 0 of a run that '
-            f'failed before its first step: deleting {model_dir} loses '
-            'nothing.' if untrained else ''))
+  if not differences:
+    return
+  if _untrained(model_dir):
+    _discard_checkpoints(model_dir)
+    return
+  raise ValueError(
+      f'{model_dir} holds checkpoints of another model ('
+      + '; '.join(differences) + '). Resuming would restore weights of the '
+      'old architecture or fail halfway. Use a new --job-dir, or the '
+      'options the job was trained with.')
+
+
+def _untrained(model_dir: str) -> bool:
+  """Whether the latest checkpoint (so every one) is of global step 0."""
+  checkpoint = tf.train.latest_checkpoint(model_dir)
+  return int(tf.train.load_variable(checkpoint, 'global_step')) == 0
+
+
+def _discard_checkpoints(model_dir: str) -> None:
+  """Deletes the job dir's checkpoints (the trainer wrote them) and index."""
+  state = tf.train.get_checkpoint_state(model_dir)
+  for prefix in state.all_model_checkpoint_paths:
+    for path in tf.io.gfile.glob(prefix + '.*'):
+      tf.io.gfile.remove(path)
+  tf.io.gfile.remove(os.path.join(model_dir, 'checkpoint'))
+  logging.info('Discarded the untrained step-0 checkpoint in %s of a run '
+               'that failed before its first step.', model_dir)
 
 
 def _layers(options: Dict[str, Any]) -> Any:

@@ -145,17 +145,25 @@ class TaskOptions:
       'else a new directory under ./runs.')
   # Data.
   train_files: List[str] = _option(
-      _MULTI, [], 'Training file globs (repeat the flag, or separate with '
-      'commas or spaces; a name with a space: repeat the flag or use commas).',
+      _MULTI, [], 'Training file globs: --train-files a.csv b.csv, or '
+      'repeat the flag, or separate with commas (a name with a space: '
+      'repeat the flag or use commas).',
       parse=_files)
   eval_files: List[str] = _option(
-      _MULTI, [], 'Evaluation file globs (repeat the flag, or separate with '
-      'commas or spaces; a name with a space: repeat the flag or use commas).',
+      _MULTI, [], 'Evaluation file globs: --eval-files a.csv b.csv, or '
+      'repeat the flag, or separate with commas (a name with a space: '
+      'repeat the flag or use commas).',
       parse=_files)
   input_format: Optional[str] = _option(
       _ENUM, None, 'Data source. Default: csv/tfrecord from the file suffix, '
       'or the embedded digits data set when no files are given.',
       enum_values=_FORMATS, architecture=True)
+  data_view: Optional[str] = _option(
+      _ENUM, None, 'How the embedded digits reach the model_fn: tabular '
+      "(features['pixels'], float32 [batch, 64]) or image (features['image'], "
+      'float32 [batch, 8, 8, 1]). Default: the view the --model reads '
+      '(tabular for your own model_fn).', enum_values=['tabular', 'image'],
+      architecture=True)
   label_column: str = _option(
       _STRING, 'label', 'CSV column / tf.Example key holding the class label.',
       architecture=True)
@@ -164,12 +172,14 @@ class TaskOptions:
       'without a header row), or the numeric tf.Example keys of tabular '
       'TFRecords.', architecture=True)
   categorical_columns: Dict[str, Any] = _option(
-      _MULTI, {}, 'A categorical CSV column: NAME=v1|v2|v3 (vocabulary) or '
-      'NAME=hash:N. Repeat for more. Other columns are numeric.',
+      _MULTI, {}, 'A categorical CSV column: NAME=\'v1|v2|v3\' (vocabulary; '
+      'quote it: a shell pipes at |) or NAME=hash:N. Repeat for more. Other '
+      'columns are numeric.',
       flag='categorical-column', flag_default=[], parse=_categorical,
       architecture=True)
   column_defaults: Dict[str, str] = _option(
-      _MULTI, {}, 'NAME=VALUE used where a CSV field is empty. Repeat for '
+      _MULTI, {}, 'NAME=VALUE used where a CSV field is empty: a number '
+      'for a numeric column, text for a --categorical-column. Repeat for '
       'more.', flag='column-default', flag_default=[], parse=_pairs)
   label_vocabulary: Optional[List[str]] = _option(
       _LIST, None, 'String labels in class-id order; default: labels are '
@@ -192,7 +202,8 @@ class TaskOptions:
   # Training.
   model: str = _option(
       _STRING, 'dnn', 'A model_fn name from model_fns (linear, dnn, '
-      'cifar_cnn, resnet, keras_app) or your own as package.module:function.',
+      'wide_deep, cifar_cnn, resnet, keras_app) or your own as '
+      'package.module:function.',
       architecture=True)
   train_steps: int = _option(_INT, 1000, 'Total training steps.',
                              lower_bound=1)
@@ -224,6 +235,11 @@ class TaskOptions:
   scale_factor: float = _option(
       _FLOAT, 0.5, 'Each DNN layer is this times the previous one.',
       lower_bound=0.0, param=True, architecture=True)
+  embedding_size: Optional[int] = _option(
+      _INT, None, 'wide_deep: dimensions of the embedding of each categorical '
+      'column in its DNN part (as the census sample\'s flag). Default: one-hot '
+      'up to 16 values, else about the fourth root of the values.',
+      lower_bound=1, param=True, architecture=True)
   dropout: float = _option(_FLOAT, 0.0, 'Dropout rate in training.',
                            lower_bound=0.0, upper_bound=0.99, param=True)
   resnet_depth: int = _option(_INT, 20, 'ResNet depth (6n+2).', param=True,
@@ -298,6 +314,16 @@ class TaskOptions:
       'is written under.')
 
 
+# Census-sample flags that have no meaning here: each is refused with the
+# flag that does its job (after parsing, so that the line says so instead of
+# "unknown flag").
+_REFUSED = {
+    'eval-delay-secs': 'evaluation follows the checkpoints here: set when '
+                       'with --save-checkpoints-steps',
+    'min-eval-frequency': 'each checkpoint is evaluated here: set how often '
+                          'with --save-checkpoints-steps',
+}
+
 _defined = False
 
 
@@ -322,6 +348,8 @@ def define_flags() -> None:
                meta['help'], **meta['flag_args'])
     if meta['check']:
       flags.register_validator(flag_name(field), *meta['check'])
+  for name, instead in _REFUSED.items():
+    cli.define(_STRING, name, None, f'Not taken: {instead}.')
 
 
 def from_flags() -> TaskOptions:
@@ -332,13 +360,31 @@ def from_flags() -> TaskOptions:
       of which one would be silently ignored.
   """
   _check_replaced_flags()
+  for name, instead in _REFUSED.items():
+    if flags.FLAGS[name].present:
+      raise cli.UsageError(f'--{name} is not taken: {instead}.')
   values = {}
   for field in dataclasses.fields(TaskOptions):
     name = flag_name(field)
     value = flags.FLAGS[name].value
     parse = field.metadata['parse']
     values[field.name] = parse(name, value) if parse else value
+  _check_embedding_size(values)
   return TaskOptions(**values)
+
+
+def _check_embedding_size(values: Dict[str, Any]) -> None:
+  """Refuses --embedding-size for a ready-made model that ignores it.
+
+  A sweep over it would otherwise train the same model in every trial. A
+  user's model_fn (package.module:function) may read it from params.
+  """
+  model = values['model']
+  if (values['embedding_size'] is not None and ':' not in model and
+      model != 'wide_deep'):
+    raise cli.UsageError(f'--embedding-size sizes the embeddings of '
+                         f'--model=wide_deep; --model={model} would ignore '
+                         'it. Drop it, or use --model=wide_deep.')
 
 
 def _check_replaced_flags() -> None:
@@ -400,6 +446,33 @@ def in_flag_terms(message: str) -> str:
       message = message.replace(f"params['{field.name}']",
                                 f'--{flag_name(field)}')
   return message
+
+
+def typed_column_defaults(options: TaskOptions) -> Dict[str, Any]:
+  """--column-default values converted by their column's type.
+
+  A flag's value is text; a numeric column's default is a number (an int
+  where it reads as one), a --categorical-column's stays a string.
+
+  Raises:
+    OptionError: a numeric column's default is not a number.
+  """
+  typed = {}
+  for name, value in options.column_defaults.items():
+    if name in options.categorical_columns or not isinstance(value, str):
+      typed[name] = value
+      continue
+    try:
+      typed[name] = int(value)
+    except ValueError:
+      try:
+        typed[name] = float(value)
+      except ValueError:
+        raise OptionError(
+            f'--column-default={name}={value}: {name} is a numeric column, '
+            f'so its default must be a number (or declare it with '
+            f'--categorical-column={name}=...).') from None
+  return typed
 
 
 def from_saved(saved: Dict[str, Any]) -> TaskOptions:

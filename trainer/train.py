@@ -23,6 +23,7 @@ from estimator_towers import task_sync
 from trainer import assembly
 from trainer import checkpoint_check
 from trainer import cluster_config
+from trainer import data_sample
 from trainer.cluster import private_network
 from trainer import faults
 from trainer import finite_weights
@@ -66,7 +67,8 @@ def _checked(name: str, model_fn):
       raise  # A stop signal may land while the graph is built.
     except Exception as e:  # pylint: disable=broad-except
       raise ModelFnError(f'--model={name} failed building the {mode} graph: '
-                         f'{type(e).__name__}: {e}') from e
+                         f'{type(e).__name__}: {e}'
+                         f'{assembly.missing_feature_hint(e, features)}') from e
     if not isinstance(spec, tf.estimator.EstimatorSpec):
       raise ModelFnError(
           f'--model={name} returned {type(spec).__name__} in {mode} mode; a '
@@ -306,8 +308,9 @@ def _check_reachable(job_dir: str) -> None:
 def check(options: TaskOptions) -> str:
   """What `run` checks before training, without training or writing.
 
-  Options, data, model graph and tuning metric, as the local run (or a
-  trial) with these options would check them.
+  Options, data (the first rows of each split, read and parsed), model
+  graph and tuning metric, as the local run (or a trial) with these options
+  would check them.
 
   Returns:
     The tuning metric the run would report.
@@ -317,7 +320,9 @@ def check(options: TaskOptions) -> str:
   """
   job_dir = vertex.job_dir(options.job_dir) or default_job_dir()
   model_dir = hptuning.trial_dir(job_dir, hptuning.trial_id())
-  return _Run(options, model_dir, {}).metric
+  run_ = _Run(options, model_dir, {})
+  data_sample.check(run_.data, same_files=not options.eval_files)
+  return run_.metric
 
 
 def create_run_config(options: TaskOptions,
@@ -401,7 +406,8 @@ class _Run:
   def __init__(self, options: TaskOptions, model_dir: str,
                task: Dict[str, Any]):
     self._options, self._model_dir, self._task = options, model_dir, task
-    data = assembly.build_data(options, model_fns.model_kind(options.model))
+    data = self.data = assembly.build_data(
+        options, model_fns.model_kind(options.model))
     config = create_run_config(options, model_dir)
     # Before any graph is built: a cluster it cannot train in is a usage
     # error of every task.
@@ -419,7 +425,7 @@ class _Run:
         options, data, create_train_hooks(options, config, model_dir))
     self.eval_spec = create_eval_spec(options, data, self.metric,
                                       task.get('type'))
-    if not options.eval_files and options.train_files:
+    if assembly.evaluates_on_training_files(options):
       logging.warning('No --eval-files: evaluating on the training files, so '
                       'the eval metrics (and the tuning metric) measure '
                       'training data.')

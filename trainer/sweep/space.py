@@ -18,6 +18,7 @@ algorithm picks the sampler and `enableTrialEarlyStopping` the pruner:
 """
 
 from typing import Any, Dict, Optional, Union
+import zlib
 
 import numpy as np
 import optuna
@@ -54,7 +55,9 @@ def sampler(config: SweepConfig, seed: Optional[int] = None,
     space = {spec.name: spec.grid_values() for spec in config.params}
     return _RerunSafeGridSampler(space, seed=seed)
   if config.algorithm == 'RANDOM_SEARCH':
-    return optuna.samplers.RandomSampler(seed=seed)
+    if seed is None:
+      return optuna.samplers.RandomSampler()
+    return _TrialSeededRandomSampler(seed)
   # The constant liar keeps parallel trials from all being drawn next to
   # the same promising point while the others run.
   return optuna.samplers.TPESampler(
@@ -70,6 +73,29 @@ def _run_seed(seed: Optional[int], stored_trials: int) -> Optional[int]:
   if seed is None or stored_trials == 0:
     return seed
   return int(np.random.SeedSequence([seed, stored_trials]).generate_state(1)[0])
+
+
+class _TrialSeededRandomSampler(optuna.samplers.RandomSampler):
+  """RandomSampler whose draws are a function of (seed, trial, parameter).
+
+  With parallel trials Optuna reseeds the sampler in every worker thread,
+  and the threads ask for trials in the order the earlier ones end: one
+  seeded generator gave other values each run. Seeding each draw from the
+  trial's number and the parameter's name gives trial N the same values
+  whichever thread draws them, and whenever.
+  """
+
+  def __init__(self, seed: int):
+    super().__init__(seed=seed)
+    self._seed = seed
+
+  def sample_independent(self, study, trial, param_name, param_distribution):
+    name_key = zlib.crc32(param_name.encode())
+    seed = np.random.SeedSequence([self._seed, trial.number, name_key])
+    one_draw = optuna.samplers.RandomSampler(
+        seed=int(seed.generate_state(1)[0]))
+    return one_draw.sample_independent(study, trial, param_name,
+                                       param_distribution)
 
 
 class _RerunSafeGridSampler(optuna.samplers.GridSampler):
