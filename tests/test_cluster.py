@@ -228,7 +228,8 @@ def test_a_killed_worker_restarts_every_synchronous_task(tmp_path):
   saved, code, err = _kill_after_checkpoint(job, process, 'worker:0', 100)
   assert code == 0, err[-3000:]
   assert ('worker:0 exited with signal SIGKILL; the synchronous tasks '
-          'cannot go on without it: restarting chief:0, worker:0') in err
+          'cannot go on without it: restarting chief:0, worker:0') in err, (
+              err[-3000:])
   state = _state(job)
   assert state['chief:0']['restarts'] == state['worker:0']['restarts'] == 1
   # In lockstep: no racing steps past the target. (A quiet machine runs

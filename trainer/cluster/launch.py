@@ -148,9 +148,7 @@ class Supervisor:
                  task.log_path)
 
   def _check_tasks(self) -> None:
-    for task in self._tasks:
-      if task.exit_code is not None or task.process.poll() is None:
-        continue
+    for task in self._exited_first():
       code = task.process.returncode
       if code == 0:
         task.exit_code = 0
@@ -171,6 +169,17 @@ class Supervisor:
                       self._max_restarts)
       self._start(task)
       self._write_state()
+
+  def _exited_first(self) -> List[Task]:
+    """The tasks that exited since the last check, their cause first.
+
+    A task killed by a signal comes before those that exited on their own:
+    when a synchronous worker is killed, the chief fails on the broken
+    collective a moment later, and both may have exited by this check.
+    """
+    exited = [t for t in self._tasks
+              if t.exit_code is None and t.process.poll() is not None]
+    return sorted(exited, key=lambda t: t.process.returncode >= 0)
 
   def _in_group(self, task: Task) -> bool:
     """Whether `task` trains in lockstep with others still training."""
