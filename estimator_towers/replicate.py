@@ -618,10 +618,22 @@ def _presented_signature(model_fn: ModelFn) -> inspect.Signature:
   accepted = _accepted_args(model_fn)
   order = ['features', 'labels', 'mode', 'params', 'config']
   names = [n for n in order if n in accepted or n in ('mode', 'config')]
-  names += sorted(accepted - set(order))
+  # An extra argument with a default keeps it (the wrapper never passes
+  # it), as before the signature was presented; one without is refused.
+  names += sorted(accepted - set(order) - _defaulted_args(model_fn))
   return inspect.Signature([
       inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
       for n in names])
+
+
+def _defaulted_args(model_fn) -> frozenset:
+  """The model_fn's arguments that have a default value."""
+  try:
+    parameters = inspect.signature(model_fn).parameters.values()
+  except (TypeError, ValueError):  # Some builtins and C callables.
+    return frozenset()
+  return frozenset(p.name for p in parameters
+                   if p.default is not inspect.Parameter.empty)
 
 
 def _accepted_args(model_fn) -> frozenset:

@@ -53,7 +53,8 @@ def _blocks():
 def _run_block(text, record_dir):
   """Runs one block under the stand-ins; returns (result, recorded argvs)."""
   os.makedirs(record_dir)
-  script = _PRELUDE + text.replace('./run.sh', 'run_sh')
+  script = _PRELUDE + text.replace('./run.sh', 'run_sh').replace(
+      '.venv/bin/python', 'python')  # The checkout's venv is python too.
   # Not in the checkout: a block's mkdir or rm must not touch it.
   result = subprocess.run(['bash', '-c', script], capture_output=True,
                           text=True, timeout=30, cwd=record_dir,

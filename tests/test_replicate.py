@@ -555,6 +555,22 @@ def test_estimator_checks_the_model_fns_own_arguments(tmp_path, model_fn,
 
 
 @pytest.mark.training
+def test_an_extra_argument_with_a_default_keeps_its_default(tmp_path, data):
+  # Wrapped model_fns with such arguments (a test's knobs, a factory's
+  # options) trained before the model_fn's own arguments were presented.
+  def model_fn(features, labels, mode, params, hidden=3):
+    assert hidden == 3
+    return classifier_model_fn(features, labels, mode, params)
+
+  config = trainer.make_run_config(str(tmp_path), cpu_devices=2)
+  estimator = tf.estimator.Estimator(trainer.replicate_model_fn(model_fn),
+                                     config=config,
+                                     params={'optimizer': OPTIMIZERS['sgd']})
+  estimator.train(dataset_input_fn(*data), steps=2)
+  assert estimator.get_variable_value('global_step') == 2
+
+
+@pytest.mark.training
 def test_a_partial_model_fn_binds_its_params(tmp_path, data):
   # Estimator gives params only to a model_fn whose params are not bound.
   model_fn = functools.partial(classifier_model_fn,
