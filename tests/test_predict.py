@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from cli_helpers import eval_line, run_module
+from cli_helpers import eval_line, run_module, write_tabular_csv
 from trainer import assembly
 from trainer.options import TaskOptions
 
@@ -70,6 +70,28 @@ def test_tfrecord_output(trained, csv_files, tmp_path):
   first = tf.train.Example.FromString(records[0]).features.feature
   assert first['id'].bytes_list.value[0].decode().endswith(':2')
   assert len(first['probabilities'].float_list.value) == 2
+
+
+def test_malformed_rows_are_counted_or_stop_the_run(trained, tmp_path):
+  job_dir, _ = trained
+  rows = write_tabular_csv(tmp_path / 'rows.csv', rows=12,
+                           extra_lines=['0.1,0.2,red', '0.3,x,blue,1'])
+  out = tmp_path / 'p.csv'
+  skipped = run_module('trainer.predict', f'--job-dir={job_dir}',
+                       f'--predict-files={rows}', f'--output={out}',
+                       '--cpu-towers=2', '--skip-malformed')
+  assert ('skipped 2 of 14 rows of --predict-files as malformed; they get '
+          f'no prediction (the first: {rows}:14: ') in skipped.stdout
+  assert 'wrote 12 predictions' in skipped.stdout
+  assert len(_rows(out)) == 13
+  # The job was trained without --skip-malformed: so is predict by default.
+  stopped = run_module('trainer.predict', f'--job-dir={job_dir}',
+                       f'--predict-files={rows}', f'--output={tmp_path / "q.csv"}',
+                       '--cpu-towers=2', check=False)
+  assert stopped.returncode == 1
+  assert f'{rows}:14' in stopped.stderr and '--skip-malformed' in (
+      stopped.stderr)
+  assert not (tmp_path / 'q.csv').exists()
 
 
 @pytest.mark.parametrize('args,code,message', [

@@ -16,7 +16,7 @@ import csv
 import dataclasses
 import os
 import sys
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Optional
 
 from trainer import environment
 
@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 import model_fns
+from input_fns import data as data_lib
 from estimator_towers.replicate import replicate_model_fn
 from estimator_towers.run_config import make_run_config
 from estimator_towers.run_config import session_device_counts
@@ -59,14 +60,23 @@ cli.define(flags.DEFINE_string, 'saved-model', None,
            'Predict with this exported SavedModel (json serving input) '
            'instead of the job dir\'s checkpoint; --job-dir still says how '
            'to read the input files.')
+cli.define(flags.DEFINE_boolean, 'skip-malformed', None,
+           'Leave out malformed rows (counted on stdout; they get no '
+           'prediction) or, with --noskip-malformed, stop at the first. '
+           'Default: as the run in --job-dir was trained.')
 # --help lists them (absl registers them under cli, which defines them).
 flags.adopt_module_key_flags(cli)
 
 
 def predict(job_dir: str, predict_files: List[str], output: str,
             batch_size: int = 256, cpu_towers=None, num_gpus=None,
-            checkpoint=None, saved_model=None) -> int:
+            checkpoint=None, saved_model=None,
+            skip_malformed: Optional[bool] = None) -> int:
   """Predicts every example of predict_files into output.
+
+  Args:
+    skip_malformed: Whether malformed rows are left out (and counted) or
+      stop the run; None: as the run in job_dir was trained.
 
   Returns:
     How many rows were written.
@@ -85,12 +95,15 @@ def predict(job_dir: str, predict_files: List[str], output: str,
   options = assembly.load_options(job_dir)
   _check_readable(assembly.input_format(options), predict_files, job_dir)
   options = dataclasses.replace(options, eval_files=predict_files)
+  if skip_malformed is not None:
+    options = dataclasses.replace(options, skip_malformed=skip_malformed)
   data = assembly.build_data(options, model_fns.model_kind(options.model))
   ids = data.example_ids()
   if not ids:  # --skip-malformed left none.
     raise ValueError(f'--predict-files={",".join(predict_files)}: every row '
                      'is malformed (skipped by --skip-malformed); nothing to '
                      'predict.')
+  _report_skipped(data)
   config = make_run_config(job_dir, cpu_devices=cpu_towers, num_gpus=num_gpus)
   if saved_model:
     return _predict_saved_model(saved_model, data, ids, config, batch_size,
@@ -105,6 +118,17 @@ def predict(job_dir: str, predict_files: List[str], output: str,
   rows = estimator.predict(data.predict_input_fn(batch_size),
                            checkpoint_path=checkpoint)
   return _write_atomically(output, ids, rows)
+
+
+def _report_skipped(data) -> None:
+  """Prints how many rows --skip-malformed leaves without a prediction."""
+  if not getattr(data, 'skip_malformed', False):
+    return
+  rows, malformed = data.row_counts(data_lib.EVAL)
+  if malformed:
+    print(f'skipped {len(malformed)} of {rows} rows of --predict-files as '
+          f'malformed; they get no prediction (the first: {malformed[0]}). '
+          'Pass --noskip-malformed to stop at the first instead.', flush=True)
 
 
 def _check_readable(input_format: str, predict_files: List[str],
@@ -222,7 +246,8 @@ def main(argv):
                     cli.split_multi(cli.value('predict-files')),
                     cli.value('output'), cli.value('batch-size'),
                     cli.value('cpu-towers'), cli.value('num-gpus'),
-                    cli.value('checkpoint'), cli.value('saved-model'))
+                    cli.value('checkpoint'), cli.value('saved-model'),
+                    cli.value('skip-malformed'))
   print(f'wrote {count} predictions to {cli.value("output")}', flush=True)
 
 
