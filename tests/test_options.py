@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 from cli_helpers import run_module
+from estimator_towers.run_config import make_run_config
 from trainer import options as options_lib
 
 
@@ -73,3 +74,24 @@ def test_the_task_refuses_it_in_one_line_before_training(tmp_path):
   assert '--aggregation=global_loss' in line
   assert '--aggregation=all_reduce' in line
   assert not (tmp_path / 'job').exists()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('kwargs,flags', [
+    ({'num_gpus': 1}, ['--num-gpus=1']),
+    ({'gpu_ids': [0]}, ['--gpu-ids=[0]']),
+    ({'num_gpus': 0, 'cpu_devices': 2, 'mixed_precision': 'float16'},
+     ["--mixed-precision='float16'", "--mixed-precision='bfloat16'"]),
+])
+def test_run_config_errors_name_the_task_flags(kwargs, flags):
+  # The library names its arguments and offers fallback_to_available_gpus,
+  # which no flag sets; a command-line user sees flags only.
+  with pytest.raises(ValueError) as error:
+    make_run_config(available_gpus=0, **kwargs)
+  message = options_lib.in_flag_terms(str(error.value))
+  for flag in flags:
+    assert flag in message, message
+  for argument in ('num_gpus', 'gpu_ids', 'mixed_precision', 'cpu_devices',
+                   'fallback_to_available_gpus'):
+    assert argument not in message, message
+

@@ -216,9 +216,9 @@ def test_float16_on_cpu_towers_fails_in_one_line(tmp_path):
   assert result.returncode == 1
   # The last line (run_module lets TensorFlow's C++ start-up errors through).
   assert result.stderr.strip().splitlines()[-1:] == [
-      "task: error: mixed_precision='float16' needs GPU towers: TensorFlow's "
-      'float16 rewrite converts GPU ops only, and on CPU towers it would '
-      "train in float32. On CPUs use mixed_precision='bfloat16'."]
+      "task: error: --mixed-precision='float16' needs GPU towers: "
+      "TensorFlow's float16 rewrite converts GPU ops only, and on CPU towers "
+      "it would train in float32. On CPUs use --mixed-precision='bfloat16'."]
 
 
 @pytest.mark.cli

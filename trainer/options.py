@@ -435,17 +435,34 @@ def aggregation_for(options: TaskOptions, config) -> str:
   return aggregation
 
 
-def in_flag_terms(message: str) -> str:
-  """A model_fn's error with `params['name']` spelt as the task's flag.
+# make_run_config's arguments that are task options of the same name.
+_RUN_CONFIG_FLAG_FIELDS = ('num_gpus', 'gpu_ids', 'mixed_precision', 'xla',
+                           'gpu_memory_fraction', 'allow_growth',
+                           'inter_op_threads', 'intra_op_threads')
+# make_run_config's arguments that a flag of another name sets.
+_RUN_CONFIG_ARGUMENTS = {'cpu_devices': 'cpu_towers'}
+# Its remedy no flag offers: the task asks for devices the machine has.
+_FALLBACK = re.compile(r',? or pass fallback_to_available_gpus=True to [^.;]*')
 
-  The model_fns name what they were given (`params['resnet_depth']`); a
-  command-line user set it as `--resnet-depth`.
+
+def in_flag_terms(message: str) -> str:
+  """A model_fn's or make_run_config's error spelt in the task's flags.
+
+  The model_fns name what they were given (`params['resnet_depth']`),
+  make_run_config its arguments (`num_gpus=5`, `mixed_precision='float16'`);
+  a command-line user set them as `--resnet-depth`, `--num-gpus`.
   """
-  for field in dataclasses.fields(TaskOptions):
+  fields = {f.name: f for f in dataclasses.fields(TaskOptions)}
+  for field in fields.values():
     if field.metadata['param']:
       message = message.replace(f"params['{field.name}']",
                                 f'--{flag_name(field)}')
-  return message
+  message = _FALLBACK.sub('', message)
+  names = {name: name for name in _RUN_CONFIG_FLAG_FIELDS}
+  names.update(_RUN_CONFIG_ARGUMENTS)
+  pattern = re.compile(r"(?<![\w.'\[-])(" + '|'.join(names) + r')(?==)')
+  return pattern.sub(lambda m: '--' + flag_name(fields[names[m.group(1)]]),
+                     message)
 
 
 def typed_column_defaults(options: TaskOptions) -> Dict[str, Any]:
