@@ -444,12 +444,14 @@ class _SyncingScaffold(tf1.train.Scaffold):
   def _start_over_tasks(self, group, base: tf.Operation) -> tf.Operation:
     """base, preceded (on workers) by initialisation, then the broadcast."""
     guard = group.restart_guard()
-    first = [guard]
+    with tf.control_dependencies([guard]):
+      agreed = group.agreement_op(tf1.global_variables())
+    first = [agreed]
     if not group.is_chief:
       init = self._init_op
       if init is None:
         init = tf1.global_variables_initializer()
-      with tf.control_dependencies([guard]):
+      with tf.control_dependencies([agreed]):
         first = [tf.group(init)]
     with tf.control_dependencies(first):
       base = tf.group(base)

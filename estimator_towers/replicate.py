@@ -11,7 +11,7 @@ import contextlib
 import inspect
 import logging
 import os
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
@@ -71,7 +71,9 @@ def replicate_model_fn(model_fn: ModelFn,
                        replicate_serving: bool = False,
                        aggregation: str = 'global_loss',
                        sync_timeout_secs: float = (
-                           task_sync.DEFAULT_TIMEOUT_SECS)) -> ModelFn:
+                           task_sync.DEFAULT_TIMEOUT_SECS),
+                       task_agreement: Optional[Mapping[str, Any]] = None
+                       ) -> ModelFn:
   """Wraps a one-device `model_fn` so that it uses several devices.
 
   The returned function is a `model_fn` for `tf.estimator.Estimator`. In
@@ -144,6 +146,12 @@ def replicate_model_fn(model_fn: ModelFn,
       whose chief's server has not answered for that long ends too. Keep
       it above the slowest step. See docs/cluster.md, "Faults in a
       synchronous cluster".
+    task_agreement: In a synchronous cluster, names and values every task
+      must have been given alike (e.g. the options that change the
+      computation, the input files). At the start every task compares
+      them, and its model's variables, with every other task's; any
+      difference ends every task with an error naming it. The variables
+      are compared without it too.
 
   Returns:
     A model_fn that takes `(features, labels, mode, params, config)` and
@@ -162,6 +170,9 @@ def replicate_model_fn(model_fn: ModelFn,
   """
   if not callable(model_fn):
     raise TypeError(f'model_fn must be callable, got {model_fn!r}.')
+  if task_agreement is not None and not isinstance(task_agreement, Mapping):
+    raise TypeError('task_agreement must be a mapping of names to values, '
+                    f'got {type(task_agreement).__name__}.')
   if not sync_timeout_secs > 0:
     raise ValueError(f'sync_timeout_secs={sync_timeout_secs!r}; it must be '
                      'a positive number of seconds.')
@@ -193,7 +204,7 @@ def replicate_model_fn(model_fn: ModelFn,
       aggregation_lib.check_tasks(aggregation, config)
       if task_sync.is_sync_cluster(config):
         task_group = task_sync.TaskGroup(config, tower_devices[0],
-                                         sync_timeout_secs)
+                                         sync_timeout_secs, task_agreement)
     if variables_device is not None:
       _check_variables_device(variables_device, config)
     kwargs = {'mode': mode, 'params': params, 'config': config}

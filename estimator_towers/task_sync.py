@@ -37,10 +37,12 @@ import contextlib
 import hashlib
 import threading
 import weakref
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
+
+from estimator_towers import task_agreement
 
 # A prime far from small seeds: task k's graph seed is seed + k * stride.
 _SEED_STRIDE = 1_000_003
@@ -121,7 +123,8 @@ class TaskGroup:
   """
 
   def __init__(self, config, tower_device: str,
-               timeout_secs: float = DEFAULT_TIMEOUT_SECS):
+               timeout_secs: float = DEFAULT_TIMEOUT_SECS,
+               agreement: Optional[Mapping[str, Any]] = None):
     self.size = config.num_worker_replicas
     self.index = config.global_id_in_cluster
     self.is_chief = config.is_chief
@@ -130,6 +133,8 @@ class TaskGroup:
     self.device = spec.replace(job=config.task_type, replica=0,
                                task=config.task_id).to_string()
     self._timeout = float(timeout_secs)
+    # What every task must have been given alike (task_agreement).
+    self._agreement = dict(agreement or {})
     # The tower builder's aggregation.Placement: its device functions must
     # let the collectives keep this task's collective device.
     self.placement = None
@@ -254,8 +259,11 @@ class TaskGroup:
       for dtype, group in by_dtype.items():
         shapes = [_static_shape(v) for v in group]
         sizes = [_num_elements(s) for s in shapes]
-        key = self._key(f'start:{dtype.name}:{[v.name for v in group]}:'
-                        f'{shapes}')
+        # Keys of the start that do not depend on the variables: the
+        # session run that starts the tasks must be the same collective
+        # graph on every task (its key hashes these), or the agreement op
+        # before it would not meet between tasks with other variables.
+        key = self._fixed_key(f'start:{dtype.name}')
         if self.is_chief:
           flat = tf.concat([tf.reshape(v.read_value(), [-1]) for v in group],
                            0)
@@ -270,6 +278,23 @@ class TaskGroup:
                                           shapes):
           ops.append(variable.assign(tf.reshape(piece, shape)).op)
     return tf.group(*ops)
+
+  def agreement_op(self, variables: Sequence[tf.Variable]) -> tf.Operation:
+    """An op that ends every task when the tasks disagree on what they train.
+
+    Runs first in local_init_op, before the broadcast, whose collectives
+    would not pair up between tasks with different variables.
+    """
+    def gather(codes):
+      # A key of its own, not one counted from the graph: tasks whose
+      # graphs differ must still meet here.
+      return collective_ops.all_gather(
+          codes, self.size, _GROUP_KEY, self._fixed_key('agreement'),
+          timeout=self._timeout)
+
+    with self._on_device('task_agreement'):
+      return task_agreement.agreement_op(self.task, self._agreement,
+                                         variables, self.size, gather)
 
   @contextlib.contextmanager
   def own_random_seed(self) -> Iterator[None]:
@@ -328,7 +353,13 @@ class TaskGroup:
     graph = tf1.get_default_graph()
     rank = _ranks.get(graph, 0)
     _ranks[graph] = rank + 1
-    signature = f'{self.size}:{rank}:{carries}'
+    return self._issue(f'{self.size}:{rank}:{carries}')
+
+  def _fixed_key(self, name: str) -> int:
+    """An instance key that depends on `name` alone, not on the graph."""
+    return self._issue(f'{self.size}:fixed:{name}')
+
+  def _issue(self, signature: str) -> int:
     digest = hashlib.sha256(signature.encode()).digest()
     key = 1 + int.from_bytes(digest[:8], 'big') % (_KEY_SPACE - 1)
     with _issued_lock:

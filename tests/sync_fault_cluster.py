@@ -25,6 +25,9 @@ Scenarios (the fault happens once both tasks trained a step, unless said):
   after_chief: start the worker once the chief has exited.
   short_input: the worker's input ends after `worker_batches` batches
     (the fault is its exit).
+  disagree: both start at once with JSON's `agreement` (job -> values) and
+    `extra_variable_on` (a job whose model has one more variable); the
+    fault is the start.
 """
 
 import json
@@ -67,10 +70,16 @@ def run_task(args):
 
   config = estimator_towers.make_run_config(model_dir=args['model_dir'],
                                             cpu_devices=2)
+  model_fn = sync_cluster_task.model_fn
+  if args.get('extra_variable_on') == config.task_type:
+    def model_fn(features, labels, mode):  # pylint: disable=function-redefined
+      tf1.get_variable('extra', [2], initializer=tf1.zeros_initializer())
+      return sync_cluster_task.model_fn(features, labels, mode)
   estimator = tf.estimator.Estimator(
       estimator_towers.replicate_model_fn(
-          sync_cluster_task.model_fn, aggregation='all_reduce',
-          sync_timeout_secs=args['timeout']),
+          model_fn, aggregation='all_reduce',
+          sync_timeout_secs=args['timeout'],
+          task_agreement=args.get('agreement', {}).get(config.task_type)),
       config=config)
   steps = args['steps']
   batches = steps
@@ -164,7 +173,7 @@ def run_scenario(scenario, args, deadline_secs=150):
     while scenario == 'after_chief' and not pair.poll():
       time.sleep(0.2)
     pair.start('worker')
-    if scenario in ('late_worker', 'after_chief'):
+    if scenario in ('late_worker', 'after_chief', 'disagree'):
       fault = time.monotonic()
     while time.monotonic() < deadline and not pair.poll():
       time.sleep(0.2)

@@ -103,3 +103,29 @@ def test_a_worker_late_within_the_timeout_trains_as_one_process(tmp_path):
   assert int(actual['global_step']) == steps
   helpers.assert_same_variables(helpers.variables_of(estimator), actual,
                                 rtol=1e-4, atol=1e-5)
+
+
+_DISAGREE = 'the tasks of the synchronous cluster disagree: '
+
+
+@pytest.mark.parametrize('args, says', [
+    # The options the trainer lists (cluster_agreement): a learning rate
+    # edited on one machine trained silently before.
+    ({'agreement': {'chief': {'--learning-rate': 0.01},
+                    'worker': {'--learning-rate': 0.2}}},
+     'worker:0 has --learning-rate=0.2, chief:0 has --learning-rate=0.01'),
+    # Without any listed values the model's variables are still compared.
+    ({'extra_variable_on': 'worker'},
+     'worker:0 built other model variables than chief:0'),
+])
+def test_tasks_started_differently_stop_before_the_first_step(tmp_path, args,
+                                                              says):
+  report = _scenario(tmp_path, 'disagree', steps=5, **args)
+  for task in ('chief', 'worker'):
+    line = report[task]['line']
+    assert report[task]['code'] == 1, report
+    assert report[task]['secs'] is not None and (
+        report[task]['secs'] < _BOUND), report
+    assert line.startswith(_DISAGREE) and says in line, report
+    assert report[task]['step'] == 0, report  # Nothing trained.
+

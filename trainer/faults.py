@@ -104,7 +104,8 @@ FAULTS = (
           lambda e, where: _in_flag_terms(str(e), where),
           traceback_in_debug=True),
     Fault((tf.errors.InvalidArgumentError,),
-          lambda e, where: data_errors.cli_message(e)),
+          lambda e, where: (data_errors.cli_message(e) or
+                            _cluster_failure(e, where))),
     # A peer of a synchronous cluster died, stopped, restarted alone or
     # ended early; or this task's server could not start.
     Fault((tf.errors.DeadlineExceededError, tf.errors.UnavailableError,

@@ -12,7 +12,10 @@ messages are pages of graph context:
   reported as an UnknownError, when the Estimator re-creates the session
   after a peer died;
 * FailedPreconditionError from the chief's group leader when this task was
-  restarted alone (a per-task restart policy) and the chief was not.
+  restarted alone (a per-task restart policy) and the chief was not;
+* task_agreement's line, reported as an InvalidArgumentError, when the
+  tasks were started with different options, data or models (it names the
+  difference; the remedy is to start them alike).
 
 `cli_message` turns each into one line that names the task and the remedy:
 restart every task (they resume from the chief's last checkpoint).
@@ -23,12 +26,17 @@ from typing import Any, Dict, Optional
 
 import tensorflow as tf
 
+from estimator_towers import task_agreement
 from estimator_towers import task_sync
 
 _GUARD = re.compile(r'\S+: ' + re.escape(task_sync.RESTARTED) +
                     r'[^\n]*?checkpoint\.')
 _REMEDY = ('Restart every task; they resume from the chief\'s last '
            'checkpoint.')
+# task_agreement's line: the tasks were started with different options,
+# data or models.
+_DISAGREE = re.compile(re.escape(task_agreement.DISAGREE) +
+                       r'[^\n]*?may differ\)\.')
 # What the group leader says to a task that restarted without it.
 _RESTARTED_ALONE = "incarnation doesn't match with one in the group"
 _ENDED_EARLY = ('stopped because its input ended after fewer steps (every '
@@ -67,9 +75,10 @@ def cli_message(error: BaseException,
   """
   if not isinstance(error, tf.errors.OpError) or not is_sync(tf_config):
     return None
-  guard = _GUARD.search(error.message)
-  if guard:
-    return guard.group(0)
+  for known in (_GUARD, _DISAGREE):
+    found = known.search(error.message)
+    if found:
+      return found.group(0)
   task = _task(tf_config)
   if (isinstance(error, tf.errors.DeadlineExceededError) and
       'Collective' in error.message):

@@ -22,6 +22,7 @@ from estimator_towers.run_config import session_device_counts
 from estimator_towers import task_sync
 from trainer import assembly
 from trainer import checkpoint_check
+from trainer import cluster_agreement
 from trainer import cluster_config
 from trainer import data_sample
 from trainer.cluster import private_network
@@ -348,7 +349,10 @@ def create_estimator(options: TaskOptions, config: tf.estimator.RunConfig,
   """The Estimator of the towered, checked and step-logged model_fn."""
   model_fn = replicate_model_fn(
       model_fns.get_model_fn(options.model), aggregation=aggregation,
-      sync_timeout_secs=options.sync_timeout_secs)
+      sync_timeout_secs=options.sync_timeout_secs,
+      # A task started with other options must not train with the others.
+      task_agreement=(cluster_agreement.values(options)
+                      if config.cluster_spec else None))
   return tf.estimator.Estimator(
       _with_step_logging(_checked(options.model, model_fn),
                          options.train_batch_size, towers,

@@ -1,0 +1,24 @@
+"""What trainer.task asks the tasks of a synchronous cluster to share."""
+
+import pytest
+
+from trainer import cluster_agreement
+from trainer import options as options_lib
+
+pytestmark = pytest.mark.fast
+
+
+def test_training_options_and_files_are_shared_device_counts_are_not(
+    tmp_path):
+  data = tmp_path / 'train.csv'
+  data.write_text('x,label\n1,0\n')
+  options = options_lib.TaskOptions(
+      job_dir=str(tmp_path), train_files=[str(tmp_path / '*.csv')],
+      learning_rate=0.2, cpu_towers=2, train_batch_size=64)
+  shared = cluster_agreement.values(options)
+  assert shared['--learning-rate'] == 0.2
+  assert shared['--train-batch-size'] == 64
+  assert shared['training files'] == [[str(data), len('x,label\n1,0\n')]]
+  for per_task in ('--cpu-towers', '--job-dir', '--num-gpus',
+                   '--sync-timeout-secs', '--eval-files'):
+    assert per_task not in shared
