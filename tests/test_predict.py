@@ -1,6 +1,7 @@
 """`python -m trainer.predict`: one row per input, in order, over towers."""
 
 import csv
+import json
 
 import numpy as np
 import pytest
@@ -62,9 +63,14 @@ def test_predictions_do_not_depend_on_the_tower_count(trained, csv_files,
 def test_tfrecord_output(trained, csv_files, tmp_path):
   job_dir, _ = trained
   out = tmp_path / 'predictions.tfrecord'
+  # As on a node of the synchronous cluster that trained the job: its
+  # TF_CONFIG is still set (predict waited forever on the task's address).
+  tf_config = json.dumps({'cluster': {'chief': ['127.0.0.1:9'],
+                                      'worker': ['127.0.0.1:10']},
+                          'task': {'type': 'worker', 'index': 0}})
   run_module('trainer.predict', f'--job-dir={job_dir}',
              f'--predict-files={csv_files[1]}', f'--output={out}',
-             '--cpu-towers=2')
+             '--cpu-towers=2', env={'TF_CONFIG': tf_config}, timeout=120)
   records = list(tf.compat.v1.io.tf_record_iterator(str(out)))
   assert len(records) == 101
   first = tf.train.Example.FromString(records[0]).features.feature

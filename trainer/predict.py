@@ -104,7 +104,7 @@ def predict(job_dir: str, predict_files: List[str], output: str,
                      'is malformed (skipped by --skip-malformed); nothing to '
                      'predict.')
   _report_skipped(data)
-  config = make_run_config(job_dir, cpu_devices=cpu_towers, num_gpus=num_gpus)
+  config = _local_run_config(job_dir, cpu_towers, num_gpus)
   if saved_model:
     return _predict_saved_model(saved_model, data, ids, config, batch_size,
                                 output)
@@ -118,6 +118,25 @@ def predict(job_dir: str, predict_files: List[str], output: str,
   rows = estimator.predict(data.predict_input_fn(batch_size),
                            checkpoint_path=checkpoint)
   return _write_atomically(output, ids, rows)
+
+
+def _local_run_config(job_dir: str, cpu_towers, num_gpus):
+  """A RunConfig of this machine alone, whatever TF_CONFIG says.
+
+  On a cluster node TF_CONFIG stays set after training; a RunConfig read
+  from it would open the session on the task's gRPC address, where nothing
+  listens any more, and predict would wait forever.
+  """
+  tf_config = os.environ.pop('TF_CONFIG', None)
+  if tf_config:
+    logging.warning('trainer.predict runs on this machine; it ignores '
+                    'TF_CONFIG.')
+  try:
+    return make_run_config(job_dir, cpu_devices=cpu_towers,
+                           num_gpus=num_gpus)
+  finally:
+    if tf_config is not None:
+      os.environ['TF_CONFIG'] = tf_config
 
 
 def _report_skipped(data) -> None:
