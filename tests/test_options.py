@@ -38,6 +38,21 @@ def test_aggregation_defaults_to_all_reduce_in_a_cluster_without_ps(
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize('workers,ps,refused', [(1, 0, True), (1, 1, False),
+                                                (0, 0, False)])
+def test_xla_on_cpu_towers_of_a_synchronous_cluster_is_refused(
+    monkeypatch, workers, ps, refused):
+  monkeypatch.setenv('TF_CONFIG', _tf_config(workers, ps))
+  options = options_lib.TaskOptions(xla=True, cpu_towers=2)
+  config = make_run_config(None, cpu_devices=2, xla=True)
+  if not refused:  # Asynchronous or one task: --xla trains as locally.
+    assert options_lib.aggregation_for(options, config) == 'global_loss'
+    return
+  with pytest.raises(options_lib.OptionError, match='--xla cannot compile'):
+    options_lib.aggregation_for(options, config)
+
+
+@pytest.mark.fast
 def test_no_cluster_keeps_global_loss(monkeypatch):
   monkeypatch.delenv('TF_CONFIG', raising=False)
   assert options_lib.aggregation_for(options_lib.TaskOptions(),

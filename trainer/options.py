@@ -16,6 +16,8 @@ from absl import flags
 
 from estimator_towers.aggregation import AGGREGATIONS
 from estimator_towers.aggregation import check_tasks
+from estimator_towers.run_config import session_device_counts
+from estimator_towers.task_sync import is_sync_cluster
 from estimator_towers.run_config import MIXED_PRECISIONS
 from trainer import cli
 from trainer import hptuning
@@ -432,6 +434,14 @@ def aggregation_for(options: TaskOptions, config) -> str:
     # Only a given --aggregation can fail: the defaults always fit.
     raise OptionError(re.sub(r"aggregation='(\w+)'", r'--aggregation=\1',
                              str(e))) from e
+  if (options.xla and is_sync_cluster(config) and
+      not session_device_counts(config.session_config)[0]):
+    # Seen on virtual CPU towers: a ~160-line traceback in every task
+    # ('Multiple CPU devices') where one process trains with --xla.
+    raise OptionError(
+        '--xla cannot compile the steps of a synchronous cluster (chief and '
+        'workers without ps) on CPU towers; drop --xla there, or train with '
+        '--xla in one process.')
   return aggregation
 
 
