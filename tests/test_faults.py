@@ -4,6 +4,7 @@ Each case raises in a real process under `faults.handled`, as an entry
 point's main does.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -22,11 +23,14 @@ with faults.handled('prog', eval_files='--predict-files'):
 """
 
 
-def _raised(error):
+def _raised(error, tf_config=None):
   """(exit code, stderr lines) of a process whose work raises `error`."""
+  env = {**os.environ, 'PYTHONPATH': ROOT, 'TF_CPP_MIN_LOG_LEVEL': '3'}
+  env.pop('TF_CONFIG', None)
+  if tf_config:
+    env['TF_CONFIG'] = json.dumps(tf_config)
   result = subprocess.run(
-      [sys.executable, '-c', _RAISE.format(error=error)], cwd=ROOT,
-      env={**os.environ, 'PYTHONPATH': ROOT, 'TF_CPP_MIN_LOG_LEVEL': '3'},
+      [sys.executable, '-c', _RAISE.format(error=error)], cwd=ROOT, env=env,
       capture_output=True, text=True, timeout=120)
   return result.returncode, result.stderr.strip().splitlines()
 
@@ -58,3 +62,17 @@ def test_any_other_failure_keeps_its_traceback(error):
   assert code == 1
   assert lines[0] == 'Traceback (most recent call last):'
   assert lines[-1].endswith('not in the table')
+
+
+def test_a_stopped_synchronous_task_says_to_restart_every_task():
+  # Re-running one task cannot resume: its peers' collectives broke off.
+  tf_config = {'cluster': {'chief': ['127.0.0.1:1'],
+                           'worker': ['127.0.0.1:2']},
+               'task': {'type': 'worker', 'index': 0}}
+  code, lines = _raised("preemption.Preempted('Saved step 3.', 15)",
+                        tf_config)
+  assert (code, lines[-1]) == (
+      143, "prog: stopped: Saved step 3. This task trained in a synchronous "
+      "cluster: restart every task; they resume from the chief's last "
+      'checkpoint.')
+

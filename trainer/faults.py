@@ -95,6 +95,16 @@ def _nan_loss(error, where: Where) -> str:
           '--allow-non-finite) or lower --learning-rate.')
 
 
+def _preempted(error, where: Where) -> str:
+  """How to resume after a stop signal: one task, or every synchronous one."""
+  del where  # The cluster is the environment's, whatever the run got to.
+  if sync_errors.is_sync(cluster_config.load_tf_config()):
+    # A synchronous task cannot resume alone: its peers' collectives broke.
+    return (f'{error} This task trained in a synchronous cluster: restart '
+            'every task; they resume from the chief\'s last checkpoint.')
+  return f'{error} Re-run the same command to resume.'
+
+
 # First matching row wins: OptionError is a ValueError.
 FAULTS = (
     Fault((options_lib.OptionError,), lambda e, where: str(e),
@@ -115,9 +125,8 @@ FAULTS = (
           traceback_in_debug=True),
     Fault((tf.compat.v1.train.NanLossDuringTrainingError,), _nan_loss),
     # SIGTERM, Ctrl-C or SIGHUP: a checkpoint was saved.
-    Fault((preemption.Preempted,),
-          lambda e, where: f'{e} Re-run the same command to resume.',
-          exit_code=None, label='stopped'),
+    Fault((preemption.Preempted,), _preempted, exit_code=None,
+          label='stopped'),
 )
 
 
