@@ -27,6 +27,8 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers import sharding
+
 SUM = 'sum'
 RATIO = 'ratio'
 UNKNOWN = 'unknown'
@@ -250,11 +252,11 @@ class ExampleDependence:
   """
 
   def __init__(self, shard, first_id: int, whole_batch=frozenset()):
-    leaves = tf.nest.flatten(shard, expand_composites=True)
+    leaves = sharding.leaves(shard, expand_composites=True)
     # A scalar feature is every tower's whole, not part of a shard.
     self._shard_ops = {t.op.name for t in leaves if isinstance(t, tf.Tensor)
                        and t.shape.rank != 0}
-    dense = [t for t in tf.nest.flatten(shard) if isinstance(t, tf.Tensor)]
+    dense = [t for t in sharding.leaves(shard) if isinstance(t, tf.Tensor)]
     # The shard's static number of examples; None when known only at run
     # time (the usual case; static when the input's batch size is).
     self.batch_size = (dense[0].shape[0] if dense and dense[0].shape.rank

@@ -592,7 +592,7 @@ def _tower_devices(devices, config) -> List[str]:
 
 def _is_serving_graph(features) -> bool:
   """True when the features are fed by placeholders, not an input pipeline."""
-  leaves = [t for t in tf.nest.flatten(features, expand_composites=True)
+  leaves = [t for t in sharding.leaves(features, expand_composites=True)
             if isinstance(t, tf.Tensor)]
   pending, seen, placeholders = [t.op for t in leaves], set(), 0
   while pending:

@@ -7,7 +7,7 @@ A scalar feature (one value for the whole batch, such as a temperature) is
 not split: every tower gets it, as one device does.
 """
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -18,7 +18,7 @@ def _leaves_with_paths(structure: Any, prefix: str = '') -> List[Tuple[str, Any]
   """Flattens like `tf.nest.flatten`, naming each leaf for error messages."""
   if isinstance(structure, dict):
     out = []
-    for key in sorted(structure):  # tf.nest orders dict keys sorted, too.
+    for key in _sorted_keys(structure):
       out.extend(_leaves_with_paths(structure[key], f'{prefix}[{key!r}]'))
     return out
   if isinstance(structure, (list, tuple)):
@@ -27,6 +27,38 @@ def _leaves_with_paths(structure: Any, prefix: str = '') -> List[Tuple[str, Any]
       out.extend(_leaves_with_paths(item, f'{prefix}[{i}]'))
     return out
   return [(prefix, structure)]
+
+
+def _sorted_keys(mapping: dict) -> List[Any]:
+  """Keys sorted as tf.nest sorts them, and mixed int and str keys too."""
+  # tf.estimator allows any key ({42: ...}); tf.nest cannot sort 42 and 'b'.
+  return sorted(mapping, key=lambda key: (type(key).__name__, key))
+
+
+def map_leaves(fn: Callable[[Any], Any], structure: Any) -> Any:
+  """`structure` with `fn` applied to each leaf, its dict keys as they are.
+
+  Like tf.nest.map_structure for the dicts, lists, tuples and namedtuples
+  an input_fn returns, without sorting keys that do not sort together.
+  """
+  if isinstance(structure, dict):
+    return type(structure)((key, map_leaves(fn, value))
+                           for key, value in structure.items())
+  if isinstance(structure, tuple) and hasattr(structure, '_fields'):
+    return type(structure)(*[map_leaves(fn, item) for item in structure])
+  if isinstance(structure, (list, tuple)):
+    return type(structure)(map_leaves(fn, item) for item in structure)
+  return fn(structure)
+
+
+def leaves(structure: Any, expand_composites: bool = False) -> List[Any]:
+  """Like tf.nest.flatten, for features whose dict keys do not sort
+  together (see `map_leaves`)."""
+  found = [leaf for _, leaf in _leaves_with_paths(structure)]
+  if not expand_composites:
+    return found
+  return [part for leaf in found
+          for part in tf.nest.flatten(leaf, expand_composites=True)]
 
 
 def _check_leaf(name: str, leaf: Any) -> None:
@@ -166,19 +198,16 @@ def split_batch(structure: Any, sizes: tf.Tensor, num_towers: int,
   if structure is None:
     return [None] * num_towers
   starts = tf.cumsum(sizes, exclusive=True)
-  leaves = tf.nest.flatten(structure)
   if pad_empty:
     starts = tf.where(sizes > 0, starts, tf.zeros_like(starts))
     batch = tf.reduce_sum(sizes)
     sizes = tf.maximum(sizes, 1)
-    leaves = [leaf if is_per_batch(leaf) else _with_a_row(leaf, batch)
-              for leaf in leaves]
-  shards = []
-  for i in range(num_towers):
-    tower_leaves = [leaf if is_per_batch(leaf) else
-                    slice_rows(leaf, starts[i], sizes[i]) for leaf in leaves]
-    shards.append(tf.nest.pack_sequence_as(structure, tower_leaves))
-  return shards
+    structure = map_leaves(
+        lambda leaf: leaf if is_per_batch(leaf) else _with_a_row(leaf, batch),
+        structure)
+  return [map_leaves(lambda leaf, i=i: leaf if is_per_batch(leaf) else
+                     slice_rows(leaf, starts[i], sizes[i]), structure)
+          for i in range(num_towers)]
 
 
 def named_leaves(features: Any, labels: Any) -> List[Tuple[str, Any]]:
@@ -191,7 +220,7 @@ def named_leaves(features: Any, labels: Any) -> List[Tuple[str, Any]]:
 
 def static_rows(shard: Any) -> Optional[int]:
   """A shard's number of examples if its first leaf's shape tells it."""
-  for leaf in tf.nest.flatten(shard):
+  for _, leaf in _leaves_with_paths(shard):
     shape = getattr(leaf, 'shape', None)
     if shape is not None and shape.rank:
       return tf.compat.dimension_value(shape[0])

@@ -555,6 +555,28 @@ def test_estimator_checks_the_model_fns_own_arguments(tmp_path, model_fn,
 
 
 @pytest.mark.training
+def test_int_feature_keys_train_as_one_device(tmp_path, data):
+  x, y = data
+
+  def model_fn(features, labels, mode, params):
+    both = {'x': tf.concat([features[7], features['rest']], 1)}
+    return classifier_model_fn(both, labels, mode, params)
+
+  def input_fn():
+    return {7: tf.constant(x[:, :1]), 'rest': tf.constant(x[:, 1:])}, (
+        tf.constant(y))
+
+  results = []
+  for towers in (1, 2):
+    estimator = make_estimator(model_fn, tmp_path / str(towers),
+                               towers=towers,
+                               params={'optimizer': OPTIMIZERS['sgd']})
+    estimator.train(input_fn, steps=3)
+    results.append(variables_of(estimator))
+  assert_same_variables(*results)
+
+
+@pytest.mark.training
 def test_an_extra_argument_with_a_default_keeps_its_default(tmp_path, data):
   # Wrapped model_fns with such arguments (a test's knobs, a factory's
   # options) trained before the model_fn's own arguments were presented.

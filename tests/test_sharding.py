@@ -182,3 +182,17 @@ def test_only_scalars_have_nothing_to_split():
   with pytest.raises(ValueError, match='no feature or label with a batch'):
     sharding.global_batch_size(
         sharding.named_leaves({'scale': tf.constant(2.0)}, None))
+
+
+@pytest.mark.fast
+def test_int_and_str_feature_keys_split_as_tf_estimator_allows_them():
+  # tf.estimator takes any dict key; tf.nest cannot sort 42 with 'b'.
+  with tf.Graph().as_default():
+    features = {42: tf.reshape(tf.range(10), [5, 2]), 'b': tf.range(5)}
+    sizes = sharding.shard_sizes(tf.constant(5), 2)
+    shards = sharding.split_batch(features, sizes, 2, pad_empty=False)
+    assert [sorted(s, key=str) for s in shards] == [[42, 'b']] * 2
+    with tf.compat.v1.Session() as session:
+      first, second = session.run(shards)
+  np.testing.assert_array_equal(first[42], [[0, 1], [2, 3], [4, 5]])
+  np.testing.assert_array_equal(second['b'], [3, 4])
