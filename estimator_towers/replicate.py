@@ -215,6 +215,10 @@ def replicate_model_fn(model_fn: ModelFn,
           'labels. Add a `labels` argument or return only features.')
     if 'labels' in accepted:
       kwargs['labels'] = labels
+    if tf.executing_eagerly():
+      # Called outside any graph (a test calling estimator.model_fn): there
+      # are no towers to build, and one device's model_fn runs as written.
+      return tpu_spec.as_estimator_spec(model_fn(features=features, **kwargs))
     if mode == ModeKeys.PREDICT and not replicate_serving and (
         _is_serving_graph(features)):
       return tpu_spec.as_estimator_spec(model_fn(features=features, **kwargs))

@@ -554,6 +554,27 @@ def test_estimator_checks_the_model_fns_own_arguments(tmp_path, model_fn,
       tf.estimator.Estimator(fn, config=config, params=params)
 
 
+@pytest.mark.fast
+def test_an_eager_call_runs_the_model_fn_as_written():
+  # tf.estimator's own tests call estimator.model_fn outside a graph.
+  def model_fn(features, labels, mode):
+    layer = tf.keras.layers.Dense(
+        1, kernel_initializer=tf.keras.initializers.Constant(0.5))
+    predictions = layer(features['x'])
+    return tf.estimator.EstimatorSpec(
+        mode, predictions={'y': predictions},
+        loss=tf.reduce_mean(tf.square(predictions[:, 0] - labels)))
+
+  features = {'x': tf.ones([4, 3])}
+  labels = tf.zeros([4])
+  config = trainer.make_run_config(None, cpu_devices=2)
+  spec = trainer.replicate_model_fn(model_fn)(
+      features, labels, tf.estimator.ModeKeys.EVAL, config=config)
+  expected = model_fn(features, labels, tf.estimator.ModeKeys.EVAL)
+  np.testing.assert_allclose(spec.loss.numpy(), expected.loss.numpy())
+  assert spec.loss.numpy() == pytest.approx(2.25)
+
+
 @pytest.mark.training
 def test_int_feature_keys_train_as_one_device(tmp_path, data):
   x, y = data
