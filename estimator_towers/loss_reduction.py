@@ -202,8 +202,8 @@ def _reduces_all(tensor: tf.Tensor, how: str, depends) -> bool:
   reduced = op.inputs[0].shape
   if reduced.rank is None:
     return True
-  return reduced.rank >= 1 and reduced[0] == getattr(depends, 'batch_size',
-                                                      None)
+  return reduced.rank >= 1 and _rows(reduced) == getattr(
+      depends, 'batch_size', None)
 
 
 def _counts_examples(tensor: tf.Tensor, depends) -> bool:
@@ -222,7 +222,15 @@ def _counts_examples(tensor: tf.Tensor, depends) -> bool:
     return False
   counted = op.inputs[0].shape
   return counted.rank is None or (
-      counted.rank >= 1 and counted[0] == getattr(depends, 'batch_size', None))
+      counted.rank >= 1 and _rows(counted) == getattr(depends, 'batch_size',
+                                                      None))
+
+
+def _rows(shape: tf.TensorShape):
+  """The first dimension as an int or None, as TF2 shapes give it."""
+  # tf.compat.v1.disable_v2_tensorshape() makes it a Dimension, and two
+  # unknown Dimensions do not compare equal.
+  return tf.compat.dimension_value(shape[0])
 
 
 def _skip_pass_through(tensor: tf.Tensor) -> tf.Tensor:
@@ -259,7 +267,7 @@ class ExampleDependence:
     dense = [t for t in sharding.leaves(shard) if isinstance(t, tf.Tensor)]
     # The shard's static number of examples; None when known only at run
     # time (the usual case; static when the input's batch size is).
-    self.batch_size = (dense[0].shape[0] if dense and dense[0].shape.rank
+    self.batch_size = (_rows(dense[0].shape) if dense and dense[0].shape.rank
                        else None)
     self._first_id = first_id
     self._memo: Dict[str, bool] = {name: False for name in whole_batch}

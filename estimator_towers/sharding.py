@@ -87,7 +87,11 @@ def batch_size_of(leaf: Any) -> tf.Tensor:
 def _static_batch_size(leaf: Any):
   if isinstance(leaf, tf.SparseTensor):
     return tf.get_static_value(leaf.dense_shape[0])
-  return leaf.shape[0] if leaf.shape.rank is not None else None
+  if leaf.shape.rank is None:
+    return None
+  # An int or None, also where tf.compat.v1.disable_v2_tensorshape() makes
+  # shape[0] a Dimension (SimCLR's and other TF1 code's setting).
+  return tf.compat.dimension_value(leaf.shape[0])
 
 
 def global_batch_size(named_leaves: Sequence[Tuple[str, Any]]) -> tf.Tensor:
