@@ -1,4 +1,12 @@
-"""Logs step, loss, learning rate and examples/sec while training."""
+"""Logs step, loss, learning rate and examples/sec while training.
+
+A line every `every_n_steps` steps, or sooner once `every_secs` of wall time
+passed (a slow model on a CPU said nothing for minutes before its first
+line at step 100), and when training ends a summary: the steps trained and
+the examples/sec over the steady steps, the first `warmup_steps` (graph
+optimisation, the input pipeline filling) excluded, as tf_cnn_benchmarks
+reports throughput.
+"""
 
 import time
 from typing import Optional
@@ -30,11 +38,19 @@ class StepLoggingHook(tf1.train.SessionRunHook):
     every_n_steps: Logging period.
     summary_dir: Also write an `examples/sec` summary there (the model dir).
     max_steps: The last step, for the time-left estimate.
+    every_secs: Also log once this much wall time passed since the last line.
+    warmup_steps: Steps of this session left out of the summary's rate.
   """
 
   def __init__(self, loss: tf.Tensor, global_batch_size: int, num_towers: int,
                every_n_steps: int = 100, summary_dir: Optional[str] = None,
-               max_steps: Optional[int] = None):
+               max_steps: Optional[int] = None, every_secs: float = 30.0,
+               warmup_steps: int = 10):
+    self._every_secs = every_secs
+    self._warmup = warmup_steps
+    self._steady = None  # (step, time) once the warm-up steps are done.
+    self._final = None  # (step, time) of the last step run.
+    self._first_step = None
     self._summary_dir = summary_dir
     self._max_steps = max_steps
     self._loss = loss
@@ -57,10 +73,12 @@ class StepLoggingHook(tf1.train.SessionRunHook):
   def after_run(self, run_context, run_values):
     results = run_values.results
     step, now = int(results['step']), time.time()
+    self._note_for_summary(step, now)
     if self._last is None:
       self._last = (step, now)
       return
-    if step - self._last[0] < self._every:
+    if step == self._last[0] or (step - self._last[0] < self._every and
+                                 now - self._last[1] < self._every_secs):
       return
     rate = (step - self._last[0]) * self._batch / max(now - self._last[1], 1e-9)
     lr = results.get('learning_rate')
@@ -78,3 +96,27 @@ class StepLoggingHook(tf1.train.SessionRunHook):
       writer.add_summary(tf1.Summary(value=[tf1.Summary.Value(
           tag='examples/sec', simple_value=rate)]), step)
     self._last = (step, now)
+
+  def _note_for_summary(self, step: int, now: float) -> None:
+    if self._first_step is None:
+      self._first_step = step
+    if self._steady is None and step - self._first_step >= self._warmup:
+      self._steady = (step, now)
+    self._final = (step, now)
+
+  def end(self, session):
+    del session  # The summary needs only what after_run saw.
+    if self._final is None:
+      return
+    trained = self._final[0] - self._first_step + 1
+    if self._steady is None or self._final[0] == self._steady[0]:
+      logging.info('trained %d steps (too few after %d warm-up steps for a '
+                   'steady examples/sec)', trained, self._warmup)
+      return
+    steps = self._final[0] - self._steady[0]
+    rate = steps * self._batch / max(self._final[1] - self._steady[1], 1e-9)
+    logging.info('trained %d steps; examples/sec=%.0f (%.0f per tower, %d '
+                 'towers) over steps %d-%d, the first %d steps excluded as '
+                 'warm-up', trained, rate, rate / self._towers, self._towers,
+                 self._steady[0] + 1, self._final[0], self._warmup)
+
