@@ -74,14 +74,23 @@ def _class_ids(labels: Optional[tf.Tensor], mode: str) -> tf.Tensor:
   return tf.reshape(tf.cast(labels, tf.int32), [-1])
 
 
-def _predict_spec(logits, class_ids, probabilities
+def _predict_spec(logits, class_ids, probabilities,
+                  vocabulary: Optional[Sequence[str]] = None
                  ) -> tf.estimator.EstimatorSpec:
   predictions = {'class_ids': class_ids, 'probabilities': probabilities,
                  'logits': logits}
+  classes = None
+  if vocabulary:
+    # As canned heads give them: the label names, and for TF Serving's
+    # Classify API every row's names beside its scores.
+    names = tf.constant(list(vocabulary))
+    predictions['classes'] = tf.gather(names, class_ids)
+    classes = tf.tile(names[None, :], [tf.shape(class_ids)[0], 1])
   export = tf.estimator.export
   export_outputs = {
       'serving_default': export.PredictOutput(predictions),
-      'classification': export.ClassificationOutput(scores=probabilities),
+      'classification': export.ClassificationOutput(scores=probabilities,
+                                                    classes=classes),
   }
   return tf.estimator.EstimatorSpec(ModeKeys.PREDICT, predictions=predictions,
                                     export_outputs=export_outputs)
@@ -116,13 +125,16 @@ def classifier_spec(mode: str, logits: tf.Tensor, labels: Optional[tf.Tensor],
     logits: float [batch, n_classes].
     labels: int class ids [batch] (or [batch, 1]); None when predicting.
     params: Reads 'n_classes'; in TRAIN and EVAL 'weight_decay' (default 0);
-      in TRAIN 'learning_rate' and 'optimizer'.
+      in TRAIN 'learning_rate' and 'optimizer'; in PREDICT
+      'label_vocabulary' (optional: the class names, in class id order).
     decayed_weights: Variables the L2 penalty applies to (kernels, not biases
       or batch-norm parameters).
 
   Returns:
-    PREDICT: predictions {'class_ids', 'probabilities', 'logits'} and export
-    outputs 'serving_default' (all predictions) and 'classification' (scores).
+    PREDICT: predictions {'class_ids', 'probabilities', 'logits'} (and
+    'classes', the names, with a label_vocabulary) and export outputs
+    'serving_default' (all predictions) and 'classification' (scores, and
+    the names as classes).
     EVAL: the mean cross entropy (plus the L2 penalty) as loss and metrics
     'accuracy' (and 'auc' when n_classes == 2). TRAIN: the same loss and a
     train op that also runs UPDATE_OPS and advances the global step.
@@ -137,7 +149,8 @@ def classifier_spec(mode: str, logits: tf.Tensor, labels: Optional[tf.Tensor],
   class_ids = tf.argmax(logits, axis=-1, output_type=tf.int32)
   probabilities = tf.nn.softmax(logits)
   if mode == ModeKeys.PREDICT:
-    return _predict_spec(logits, class_ids, probabilities)
+    return _predict_spec(logits, class_ids, probabilities,
+                         params.get('label_vocabulary'))
   labels = _class_ids(labels, mode)
   loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
   penalty = l2_penalty(decayed_weights, hparams.weight_decay(params))

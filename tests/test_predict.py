@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from cli_helpers import eval_line, run_module, write_tabular_csv
+from cli_helpers import CSV_FLAGS, eval_line, run_module, write_tabular_csv
 from trainer import assembly
 from trainer.options import TaskOptions
 
@@ -177,3 +177,32 @@ def test_missing_output_is_a_usage_error(trained, csv_files):
                       f'--predict-files={csv_files[1]}', check=False)
   assert result.returncode == 2
   assert 'Flag --output must have a value' in result.stderr
+
+
+def test_a_label_vocabulary_names_the_predicted_classes(tmp_path):
+  # As a canned head with label_vocabulary: predictions.csv and the
+  # SavedModel's classification signature give the label names.
+  rows = write_tabular_csv(tmp_path / 'numbers.csv', rows=120)
+  named = tmp_path / 'named.csv'
+  with open(rows) as source, open(named, 'w') as out:
+    for i, line in enumerate(source):
+      *fields, label = line.rstrip('\n').split(',')
+      out.write(','.join(fields + [label if i == 0 else
+                                   ('no', 'yes')[int(label)]]) + '\n')
+  job = tmp_path / 'job'
+  flags = [f for f in CSV_FLAGS if not f.startswith('--n-classes')]
+  run_module('trainer.task', f'--job-dir={job}', f'--train-files={named}',
+             '--train-steps=30', '--label-vocabulary=no,yes',
+             # tf.Example input: TF Serving's Classify API needs it.
+             '--export-format=example', *flags)
+  out = tmp_path / 'p.csv'
+  run_module('trainer.predict', f'--job-dir={job}',
+             f'--predict-files={named}', f'--output={out}', '--cpu-towers=2')
+  header, *predicted = _rows(out)
+  assert header[:3] == ['id', 'class_id', 'class']
+  assert {r[2] for r in predicted} <= {'no', 'yes'}
+  assert all(r[2] == ('no', 'yes')[int(r[1])] for r in predicted)
+  (export,) = (job / 'export' / 'final').iterdir()
+  signature = tf.saved_model.load(str(export)).signatures['classification']
+  assert sorted(signature.structured_outputs) == ['classes', 'scores']
+

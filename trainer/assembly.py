@@ -155,10 +155,13 @@ def _tfrecord_data(options: TaskOptions, kind: Optional[str]):
 
 def model_params(options: TaskOptions, data: input_fns.Data) -> Dict[str, Any]:
   """The params every model_fn reads: the data's shape, then the options'."""
-  return {'n_classes': data.n_classes,
-          'feature_columns': data.feature_columns,
-          'image_shape': data.image_shape,
-          **options_lib.model_params(options)}
+  params = {'n_classes': data.n_classes,
+            'feature_columns': data.feature_columns,
+            'image_shape': data.image_shape,
+            **options_lib.model_params(options)}
+  if options.label_vocabulary:  # Predictions name the classes.
+    params['label_vocabulary'] = list(options.label_vocabulary)
+  return params
 
 
 def save_options(model_dir: str, options: TaskOptions) -> None:

@@ -228,14 +228,21 @@ def _write_csv(path, pairs) -> int:
     out = None
     for example_id, row in pairs:
       probabilities = np.asarray(row['probabilities'])
+      # A --label-vocabulary names the class too, as canned heads do.
+      named = ['class'] if 'classes' in row else []
       if out is None:
         out = csv.writer(f)
-        out.writerow(['id', 'class_id'] +
+        out.writerow(['id', 'class_id'] + named +
                      [f'probability_{i}' for i in range(len(probabilities))])
       out.writerow([example_id, int(row['class_ids'])] +
+                   [_text(row['classes']) for _ in named] +
                    [f'{p:.6g}' for p in probabilities])
       count += 1
   return count
+
+
+def _text(value) -> str:
+  return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _write_tfrecord(path, pairs) -> int:
@@ -250,6 +257,9 @@ def _write_tfrecord(path, pairs) -> int:
           'probabilities': tf.train.Feature(float_list=tf.train.FloatList(
               value=np.asarray(row['probabilities']).tolist())),
       }
+      if 'classes' in row:
+        feature['class'] = tf.train.Feature(bytes_list=tf.train.BytesList(
+            value=[_text(row['classes']).encode()]))
       writer.write(tf.train.Example(features=tf.train.Features(
           feature=feature)).SerializeToString())
       count += 1
