@@ -1,7 +1,10 @@
 """What trainer.task asks the tasks of a synchronous cluster to share."""
 
+import dataclasses
+
 import pytest
 
+from trainer import assembly
 from trainer import cluster_agreement
 from trainer import options as options_lib
 
@@ -22,3 +25,23 @@ def test_training_options_and_files_are_shared_device_counts_are_not(
   for per_task in ('--cpu-towers', '--job-dir', '--num-gpus',
                    '--sync-timeout-secs', '--eval-files'):
     assert per_task not in shared
+
+
+def test_an_evaluator_with_other_options_than_the_chief_is_named(tmp_path):
+  chief = options_lib.TaskOptions(job_dir=str(tmp_path),
+                                  label_vocabulary=['no', 'yes'],
+                                  cpu_towers=4)
+  evaluator = dataclasses.replace(chief, cpu_towers=1)
+  hook = cluster_agreement.EvaluatorCheckHook(str(tmp_path), evaluator)
+  hook.begin()  # Before the chief saved its options: nothing to compare.
+  assembly.save_options(str(tmp_path), chief)
+  hook.begin()  # Only per-task options differ.
+  reversed_labels = dataclasses.replace(evaluator,
+                                        label_vocabulary=['yes', 'no'])
+  with pytest.raises(ValueError) as error:
+    cluster_agreement.EvaluatorCheckHook(str(tmp_path),
+                                         reversed_labels).begin()
+  assert str(error.value).startswith(
+      "the evaluator has --label-vocabulary=['yes', 'no'], but the chief "
+      "trains with --label-vocabulary=['no', 'yes']")
+

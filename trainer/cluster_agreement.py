@@ -7,13 +7,19 @@ optimizer, batch size, steps, seed, data schema and vocabularies, precision
 -- and the training files with their sizes. What may differ per task is
 left out: its devices and threads, its timeouts and logging, and what only
 the chief does (evaluation, checkpoints, export, the tuning metric).
+
+The evaluator takes no part in the training collectives; it compares its
+options with the ones the chief saved in the job dir instead
+(`EvaluatorCheckHook`).
 """
 
 import dataclasses
-from typing import Dict, List
+import os
+from typing import Dict, List, Optional
 
 import tensorflow as tf
 
+from trainer import assembly
 from trainer import options as options_lib
 
 # Options that may differ from task to task.
@@ -52,3 +58,41 @@ def _files_and_sizes(patterns: List[str]) -> List[List[object]]:
     for name in sorted(tf.io.gfile.glob(pattern)):
       found.append([name, tf.io.gfile.stat(name).length])
   return found
+
+
+def chief_difference(model_dir: str,
+                     options: options_lib.TaskOptions) -> Optional[str]:
+  """How the evaluator's options differ from those the chief trains with.
+
+  Args:
+    model_dir: The job's model dir, where the chief saved its options.
+    options: The evaluator's options.
+
+  Returns:
+    A line naming the first difference, or None (also when the chief has
+    not saved its options yet).
+  """
+  if not tf.io.gfile.exists(os.path.join(model_dir, assembly.CONFIG_FILE)):
+    return None
+  chief = values(assembly.load_options(model_dir))
+  own = values(options)
+  for name in sorted(set(chief) - {'training files'}):
+    if own.get(name) != chief[name]:
+      return (f'the evaluator has {name}={own.get(name)!r}, but the chief '
+              f'trains with {name}={chief[name]!r}: it would evaluate the '
+              'model with other settings than it was trained with. Start the '
+              'evaluator with the chief\'s options.')
+  return None
+
+
+class EvaluatorCheckHook(tf.compat.v1.train.SessionRunHook):
+  """Stops an evaluator started with other options than the chief's."""
+
+  def __init__(self, model_dir: str, options: options_lib.TaskOptions):
+    self._model_dir, self._options = model_dir, options
+
+  def begin(self):
+    difference = chief_difference(self._model_dir, self._options)
+    if difference is not None:
+      raise ValueError(difference)
+

@@ -384,10 +384,16 @@ def create_train_spec(options: TaskOptions, data,
 
 
 def create_eval_spec(options: TaskOptions, data, metric: str,
-                     task_type: Optional[str]) -> tf.estimator.EvalSpec:
-  """The evaluation input_fn, exporters and pacing of this task."""
+                     task_type: Optional[str],
+                     model_dir: Optional[str] = None) -> tf.estimator.EvalSpec:
+  """The evaluation input_fn, exporters, hooks and pacing of this task."""
+  hooks = []
+  if task_type == 'evaluator' and model_dir:
+    # A reversed vocabulary evaluated a 0.99-accuracy model at ~0.01.
+    hooks.append(cluster_agreement.EvaluatorCheckHook(model_dir, options))
   return tf.estimator.EvalSpec(
       data.eval_input_fn(options.eval_batch_size), steps=options.eval_steps,
+      hooks=hooks,
       # A cluster's final export is the chief's (see train_and_evaluate).
       exporters=_exporters(options, data, metric,
                            final=task_type != 'evaluator') +
@@ -428,7 +434,7 @@ class _Run:
     self.train_spec = create_train_spec(
         options, data, create_train_hooks(options, config, model_dir))
     self.eval_spec = create_eval_spec(options, data, self.metric,
-                                      task.get('type'))
+                                      task.get('type'), model_dir)
     if assembly.evaluates_on_training_files(options):
       logging.warning('No --eval-files: evaluating on the training files, so '
                       'the eval metrics (and the tuning metric) measure '
