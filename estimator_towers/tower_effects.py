@@ -51,15 +51,17 @@ _ADDS = {'AssignAdd': 1, 'AssignAddVariableOp': 1, 'ScatterAdd': 2,
          'ResourceScatterNdAdd': 2}
 # One shared structure per model: run in every tower, as on one device.
 _SHARED = frozenset(['LookupTableInsert', 'LookupTableInsertV2',
-                     'QueueEnqueue', 'QueueEnqueueV2', 'QueueEnqueueMany',
-                     'QueueEnqueueManyV2'])
+                     'LookupTableRemoveV2', 'LookupTableImport',
+                     'LookupTableImportV2', 'QueueEnqueue', 'QueueEnqueueV2',
+                     'QueueEnqueueMany', 'QueueEnqueueManyV2'])
 _OTHER_WRITES = frozenset([
     'Assign', 'AssignSub', 'AssignVariableOp', 'AssignSubVariableOp',
     'ScatterUpdate', 'ScatterSub', 'ScatterMul', 'ScatterDiv', 'ScatterMin',
     'ScatterMax', 'ScatterNdUpdate', 'ScatterNdSub', 'ResourceScatterUpdate',
     'ResourceScatterSub', 'ResourceScatterMul', 'ResourceScatterDiv',
     'ResourceScatterMin', 'ResourceScatterMax', 'ResourceScatterNdUpdate',
-    'ResourceScatterNdSub'])
+    'ResourceScatterNdSub', 'ScatterNdMax', 'ScatterNdMin',
+    'ResourceScatterNdMax', 'ResourceScatterNdMin'])
 WRITES = _SHARED | _OTHER_WRITES | frozenset(_ADDS)
 # Stateful random ops: each task of a synchronous cluster draws its own.
 _RANDOM = frozenset([

@@ -151,6 +151,19 @@ def _table_counter_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+def _running_max_model_fn(features, labels, mode):
+  """A ceiling the forward pass reads and a scatter_nd_max raises after."""
+  ceiling = tf1.get_variable('ceiling', initializer=_fixed(1))
+  predictions = tf1.layers.dense(features['x'], 1) * ceiling
+  loss = tf1.losses.mean_squared_error(labels, predictions[:, 0])
+  step = tf1.train.get_or_create_global_step()
+  update = tf1.train.GradientDescentOptimizer(0.01).minimize(loss, step)
+  raised = ceiling.scatter_nd_max([[0]],
+                                  [1.0 + 0.1 * tf.cast(step, tf.float32)])
+  return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                    train_op=tf.group(update, raised))
+
+
 def _batches():
   rng = np.random.RandomState(0)
   x = rng.randn(_BATCH * _STEPS, 4).astype(np.float32)
@@ -251,7 +264,7 @@ def test_a_hand_advanced_step_is_read_before_it_is_written(
 @pytest.mark.parametrize('aggregation', ['global_loss', 'all_reduce'])
 @pytest.mark.parametrize('model_fn', [
     _ema_beside_update_model_fn, _batch_norm_keras_schedule_model_fn,
-    _table_counter_model_fn])
+    _table_counter_model_fn, _running_max_model_fn])
 def test_no_read_of_the_step_is_left_unordered_with_its_writes(
     model_fn, aggregation):
   # EMA shadows, moving statistics, an optimizer's own step counter, a
@@ -348,3 +361,22 @@ def test_a_tf1_while_loop_in_the_step_builds_and_trains_as_one_device():
   for run in actual:
     np.testing.assert_allclose(run['dense/kernel'], expected['dense/kernel'],
                                rtol=1e-5)
+
+
+@pytest.mark.fast
+def test_a_running_max_of_the_shard_is_refused():
+  # scatter_nd_max of a per-shard value would run once per tower, each from
+  # its own shard; a max does not add up like assign_add.
+  def model_fn(features, labels, mode):
+    lowest = tf1.get_variable('lowest', initializer=_fixed(1))
+    predictions = tf1.layers.dense(features['x'], 1)
+    loss = tf1.losses.mean_squared_error(labels, predictions[:, 0])
+    update = tf1.train.GradientDescentOptimizer(0.01).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    raised = lowest.scatter_nd_max([[0]], [tf.reduce_max(-labels)])
+    return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                      train_op=tf.group(update, raised))
+
+  with pytest.raises(ValueError, match='ScatterNdMax does not add up'):
+    _build(model_fn, 2)
+
