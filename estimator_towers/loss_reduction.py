@@ -27,6 +27,8 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers import op_ledger
+
 SUM = 'sum'
 RATIO = 'ratio'
 UNKNOWN = 'unknown'
@@ -238,18 +240,19 @@ def _reduces_a_scalar(tensor: tf.Tensor) -> bool:
 class ExampleDependence:
   """Answers whether a tensor depends on one tower's shard of the batch.
 
-  The walk follows data inputs only among the ops the tower created (by op
-  id, from `first_id` on) and stops at the shard's tensors.
+  The walk follows data inputs only among the ops the tower created (those
+  made after `since`) and stops at the shard's tensors.
 
   Args:
     shard: The tower's features and labels (any nest of tensors).
-    first_id: The id of the first op the tower's model_fn call created.
+    since: A mark taken before the tower's model_fn call (an
+      `op_ledger.Mark`).
     whole_batch: Names of ops whose values are the whole batch's, not the
       tower's (the one update's, e.g. routed gradients): the walk stops
       there.
   """
 
-  def __init__(self, shard, first_id: int, whole_batch=frozenset()):
+  def __init__(self, shard, since: op_ledger.Mark, whole_batch=frozenset()):
     leaves = tf.nest.flatten(shard, expand_composites=True)
     # A scalar feature is every tower's whole, not part of a shard.
     self._shard_ops = {t.op.name for t in leaves if isinstance(t, tf.Tensor)
@@ -259,7 +262,7 @@ class ExampleDependence:
     # time (the usual case; static when the input's batch size is).
     self.batch_size = (dense[0].shape[0] if dense and dense[0].shape.rank
                        else None)
-    self._first_id = first_id
+    self._since = since
     self._memo: Dict[str, bool] = {name: False for name in whole_batch}
 
   def __call__(self, tensor: tf.Tensor) -> bool:
@@ -271,7 +274,7 @@ class ExampleDependence:
         continue
       if op.name in self._shard_ops:
         self._memo[op.name] = True
-      elif op._id < self._first_id:  # pylint: disable=protected-access
+      elif op_ledger.made_before(op, self._since):
         self._memo[op.name] = False
       elif expanded:
         # An input still unresolved here closes a loop: it adds nothing new.
@@ -329,19 +332,19 @@ class TowerWeights:
       against the graph where it can be read).
     sizes: Each tower's number of real examples (an int32 vector).
     shards: Each tower's features and labels.
-    first_ids: For each tower, the id of the first op its model_fn created.
+    towers: Where each tower's ops begin (an `op_ledger.TowerLedger`).
     task_group: In a synchronous cluster, the training tasks
       (task_sync.TaskGroup), whose towers share the global batch; None on
       one machine.
   """
 
   def __init__(self, requested: str, sizes: tf.Tensor, shards: List,
-               first_ids: List[int], task_group=None):
+               towers: op_ledger.TowerLedger, task_group=None):
     self._requested = requested
     self._task_group = task_group
     self._sizes = sizes
     self._shards = shards
-    self._first_ids = first_ids
+    self._towers = towers
     self._cache: Dict[tuple, List[tf.Tensor]] = {}
 
   def __call__(self, losses: List[tf.Tensor]) -> List[tf.Tensor]:
@@ -358,7 +361,7 @@ class TowerWeights:
 
   def _weights(self, losses: List[tf.Tensor]) -> List[tf.Tensor]:
     reductions = [analyze(loss, ExampleDependence(self._shards[t],
-                                                  self._first_ids[t]))
+                                                  self._towers.start(t)))
                   for t, loss in enumerate(losses)]
     kind = self._resolve(losses[0], reductions)
     active = self._sizes > 0

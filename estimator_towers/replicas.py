@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from estimator_towers import aggregation
 from estimator_towers import cross_device
+from estimator_towers import op_ledger
 from estimator_towers import task_sync
 from tensorflow.python.ops import variables as variables_lib  # pylint: disable=g-direct-tensorflow-import,g-bad-import-order
 
@@ -80,7 +81,7 @@ class Replicas:
     self._sums: Dict[int, list] = {}
     self._used = set()  # ids of the sums some copy's update consumes.
     self._optimizers = []
-    self._apply_ids: List[tuple] = []  # [first, last) op ids of updates
+    self._updates: List[op_ledger.Region] = []  # The ops of each update.
     # Primaries' initializers as made: `init_from_checkpoint` (e.g. in a
     # TPUEstimatorSpec's scaffold_fn) replaces one, leaving the old unused.
     self._first_initializers = set()
@@ -282,14 +283,14 @@ class Replicas:
     return [t for sums in self._sums.values() for t in sums
             if id(t) not in self._used]
 
-  def applied(self, optimizer, first_op_id: int, last_op_id: int) -> None:
+  def applied(self, optimizer, update: op_ledger.Region) -> None:
     """Records an update: its ops, and its optimizer if it made slots for
     the copies (None if it updated only the primaries)."""
     if optimizer is not None:
       self._optimizers.append(optimizer)
-    self._apply_ids.append((first_op_id, last_op_id))
+    self._updates.append(update)
 
-  def sync_written(self, update, first_op_id: int, what: str):
+  def sync_written(self, update, since: op_ledger.Mark, what: str):
     """After `update`, sets every copy of each primary it wrote.
 
     For an update the copies cannot take themselves (an optimizer's own
@@ -298,7 +299,7 @@ class Replicas:
 
     Args:
       update: The update's op (or a list of them).
-      first_op_id: The id of the update's first op.
+      since: A mark taken before the update was built.
       what: The update's name, for errors.
 
     Returns:
@@ -316,7 +317,7 @@ class Replicas:
     written = {}
     graph = tf1.get_default_graph()
     for op in graph.get_operations():
-      if op._id < first_op_id or op.type in _READS:  # pylint: disable=protected-access
+      if op_ledger.made_before(op, since) or op.type in _READS:
         continue
       # Any other use of a variable may write it (ResourceApplyAdam, ...).
       for target in (t.name for t in op.inputs):
@@ -353,11 +354,15 @@ class Replicas:
               found.append((primary_slot, copy_slot))
     return found
 
-  def check_no_other_writes(self, first_op_id: int) -> None:
+  def check_no_other_writes(self, since: op_ledger.Mark) -> None:
     """Fails when the model_fn itself writes a replicated variable.
 
     Such a write (an assign in the model_fn) would reach one copy only, and
     the copies would drift apart silently.
+
+    Args:
+      since: A mark taken before the towers were built: earlier ops are not
+        the model_fn's.
     """
     handles = {}
     for copies in self._copies.values():
@@ -367,10 +372,8 @@ class Replicas:
     initializers = {v.initializer.name for vs in self._copies.values()
                     for v in vs} | self._first_initializers
     for op in graph.get_operations():
-      op_id = op._id  # pylint: disable=protected-access
-      if (op_id < first_op_id or op.type not in _WRITES or
-          op.name in initializers or
-          any(a <= op_id < b for a, b in self._apply_ids)):
+      if (op_ledger.made_before(op, since) or op.type not in _WRITES or
+          op.name in initializers or op_ledger.in_any(op, self._updates)):
         continue
       target = op.inputs[0].name if op.inputs else None
       if target in handles:

@@ -22,6 +22,7 @@ from estimator_towers import loss_scaling
 from estimator_towers import metric_adds
 from estimator_towers import moving_statistics
 from estimator_towers import one_update
+from estimator_towers import op_ledger
 from estimator_towers import optimizer_iterations
 from estimator_towers import peer_watch
 from estimator_towers import replicas as replicas_lib
@@ -280,11 +281,11 @@ class _TowerBuilder:
       pad = self._mode != ModeKeys.EVAL
       feature_shards = sharding.split_batch(features, sizes, num_towers, pad)
       label_shards = sharding.split_batch(labels, sizes, num_towers, pad)
-    first_ids = []
+    towers = op_ledger.TowerLedger()
     self._tables.sizes = sizes
     weigh = reduction_lib.TowerWeights(
         self._reduction, sizes, list(zip(feature_shards, label_shards)),
-        first_ids, self._task_group)
+        towers, self._task_group)
     self._update = one_update.OneUpdate(
         num_towers, weigh, self._sharing.unshared, self._replicas,
         training=self._mode == ModeKeys.TRAIN,
@@ -299,14 +300,13 @@ class _TowerBuilder:
             self._task_group.own_random_seed() if self._task_group
             else contextlib.nullcontext()):
       for i in range(num_towers):
-        first_ids.append(_next_op_id(graph))
-        spec, added = self._build_tower(i, feature_shards[i], label_shards[i],
-                                        kwargs)
+        with towers.tower(i):
+          spec, added = self._build_tower(i, feature_shards[i],
+                                          label_shards[i], kwargs)
         specs.append(spec)
         update_ops.append(added[tf1.GraphKeys.UPDATE_OPS])
-    end_ids = first_ids[1:] + [_next_op_id(graph)]
-    self._tables.order_accesses(first_ids)
-    written = self._tables.written(first_ids[0])
+    self._tables.order_accesses(towers)
+    written = self._tables.written(towers.first)
     if self._task_group is not None and written:
       # A table is not a variable: it is neither summed nor broadcast.
       raise ValueError(
@@ -319,22 +319,21 @@ class _TowerBuilder:
       effects = []
       one_update_ops = self._update.update_op_names()
       self._update.check_batch_free_update(reduction_lib.ExampleDependence(
-          (feature_shards[-1], label_shards[-1]), first_ids[-1],
+          (feature_shards[-1], label_shards[-1]), towers.start(-1),
           one_update_ops))
       for i, spec in enumerate(specs):
         # The last tower's effects run in its own train_op; its shard
         # writes are still checked and idle-masked.
         found = tower_effects.shard_effects(
-            spec.train_op, first_ids[i],
+            spec.train_op, towers.start(i),
             reduction_lib.ExampleDependence(
-                (feature_shards[i], label_shards[i]), first_ids[i],
+                (feature_shards[i], label_shards[i]), towers.start(i),
                 one_update_ops),
             self._update.call_dependencies[i], sizes[i] > 0,
             {_op_of(u).name for u in update_ops[i]} |
             self._statistics.exact_writes | one_update_ops,
             across_tasks=self._task_group is not None,
-            drawn=self._drawn(graph, first_ids[i], end_ids[i],
-                              one_update_ops))
+            drawn=self._drawn(graph, towers.region(i), one_update_ops))
         if i < num_towers - 1:
           effects.extend(found)
       spec = spec_merge.merge_train(specs, weigh, sizes,
@@ -342,11 +341,11 @@ class _TowerBuilder:
                                     effects)
       spec = spec._replace(predictions=spec_merge.whole_batch_predictions(
           specs, sizes, True, [reduction_lib.ExampleDependence(
-              (feature_shards[i], label_shards[i]), first_ids[i],
+              (feature_shards[i], label_shards[i]), towers.start(i),
               one_update_ops) for i in range(num_towers)]))
       spec = self._finish_tpu_spec(spec, sizes, feature_shards)
       if self._replicas is not None:
-        self._replicas.check_no_other_writes(first_ids[0])
+        self._replicas.check_no_other_writes(towers.first)
         spec = spec._replace(scaffold=self._replicas.scaffold(spec.scaffold))
       if self._task_group is not None:
         # The loss logged (and checked for NaN) is the global batch's.
@@ -358,14 +357,14 @@ class _TowerBuilder:
       return spec
     if self._mode == ModeKeys.EVAL:
       depends = [reduction_lib.ExampleDependence(
-          (feature_shards[i], label_shards[i]), first_ids[i])
+          (feature_shards[i], label_shards[i]), towers.start(i))
                  for i in range(num_towers)]
       spec = spec_merge.merge_eval(specs, weigh, sizes)
       # Every tower adds into one metric state: an add per batch (a count
       # of calls, a batch's mean) must add what one device's step adds.
       metric_adds.count_once(
           [s.eval_metric_ops or {} for s in specs],
-          [_made_between(first_ids[i], end_ids[i]) for i in range(num_towers)],
+          [towers.region(i).contains for i in range(num_towers)],
           depends, [sizes[i] > 0 for i in range(num_towers)])
       spec = spec._replace(predictions=spec_merge.whole_batch_predictions(
           specs, sizes, False, depends))
@@ -389,14 +388,14 @@ class _TowerBuilder:
             name, tensors, sizes, padded, kind='TPUEstimatorSpec'),
         [sharding.static_rows(shard) for shard in shards])
 
-  def _drawn(self, graph, first_id: int, end_id: int, one_update_ops):
-    """In a synchronous cluster, whether a tensor of the tower between the
-    two op ids depends on its random ops (each task draws its own); None on
+  def _drawn(self, graph, tower: op_ledger.Region, one_update_ops):
+    """In a synchronous cluster, whether a tensor of the tower made in
+    `tower` depends on its random ops (each task draws its own); None on
     one machine."""
     if self._task_group is None:
       return None
     return reduction_lib.ExampleDependence(
-        tower_effects.random_draws(graph, first_id, end_id), first_id,
+        tower_effects.random_draws(graph, tower), tower.start,
         one_update_ops)
 
   def _build_tower(self, index, features, labels, kwargs):
@@ -595,18 +594,6 @@ def _is_serving_graph(features) -> bool:
       placeholders += 1
     pending.extend(t.op for t in op.inputs)
   return placeholders > 0
-
-
-def _made_between(first_id: int, end_id: int) -> Callable[[tf.Operation],
-                                                           bool]:
-  """Whether an op was created between the two ids (by one tower)."""
-  return lambda op: first_id <= op._id < end_id  # pylint: disable=protected-access
-
-
-def _next_op_id(graph: tf.Graph) -> int:
-  """The id the graph's next op will get: ops are numbered in creation order."""
-  # Private, but the only way to tell a tower's ops from earlier ones.
-  return max(graph._nodes_by_id, default=0) + 1  # pylint: disable=protected-access
 
 
 def _presented_signature(model_fn: ModelFn) -> inspect.Signature:
