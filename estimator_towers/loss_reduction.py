@@ -333,13 +333,13 @@ class TowerWeights:
     sizes: Each tower's number of real examples (an int32 vector).
     shards: Each tower's features and labels.
     towers: Where each tower's ops begin (an `op_ledger.TowerLedger`).
-    task_group: In a synchronous cluster, the training tasks
-      (task_sync.TaskGroup), whose towers share the global batch; None on
-      one machine.
+    task_group: The training tasks, whose towers share the global batch
+      (a task_sync.TaskGroup in a synchronous cluster, else
+      one_machine.OneMachine).
   """
 
   def __init__(self, requested: str, sizes: tf.Tensor, shards: List,
-               towers: op_ledger.TowerLedger, task_group=None):
+               towers: op_ledger.TowerLedger, task_group):
     self._requested = requested
     self._task_group = task_group
     self._sizes = sizes
@@ -411,8 +411,6 @@ class TowerWeights:
 
   def _total_of(self, local: tf.Tensor) -> tf.Tensor:
     """The global batch's total of what `local` counts in this task."""
-    if self._task_group is None:
-      return local
     return self._task_group.sum([local])[0]
 
   def _shares(self) -> List[tf.Tensor]:

@@ -151,7 +151,7 @@ class OneUpdate:
       if self._replicas is not None and not self.applying:
         _refuse_inside_control_flow(
             call, graph, self._graph,
-            self._replicas.task_group is not None)
+            self._replicas.task_group.across_tasks)
       return call.run()
     if call.name == 'gradients':
       if not self._training:

@@ -60,15 +60,15 @@ class Replicas:
       freely (see `VariableSharing.unshared`).
     placement: The aggregation.AllReduce placement, which lets the all-reduce
       ops keep the devices given here.
-    task_group: In a synchronous cluster, the training tasks
-      (task_sync.TaskGroup): gradients are also summed over them, and the
-      chief's variables are broadcast to them at the start. None on one
-      machine.
+    task_group: The training tasks: in a synchronous cluster a
+      task_sync.TaskGroup, over which gradients are also summed and to
+      which the chief's variables are broadcast at the start; on one
+      machine a one_machine.OneMachine.
   """
 
   def __init__(self, devices: Sequence[str],
                unshared: Callable[[], contextlib.AbstractContextManager],
-               placement, task_group=None):
+               placement, task_group):
     self._devices = list(devices)
     self.task_group = task_group
     self._unshared = unshared
@@ -197,7 +197,9 @@ class Replicas:
     for tower, loss in enumerate(weighted_losses):
       per_tower.append(differentiate(
           loss, [self.tower_variable(p, tower) for p in primaries]))
-    if self.task_group is not None:
+    if self.task_group.across_tasks:
+      # A local collective would be resolved by the cluster's group leader,
+      # where every task's local group has the same key: see task_sync.
       return self._gradients_over_tasks(primaries, per_tower)
     result = []
     with self._placement.deferring(), tf.name_scope('all_reduce'):
@@ -325,7 +327,8 @@ class Replicas:
           raise ValueError(
               f"aggregation='all_reduce': {what} writes "
               f'{copies[target].op.name}, a per-device copy, itself. '
-              + aggregation.instead_of_all_reduce(self.task_group is not None))
+              + aggregation.instead_of_all_reduce(
+                  self.task_group.across_tasks))
         if target in primaries:
           written[target] = primaries[target]
     updates = tf.nest.flatten(update)
@@ -382,7 +385,7 @@ class Replicas:
             f'variable {self.primary_of(handles[target]).op.name} itself '
             f'({op.type} {op.name}), which would reach only one of its '
             'copies. ' +
-            aggregation.instead_of_all_reduce(self.task_group is not None))
+            aggregation.instead_of_all_reduce(self.task_group.across_tasks))
 
   def sync_op(self, after: tf.Operation) -> tf.Operation:
     """Sets every copy and copy slot from its primary, after `after`."""
@@ -423,8 +426,7 @@ class _SyncingScaffold(tf1.train.Scaffold):
     super().__init__(copy_from_scaffold=scaffold)
     self._replicas = replicas
     self._synced = False
-    group = replicas.task_group
-    if group is not None and not group.is_chief:
+    if not replicas.task_group.is_chief:
       # A worker neither restores nor waits for a chief's initialisation of
       # its variables (no ps holds them): local_init_op initialises them and
       # then takes the chief's values.
@@ -438,27 +440,18 @@ class _SyncingScaffold(tf1.train.Scaffold):
         base = tf1.train.Scaffold.get_or_default(
             'local_init_op', tf1.GraphKeys.LOCAL_INIT_OP,
             tf1.train.Scaffold.default_local_init_op)
-      group = self._replicas.task_group
-      if group is not None:
-        base = self._start_over_tasks(group, base)
+      base = self._replicas.task_group.started(
+          base, self._worker_init_op,
+          lambda: tf1.global_variables() + self._replicas.local_state())
       self._local_init_op = self._replicas.sync_op(base)
     return super().finalize()
 
-  def _start_over_tasks(self, group, base: tf.Operation) -> tf.Operation:
-    """base, preceded (on workers) by initialisation, then the broadcast."""
-    guard = group.restart_guard()
-    first = [guard]
-    if not group.is_chief:
-      init = self._init_op
-      if init is None:
-        init = tf1.global_variables_initializer()
-      with tf.control_dependencies([guard]):
-        first = [tf.group(init)]
-    with tf.control_dependencies(first):
-      base = tf.group(base)
-    with tf.control_dependencies([base]):
-      return tf.group(base, group.broadcast_op(
-          tf1.global_variables() + self._replicas.local_state()))
+  def _worker_init_op(self) -> tf.Operation:
+    """What initialises a worker's variables: the model_fn's init_op, else
+    every global variable's initializer."""
+    if self._init_op is None:
+      return tf1.global_variables_initializer()
+    return self._init_op
 
 
 def _local_sum(primary, grads: list, device: str):

@@ -21,6 +21,7 @@ from estimator_towers import loss_reduction as reduction_lib
 from estimator_towers import loss_scaling
 from estimator_towers import metric_adds
 from estimator_towers import moving_statistics
+from estimator_towers import one_machine
 from estimator_towers import one_update
 from estimator_towers import op_ledger
 from estimator_towers import optimizer_iterations
@@ -189,12 +190,10 @@ def replicate_model_fn(model_fn: ModelFn,
   def replicated_model_fn(features, labels=None, mode=None, params=None,
                           config=None):
     tower_devices = _tower_devices(devices, config)
-    task_group = None
     if mode == ModeKeys.TRAIN:
       aggregation_lib.check_tasks(aggregation, config)
-      if task_sync.is_sync_cluster(config):
-        task_group = task_sync.TaskGroup(config, tower_devices[0],
-                                         sync_timeout_secs)
+    task_group = _task_group(mode, config, tower_devices[0],
+                             sync_timeout_secs)
     if variables_device is not None:
       _check_variables_device(variables_device, config)
     kwargs = {'mode': mode, 'params': params, 'config': config}
@@ -211,7 +210,7 @@ def replicate_model_fn(model_fn: ModelFn,
     # One tower with the float16 rewrite still needs the one update's loss
     # scale, so it is built as towers are.
     if len(tower_devices) == 1 and not loss_scaling.automatic(config) and (
-        task_group is None):
+        not task_group.across_tasks):
       if devices is None:  # One device of the session: as if unwrapped.
         return tpu_spec.as_estimator_spec(
             model_fn(features=features, **kwargs))
@@ -225,7 +224,7 @@ def replicate_model_fn(model_fn: ModelFn,
                             loss_reduction, mode, aggregation,
                             loss_scaling.automatic(config), task_group)
     spec = builder.build(features, labels, kwargs)
-    if task_group is not None:
+    if task_group.across_tasks:
       # A stuck or dead peer must end this task, not hang it.
       spec = spec._replace(training_hooks=(
           *peer_watch.for_task(config, sync_timeout_secs),
@@ -240,8 +239,7 @@ class _TowerBuilder:
   """Builds the towers of one model_fn call and merges their specs."""
 
   def __init__(self, model_fn, devices, variables_device, loss_reduction,
-               mode, aggregation, automatic_loss_scale=False,
-               task_group=None):
+               mode, aggregation, automatic_loss_scale, task_group):
     self._model_fn = model_fn
     self._task_group = task_group
     self._automatic_loss_scale = automatic_loss_scale
@@ -255,8 +253,7 @@ class _TowerBuilder:
     self._statistics = None
     self._placement = aggregation_lib.make(aggregation, devices,
                                            variables_device)
-    if task_group is not None:
-      task_group.placement = self._placement
+    task_group.placement = self._placement
     self._replicas = None
     if aggregation == 'all_reduce' and mode == ModeKeys.TRAIN:
       # Other modes read the primaries, which are tower 0's variables.
@@ -272,8 +269,7 @@ class _TowerBuilder:
       batch = sharding.global_batch_size(
           sharding.named_leaves(features, labels))
       sizes = sharding.shard_sizes(batch, num_towers)
-      if self._task_group is not None:
-        self._task_group.has_rows = batch > 0
+      self._task_group.has_rows = batch > 0
       # Idle towers get a copy of an example in TRAIN (weighted by zero) and
       # PREDICT (their rows are sliced off): an empty batch can make a mean
       # NaN, and oneDNN's CPU convolution mishandles it. EVAL keeps empty
@@ -297,8 +293,7 @@ class _TowerBuilder:
     graph = tf1.get_default_graph()
     with self._update.routing(), (
         optimizer_iterations.same_iterations_accepted()), (
-            self._task_group.own_random_seed() if self._task_group
-            else contextlib.nullcontext()):
+            self._task_group.own_random_seed()):
       for i in range(num_towers):
         with towers.tower(i):
           spec, added = self._build_tower(i, feature_shards[i],
@@ -307,7 +302,7 @@ class _TowerBuilder:
         update_ops.append(added[tf1.GraphKeys.UPDATE_OPS])
     self._tables.order_accesses(towers)
     written = self._tables.written(towers.first)
-    if self._task_group is not None and written:
+    if self._task_group.across_tasks and written:
       # A table is not a variable: it is neither summed nor broadcast.
       raise ValueError(
           f'The model_fn writes the mutable lookup table(s) {written} while '
@@ -332,7 +327,7 @@ class _TowerBuilder:
             self._update.call_dependencies[i], sizes[i] > 0,
             {_op_of(u).name for u in update_ops[i]} |
             self._statistics.exact_writes | one_update_ops,
-            across_tasks=self._task_group is not None,
+            across_tasks=self._task_group.across_tasks,
             drawn=self._drawn(graph, towers.region(i), one_update_ops))
         if i < num_towers - 1:
           effects.extend(found)
@@ -347,9 +342,8 @@ class _TowerBuilder:
       if self._replicas is not None:
         self._replicas.check_no_other_writes(towers.first)
         spec = spec._replace(scaffold=self._replicas.scaffold(spec.scaffold))
-      if self._task_group is not None:
-        # The loss logged (and checked for NaN) is the global batch's.
-        spec = spec._replace(loss=self._task_group.sum([spec.loss])[0])
+      # The loss logged (and checked for NaN) is the global batch's.
+      spec = spec._replace(loss=self._task_group.sum([spec.loss])[0])
       # Towers change the schedule: reads the model_fn left unordered with
       # the step's writes must still see the values from before the step.
       write_order.order_writes([spec.train_op, spec.loss],
@@ -392,7 +386,7 @@ class _TowerBuilder:
     """In a synchronous cluster, whether a tensor of the tower made in
     `tower` depends on its random ops (each task draws its own); None on
     one machine."""
-    if self._task_group is None:
+    if not self._task_group.across_tasks:
       return None
     return reduction_lib.ExampleDependence(
         tower_effects.random_draws(graph, tower), tower.start,
@@ -435,6 +429,17 @@ class _TowerBuilder:
     update = self._update
     return _placer(index, tower_device, self._placement,
                    lambda: update.applying)
+
+
+def _task_group(mode, config, tower_device: str, timeout_secs: float):
+  """The tasks training together: a synchronous cluster's, else this one.
+
+  Only TRAIN spans the tasks of a cluster; EVAL and PREDICT, and clusters
+  with ps tasks, run as on one machine.
+  """
+  if mode == ModeKeys.TRAIN and task_sync.is_sync_cluster(config):
+    return task_sync.TaskGroup(config, tower_device, timeout_secs)
+  return one_machine.OneMachine()
 
 
 def _placer(tower: int, tower_device: str,

@@ -37,7 +37,7 @@ import contextlib
 import hashlib
 import threading
 import weakref
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
@@ -119,6 +119,9 @@ class TaskGroup:
     timeout_secs: How long the start's broadcast may wait for the other
       tasks (the steps are bounded by peer_watch.StepWatch).
   """
+
+  # Sums and the start span several tasks (one_machine.OneMachine: one).
+  across_tasks = True
 
   def __init__(self, config, tower_device: str,
                timeout_secs: float = DEFAULT_TIMEOUT_SECS):
@@ -270,6 +273,37 @@ class TaskGroup:
                                           shapes):
           ops.append(variable.assign(tf.reshape(piece, shape)).op)
     return tf.group(*ops)
+
+  def started(self, base: tf.Operation,
+              init_op: Callable[[], tf.Operation],
+              variables: Callable[[], Sequence[tf.Variable]]
+              ) -> tf.Operation:
+    """`base`, preceded by the restart guard (and on workers by their
+    initialisation), then followed by the chief's broadcast.
+
+    A worker neither restores nor waits for a chief's initialisation of its
+    variables (no ps holds them): local_init_op initialises them and then
+    takes the chief's values.
+
+    Args:
+      base: The local_init_op the Scaffold would run.
+      init_op: Makes the op that initialises the variables (a worker's).
+      variables: Gives the variables the chief broadcasts, once every
+        variable exists.
+
+    Returns:
+      The op to run as local_init_op.
+    """
+    guard = self.restart_guard()
+    first = [guard]
+    if not self.is_chief:
+      init = init_op()  # Made before the guard: only its run waits for it.
+      with tf.control_dependencies([guard]):
+        first = [tf.group(init)]
+    with tf.control_dependencies(first):
+      base = tf.group(base)
+    with tf.control_dependencies([base]):
+      return tf.group(base, self.broadcast_op(variables()))
 
   @contextlib.contextmanager
   def own_random_seed(self) -> Iterator[None]:
