@@ -26,7 +26,7 @@ collective op that must be the same on every task for the same tensor and
 must not name two different collectives in one process (the servers cache
 them). Keys are hashes of what the op carries and of its rank among the
 collectives of its graph, so every task, building the same model_fn,
-derives the same keys without talking.
+derives the same keys without talking (see collective_keys).
 
 Within a task, the towers' sums are plain `add_n`s: a collective of the
 local devices would also be resolved by the cluster's group leader, where
@@ -34,13 +34,12 @@ every task's local group has the same key.
 """
 
 import contextlib
-import hashlib
-import threading
-import weakref
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
+
+from estimator_towers import collective_keys
 
 # A prime far from small seeds: task k's graph seed is seed + k * stride.
 _SEED_STRIDE = 1_000_003
@@ -53,13 +52,6 @@ TRAINING_JOBS = ('chief', 'master', 'worker')
 DEFAULT_TIMEOUT_SECS = 300.0
 # What the restart guard's error says (trainer.sync_errors finds it).
 RESTARTED = 'a task of the synchronous cluster failed or restarted'
-_GROUP_KEY = 0x7E58_0001
-_KEY_SPACE = 2**30
-# Every key this process handed out: key -> what it carries.
-_issued: Dict[int, str] = {}
-_issued_lock = threading.Lock()
-# graph -> how many collectives it has so far.
-_ranks = weakref.WeakKeyDictionary()
 
 
 def is_sync_cluster(config) -> bool:
@@ -194,8 +186,8 @@ class TaskGroup:
         shapes = [_static_shape(t) for t in parts]
         flat = tf.concat([tf.reshape(t, [-1]) for t in parts], 0)
         total = collective_ops.all_reduce(
-            flat, self.size, _GROUP_KEY,
-            self._key(f'sum:{dtype.name}:{shapes}'), 'Add', 'Id')
+            flat, self.size, collective_keys.TASK_GROUP,
+            self._instance_key(f'sum:{dtype.name}:{shapes}'), 'Add', 'Id')
         sizes = [_num_elements(s) for s in shapes]
         for i, piece, shape in zip(positions, tf.split(total, sizes),
                                    shapes):
@@ -215,15 +207,18 @@ class TaskGroup:
       # The number of rows varies with the batch; a row's shape may not.
       name = f'{values.dtype.name}:{_static_shape(values, first_dim=1)}'
       counts = collective_ops.all_gather(
-          rows, self.size, _GROUP_KEY, self._key(f'rows:{name}'))
+          rows, self.size, collective_keys.TASK_GROUP,
+          self._instance_key(f'rows:{name}'))
       most = tf.reduce_max(counts)
       pad = most - rows[0]
       values = tf.pad(values, [[0, pad]] + [[0, 0]] * (values.shape.rank - 1))
       indices = tf.pad(indices, [[0, pad]])
       all_values = collective_ops.all_gather(
-          values, self.size, _GROUP_KEY, self._key(f'values:{name}'))
+          values, self.size, collective_keys.TASK_GROUP,
+          self._instance_key(f'values:{name}'))
       all_indices = collective_ops.all_gather(
-          indices, self.size, _GROUP_KEY, self._key(f'indices:{name}'))
+          indices, self.size, collective_keys.TASK_GROUP,
+          self._instance_key(f'indices:{name}'))
       keep = tf.reshape(
           tf.sequence_mask(counts, most), [-1])
       return tf.IndexedSlices(
@@ -257,17 +252,17 @@ class TaskGroup:
       for dtype, group in by_dtype.items():
         shapes = [_static_shape(v) for v in group]
         sizes = [_num_elements(s) for s in shapes]
-        key = self._key(f'start:{dtype.name}:{[v.name for v in group]}:'
-                        f'{shapes}')
+        key = self._instance_key(
+            f'start:{dtype.name}:{[v.name for v in group]}:{shapes}')
         if self.is_chief:
           flat = tf.concat([tf.reshape(v.read_value(), [-1]) for v in group],
                            0)
           ops.append(collective_ops.broadcast_send(
-              flat, flat.shape, dtype, self.size, _GROUP_KEY, key,
-              timeout=self._timeout).op)
+              flat, flat.shape, dtype, self.size, collective_keys.TASK_GROUP,
+              key, timeout=self._timeout).op)
           continue
         flat = collective_ops.broadcast_recv(
-            [sum(sizes)], dtype, self.size, _GROUP_KEY, key,
+            [sum(sizes)], dtype, self.size, collective_keys.TASK_GROUP, key,
             timeout=self._timeout)
         for variable, piece, shape in zip(group, tf.split(flat, sizes),
                                           shapes):
@@ -357,21 +352,9 @@ class TaskGroup:
 
   # --------------------------------------------------------------------
 
-  def _key(self, carries: str) -> int:
+  def _instance_key(self, carries: str) -> int:
     """An instance key, the same on every task for the same collective."""
-    graph = tf1.get_default_graph()
-    rank = _ranks.get(graph, 0)
-    _ranks[graph] = rank + 1
-    signature = f'{self.size}:{rank}:{carries}'
-    digest = hashlib.sha256(signature.encode()).digest()
-    key = 1 + int.from_bytes(digest[:8], 'big') % (_KEY_SPACE - 1)
-    with _issued_lock:
-      if _issued.setdefault(key, signature) != signature:
-        raise ValueError(
-            f'Two collectives of this process hash to instance key {key} '
-            f'({_issued[key]!r} and {signature!r}). Build the training '
-            'graph in a fresh process.')
-    return key
+    return collective_keys.of_graph().task_instance(self.size, carries)
 
 
 def can_broadcast(variable: tf.Variable) -> bool:
