@@ -105,9 +105,12 @@ class Placement:
 
   Attributes:
     name: The strategy's name, one of AGGREGATIONS.
+    replicates_variables: Whether each tower device holds its own copy of
+      the trainable variables in TRAIN (see replicas.py).
   """
 
   name = ''
+  replicates_variables = False
 
   def __init__(self):
     self._local = threading.local()
@@ -174,6 +177,7 @@ class AllReduce(Placement):
   """Each tower's variables on its own device; see replicas.py."""
 
   name = 'all_reduce'
+  replicates_variables = True
 
   def __init__(self, devices: Sequence[str]):
     super().__init__()

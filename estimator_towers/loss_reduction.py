@@ -359,6 +359,49 @@ class TowerWeights:
       self._cache[key] = self._weights(losses)
     return self._cache[key]
 
+  def terms(self, losses: List[tf.Tensor],
+            place: Optional[Callable[[Callable[[int], tf.Tensor]],
+                                     List[tf.Tensor]]] = None
+            ) -> List[tf.Tensor]:
+    """Each tower's loss times its weight; their sum is the global loss.
+
+    What the one update differentiates: an idle tower's term is its loss
+    (of a padding copy, finite) times a zero weight.
+
+    Args:
+      losses: The towers' losses of one optimizer call.
+      place: Builds [fn(t) for every tower t] where the terms must live
+        (each on its tower's device, for all_reduce); None builds them in
+        order under the current device.
+
+    Returns:
+      One term per tower.
+    """
+    weights = self(losses)
+    weighted = lambda t: losses[t] * tf.cast(weights[t], losses[t].dtype)  # pylint: disable=unnecessary-lambda-assignment
+    if place is None:
+      return [weighted(t) for t in range(len(losses))]
+    return place(weighted)
+
+  def merged_loss(self, losses: List[tf.Tensor]) -> tf.Tensor:
+    """The global-batch loss the merged spec reports, idle towers left out.
+
+    An idle tower's loss may be NaN (the mean of nothing); `tf.where` drops
+    it instead of multiplying it by zero.
+
+    Args:
+      losses: The towers' spec losses.
+
+    Returns:
+      The weighted sum.
+    """
+    weights = self(losses)
+    terms = []
+    for i, loss in enumerate(losses):
+      term = loss * tf.cast(weights[i], loss.dtype)
+      terms.append(tf.where(self._sizes[i] > 0, term, tf.zeros_like(term)))
+    return tf.add_n(terms, name='tower_weighted_loss')
+
   def _weights(self, losses: List[tf.Tensor]) -> List[tf.Tensor]:
     reductions = [analyze(loss, ExampleDependence(self._shards[t],
                                                   self._towers.start(t)))

@@ -25,9 +25,6 @@ class OneMachine:
     size: 1.
     index: 0, as the chief of a cluster.
     is_chief: True: this task restores or initialises the variables.
-    placement: The tower builder's aggregation.Placement (unused here).
-    has_rows: Whether the batch has any example (unused here: one task
-      with an empty batch has no peers whose sums it could disturb).
   """
 
   across_tasks = False
@@ -35,12 +32,10 @@ class OneMachine:
   index = 0
   is_chief = True
 
-  def __init__(self):
-    self.placement = None
-    self.has_rows = None
-
-  def own_part(self, gradient):
-    """`gradient`: the only task's part is the whole sum."""
+  def own_part(self, gradient, has_rows: tf.Tensor):
+    """`gradient`: the only task's part is the whole sum (an empty batch
+    has no peers whose sums its zero row could disturb)."""
+    del has_rows
     return gradient
 
   def sum(self, tensors: Sequence[tf.Tensor]) -> List[tf.Tensor]:

@@ -73,12 +73,14 @@ class OneUpdate:
 
   Args:
     num_towers: How many towers call the model_fn.
-    weigh: Given the towers' losses of one optimizer call, returns one scalar
-      weight per tower such that the weighted sum is the global-batch loss.
+    weights: The towers' loss weights (a loss_reduction.TowerWeights),
+      whose weighted terms add up to the global-batch loss.
     unshared: A context factory inside which new variables (slots) may be
       created in any tower; see `VariableSharing.unshared`.
     replicas: For the 'all_reduce' aggregation, the towers' copies of the
       variables (a `replicas.Replicas`); None for one shared set.
+    has_rows: Whether this task's batch has any example (a bool scalar),
+      for the gradients summed over the tasks of a cluster.
     training: False in EVAL and PREDICT: `tf.gradients` then stays each
       tower's own (what it computes may be an output; no update runs).
     automatic_loss_scale: Wrap the optimizers in a dynamic loss scale (the
@@ -86,15 +88,16 @@ class OneUpdate:
   """
 
   def __init__(self, num_towers: int,
-               weigh: Callable[[List[tf.Tensor]], List[tf.Tensor]],
+               weights,
                unshared: Callable[[], contextlib.AbstractContextManager],
-               replicas=None, training: bool = True,
+               replicas, has_rows: tf.Tensor, training: bool = True,
                automatic_loss_scale: bool = False):
     self._num_towers = num_towers
     self._training = training
     self._scaling = (loss_scaling.AutomaticScaling() if automatic_loss_scale
                      else None)
-    self._weigh = weigh
+    self._weights = weights
+    self._has_rows = has_rows
     self._unshared = unshared
     self._replicas = replicas
     # Ops the model_fn made the optimizer calls depend on, per tower.
@@ -339,7 +342,8 @@ class OneUpdate:
       if self._replicas is None:
         return direct(loss)
       return pack(self._replicas.gradients(self._tower_terms(loss),
-                                           variables, per_tower))
+                                           variables, per_tower,
+                                           self._has_rows))
 
   def _tower_terms(self, loss: tf.Tensor) -> List[tf.Tensor]:
     """Per tower, a loss whose gradient w.r.t. the tower's copies is its
@@ -415,13 +419,10 @@ class OneUpdate:
     """The weighted sum of the towers' losses of optimizer call `call`."""
     losses = [self._losses[call][t] for t in range(self._num_towers)]
     with tf.name_scope('global_loss'), self._whole_batch():
-      weights = self._weigh(losses)
-      weighted = lambda t: losses[t] * tf.cast(weights[t], losses[t].dtype)  # pylint: disable=unnecessary-lambda-assignment
-      if self._replicas is not None:
-        # Each tower's term on its device: its copies' gradients start there.
-        self._terms = self._replicas.on_tower_devices(weighted)
-      else:
-        self._terms = [weighted(t) for t in range(self._num_towers)]
+      # Each tower's term on its device (all_reduce): its copies' gradients
+      # start there.
+      self._terms = self._weights.terms(
+          losses, self._replicas.on_tower_devices if self._replicas else None)
       self._total = tf.add_n(self._terms)
       return self._total
 

@@ -179,7 +179,8 @@ class Replicas:
     return results
 
   def gradients(self, weighted_losses: Sequence[tf.Tensor], variables: List,
-                differentiate: Callable[[tf.Tensor, List], List]) -> List:
+                differentiate: Callable[[tf.Tensor, List], List],
+                has_rows: tf.Tensor) -> List:
     """Each tower's gradients w.r.t. its copies, all-reduced.
 
     Args:
@@ -187,6 +188,8 @@ class Replicas:
       variables: The variables the model_fn asked gradients for (primaries
         or one tower's copies).
       differentiate: (loss, variables) -> one gradient (or None) each.
+      has_rows: Whether this task's batch has any example (a bool scalar);
+        in a synchronous cluster a task without one adds nothing.
 
     Returns:
       The summed gradients on tower 0's device, one per variable; the other
@@ -200,7 +203,7 @@ class Replicas:
     if self.task_group.across_tasks:
       # A local collective would be resolved by the cluster's group leader,
       # where every task's local group has the same key: see task_sync.
-      return self._gradients_over_tasks(primaries, per_tower)
+      return self._gradients_over_tasks(primaries, per_tower, has_rows)
     result = []
     with self._placement.deferring(), tf.name_scope('all_reduce'):
       for k in range(len(primaries)):
@@ -219,8 +222,8 @@ class Replicas:
         self._sums[id(result[-1])] = sums
     return result
 
-  def _gradients_over_tasks(self, primaries: List, per_tower: List[List]
-                            ) -> List:
+  def _gradients_over_tasks(self, primaries: List, per_tower: List[List],
+                            has_rows: tf.Tensor) -> List:
     """`gradients` in a synchronous cluster: summed over towers and tasks.
 
     The towers' gradients are added on tower 0's device, the dense sums of
@@ -234,7 +237,7 @@ class Replicas:
         grad = _local_sum(primary, grads, self._devices[0])
         if grad is not None:
           with tf.device(self._devices[0]):
-            grad = self.task_group.own_part(grad)
+            grad = self.task_group.own_part(grad, has_rows)
         local.append(grad)
       dense = [k for k, g in enumerate(local)
                if g is not None and not isinstance(g, tf.IndexedSlices)]

@@ -55,13 +55,17 @@ _EXPORTS = frozenset(['LookupTableExport', 'LookupTableExportV2'])
 
 
 class TableSharing:
-  """Records tower 0's mutable tables and hands them to the later towers."""
+  """Records tower 0's mutable tables and hands them to the later towers.
 
-  def __init__(self):
+  Args:
+    sizes: Each tower's number of real examples (an int32 vector): an idle
+      tower's writes insert nothing. None leaves every tower's writes as
+      they are.
+  """
+
+  def __init__(self, sizes: Optional[tf.Tensor] = None):
     self._created: List = []
-    # Each tower's number of real examples (a Tensor), set before the towers
-    # are built; None leaves every tower's writes as they are.
-    self.sizes: Optional[tf.Tensor] = None
+    self.sizes = sizes
 
   @contextlib.contextmanager
   def tower(self, index: int) -> Iterator[None]:

@@ -110,13 +110,16 @@ class TaskGroup:
       collectives run on that device of every task.
     timeout_secs: How long the start's broadcast may wait for the other
       tasks (the steps are bounded by peer_watch.StepWatch).
+    placement: The tower builder's aggregation.Placement: its device
+      functions must let the collectives keep this task's collective device.
   """
 
   # Sums and the start span several tasks (one_machine.OneMachine: one).
   across_tasks = True
 
   def __init__(self, config, tower_device: str,
-               timeout_secs: float = DEFAULT_TIMEOUT_SECS):
+               timeout_secs: float = DEFAULT_TIMEOUT_SECS,
+               placement=None):
     self.size = config.num_worker_replicas
     self.index = config.global_id_in_cluster
     self.is_chief = config.is_chief
@@ -125,16 +128,9 @@ class TaskGroup:
     self.device = spec.replace(job=config.task_type, replica=0,
                                task=config.task_id).to_string()
     self._timeout = float(timeout_secs)
-    # The tower builder's aggregation.Placement: its device functions must
-    # let the collectives keep this task's collective device.
-    self.placement = None
-    # Whether this task's part of the step's global batch has any example
-    # (a bool scalar the tower builder sets). A task without one trains its
-    # towers on a row of zeros, whose gradients must not count: see
-    # `own_part`.
-    self.has_rows = None
+    self.placement = placement
 
-  def own_part(self, gradient):
+  def own_part(self, gradient, has_rows: tf.Tensor):
     """`gradient` as this task's part of the sum: nothing if it has no rows.
 
     The zero row a task without examples trains on is weighted by zero, but
@@ -145,17 +141,18 @@ class TaskGroup:
 
     Args:
       gradient: A Tensor or tf.IndexedSlices, this task's towers' sum.
+      has_rows: Whether this task's part of the step's global batch has any
+        example (a bool scalar). A task without one trains its towers on a
+        row of zeros, whose gradients must not count.
 
     Returns:
       The same kind of value.
     """
-    if self.has_rows is None:
-      return gradient
     if isinstance(gradient, tf.IndexedSlices):
-      rows = tf.shape(gradient.indices)[0] * tf.cast(self.has_rows, tf.int32)
+      rows = tf.shape(gradient.indices)[0] * tf.cast(has_rows, tf.int32)
       return tf.IndexedSlices(gradient.values[:rows],
                               gradient.indices[:rows], gradient.dense_shape)
-    return tf.where(self.has_rows, gradient, tf.zeros_like(gradient))
+    return tf.where(has_rows, gradient, tf.zeros_like(gradient))
 
   @contextlib.contextmanager
   def _on_device(self, scope: str) -> Iterator[None]:
