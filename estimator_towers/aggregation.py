@@ -16,6 +16,12 @@
 
 Each strategy is a small class deciding the device of a variable op; the
 all_reduce one also owns the replicated variables.
+
+Not done yet (issue 25, item 3): the strategies decide placement only. The
+gradient path still branches on whether there are replicas (one_update's
+`_differentiate`, `_update`, `_global_loss` and the control-flow refusal;
+the builder's scaffold and write check); a strategy object owning that
+path (shared variables vs replicas) would replace those branches.
 """
 
 import contextlib
