@@ -16,6 +16,12 @@
 
 Each strategy is a small class deciding the device of a variable op; the
 all_reduce one also owns the replicated variables.
+
+Not done yet (issue 25, item 3): the strategies decide placement only. The
+gradient path still branches on whether there are replicas (one_update's
+`_differentiate`, `_update`, `_global_loss` and the control-flow refusal;
+the builder's scaffold and write check); a strategy object owning that
+path (shared variables vs replicas) would replace those branches.
 """
 
 import contextlib
@@ -105,9 +111,12 @@ class Placement:
 
   Attributes:
     name: The strategy's name, one of AGGREGATIONS.
+    replicates_variables: Whether each tower device holds its own copy of
+      the trainable variables in TRAIN (see replicas.py).
   """
 
   name = ''
+  replicates_variables = False
 
   def __init__(self):
     self._local = threading.local()
@@ -174,6 +183,7 @@ class AllReduce(Placement):
   """Each tower's variables on its own device; see replicas.py."""
 
   name = 'all_reduce'
+  replicates_variables = True
 
   def __init__(self, devices: Sequence[str]):
     super().__init__()

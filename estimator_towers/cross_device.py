@@ -5,8 +5,8 @@ Used by the `all_reduce` aggregation (see replicas.py). Three ways:
 * NCCL (`nccl_ops.all_sum`) when every device is a GPU;
 * TensorFlow's collective ops (`CollectiveReduce`, ring all-reduce) otherwise.
   They run in a `tf.compat.v1.Session` across the local (also virtual CPU)
-  devices; each session gets its own collective executor, so the keys below
-  need only be unique within one graph;
+  devices; each session gets its own collective executor, so their keys
+  (collective_keys) need only be unique within one graph;
 * sparse gradients (`tf.IndexedSlices`, e.g. of embeddings) are not reduced
   but gathered: every device concatenates all towers' rows in tower order,
   which is what `tf.gradients` does for a variable used by several towers.
@@ -17,37 +17,15 @@ Each device receives bit-identical results (ring all-reduce and the concat
 broadcast one result), which keeps the replicated variables identical.
 """
 
-import weakref
 from typing import List, Sequence, Union
 
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import nccl_ops  # pylint: disable=g-direct-tensorflow-import
 
+from estimator_towers import collective_keys
+
 Gradient = Union[tf.Tensor, tf.IndexedSlices]
-
-# Group keys of this module; well away from small keys a user might pick.
-_GROUP_KEY_BASE = 0x7E57_0000
-# graph -> {'groups': {device tuple: group key}, 'instance': last key}.
-_keys = weakref.WeakKeyDictionary()
-
-
-def _graph_keys(graph: tf.Graph) -> dict:
-  if graph not in _keys:
-    _keys[graph] = {'groups': {}, 'instance': 0}
-  return _keys[graph]
-
-
-def _group_key(graph: tf.Graph, devices: Sequence[str]) -> int:
-  groups = _graph_keys(graph)['groups']
-  return groups.setdefault(tuple(devices), _GROUP_KEY_BASE + len(groups))
-
-
-def _instance_key(graph: tf.Graph) -> int:
-  state = _graph_keys(graph)
-  state['instance'] += 1
-  return state['instance']
-
 
 def uses_nccl(devices: Sequence[str]) -> bool:
   """True when every device is a GPU, so NCCL sums the gradients."""
@@ -80,8 +58,8 @@ def all_sum(values: Sequence[Gradient], devices: Sequence[str]
   if uses_nccl(devices):
     return nccl_ops.all_sum(
         [_on(d, tf.identity, v) for v, d in zip(values, devices)])
-  graph = tf.compat.v1.get_default_graph()
-  group, instance = _group_key(graph, devices), _instance_key(graph)
+  keys = collective_keys.of_graph()
+  group, instance = keys.local_group(devices), keys.local_instance()
   return [_on(d, collective_ops.all_reduce, v, len(devices), group, instance,
               'Add', 'Id') for v, d in zip(values, devices)]
 

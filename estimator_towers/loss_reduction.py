@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers import op_ledger
 from estimator_towers import sharding
 
 SUM = 'sum'
@@ -248,18 +249,19 @@ def _reduces_a_scalar(tensor: tf.Tensor) -> bool:
 class ExampleDependence:
   """Answers whether a tensor depends on one tower's shard of the batch.
 
-  The walk follows data inputs only among the ops the tower created (by op
-  id, from `first_id` on) and stops at the shard's tensors.
+  The walk follows data inputs only among the ops the tower created (those
+  made after `since`) and stops at the shard's tensors.
 
   Args:
     shard: The tower's features and labels (any nest of tensors).
-    first_id: The id of the first op the tower's model_fn call created.
+    since: A mark taken before the tower's model_fn call (an
+      `op_ledger.Mark`).
     whole_batch: Names of ops whose values are the whole batch's, not the
       tower's (the one update's, e.g. routed gradients): the walk stops
       there.
   """
 
-  def __init__(self, shard, first_id: int, whole_batch=frozenset()):
+  def __init__(self, shard, since: op_ledger.Mark, whole_batch=frozenset()):
     leaves = sharding.leaves(shard, expand_composites=True)
     # A scalar feature is every tower's whole, not part of a shard.
     self._shard_ops = {t.op.name for t in leaves if isinstance(t, tf.Tensor)
@@ -269,7 +271,7 @@ class ExampleDependence:
     # time (the usual case; static when the input's batch size is).
     self.batch_size = (_rows(dense[0].shape) if dense and dense[0].shape.rank
                        else None)
-    self._first_id = first_id
+    self._since = since
     self._memo: Dict[str, bool] = {name: False for name in whole_batch}
 
   def __call__(self, tensor: tf.Tensor) -> bool:
@@ -281,7 +283,7 @@ class ExampleDependence:
         continue
       if op.name in self._shard_ops:
         self._memo[op.name] = True
-      elif op._id < self._first_id:  # pylint: disable=protected-access
+      elif op_ledger.made_before(op, self._since):
         self._memo[op.name] = False
       elif expanded:
         # An input still unresolved here closes a loop: it adds nothing new.
@@ -339,19 +341,19 @@ class TowerWeights:
       against the graph where it can be read).
     sizes: Each tower's number of real examples (an int32 vector).
     shards: Each tower's features and labels.
-    first_ids: For each tower, the id of the first op its model_fn created.
-    task_group: In a synchronous cluster, the training tasks
-      (task_sync.TaskGroup), whose towers share the global batch; None on
-      one machine.
+    towers: Where each tower's ops begin (an `op_ledger.TowerLedger`).
+    task_group: The training tasks, whose towers share the global batch
+      (a task_sync.TaskGroup in a synchronous cluster, else
+      one_machine.OneMachine).
   """
 
   def __init__(self, requested: str, sizes: tf.Tensor, shards: List,
-               first_ids: List[int], task_group=None):
+               towers: op_ledger.TowerLedger, task_group):
     self._requested = requested
     self._task_group = task_group
     self._sizes = sizes
     self._shards = shards
-    self._first_ids = first_ids
+    self._towers = towers
     self._cache: Dict[tuple, List[tf.Tensor]] = {}
 
   def __call__(self, losses: List[tf.Tensor]) -> List[tf.Tensor]:
@@ -366,9 +368,52 @@ class TowerWeights:
       self._cache[key] = self._weights(losses)
     return self._cache[key]
 
+  def terms(self, losses: List[tf.Tensor],
+            place: Optional[Callable[[Callable[[int], tf.Tensor]],
+                                     List[tf.Tensor]]] = None
+            ) -> List[tf.Tensor]:
+    """Each tower's loss times its weight; their sum is the global loss.
+
+    What the one update differentiates: an idle tower's term is its loss
+    (of a padding copy, finite) times a zero weight.
+
+    Args:
+      losses: The towers' losses of one optimizer call.
+      place: Builds [fn(t) for every tower t] where the terms must live
+        (each on its tower's device, for all_reduce); None builds them in
+        order under the current device.
+
+    Returns:
+      One term per tower.
+    """
+    weights = self(losses)
+    weighted = lambda t: losses[t] * tf.cast(weights[t], losses[t].dtype)  # pylint: disable=unnecessary-lambda-assignment
+    if place is None:
+      return [weighted(t) for t in range(len(losses))]
+    return place(weighted)
+
+  def merged_loss(self, losses: List[tf.Tensor]) -> tf.Tensor:
+    """The global-batch loss the merged spec reports, idle towers left out.
+
+    An idle tower's loss may be NaN (the mean of nothing); `tf.where` drops
+    it instead of multiplying it by zero.
+
+    Args:
+      losses: The towers' spec losses.
+
+    Returns:
+      The weighted sum.
+    """
+    weights = self(losses)
+    terms = []
+    for i, loss in enumerate(losses):
+      term = loss * tf.cast(weights[i], loss.dtype)
+      terms.append(tf.where(self._sizes[i] > 0, term, tf.zeros_like(term)))
+    return tf.add_n(terms, name='tower_weighted_loss')
+
   def _weights(self, losses: List[tf.Tensor]) -> List[tf.Tensor]:
     reductions = [analyze(loss, ExampleDependence(self._shards[t],
-                                                  self._first_ids[t]))
+                                                  self._towers.start(t)))
                   for t, loss in enumerate(losses)]
     kind = self._resolve(losses[0], reductions)
     active = self._sizes > 0
@@ -418,8 +463,6 @@ class TowerWeights:
 
   def _total_of(self, local: tf.Tensor) -> tf.Tensor:
     """The global batch's total of what `local` counts in this task."""
-    if self._task_group is None:
-      return local
     return self._task_group.sum([local])[0]
 
   def _shares(self) -> List[tf.Tensor]:

@@ -50,13 +50,12 @@ class MovingStatistics:
     num_towers: How many towers are built.
     sizes: Each tower's number of real examples (int32 [num_towers]); an
       idle tower (0) trains on a padding copy and must weigh nothing.
-    task_group: In a synchronous cluster, the training tasks
-      (task_sync.TaskGroup): the moments are combined over their towers
-      too, so every task applies the same global-batch update. None on one
-      machine.
+    task_group: The training tasks (a task_sync.TaskGroup in a synchronous
+      cluster, whose towers' moments are combined too, so that every task
+      applies the same global-batch update; one_machine.OneMachine else).
   """
 
-  def __init__(self, num_towers: int, sizes: tf.Tensor, task_group=None):
+  def __init__(self, num_towers: int, sizes: tf.Tensor, task_group):
     self._num_towers = num_towers
     self._task_group = task_group
     self._sizes = sizes
@@ -197,8 +196,7 @@ class MovingStatistics:
       variance = _weighted_mean(terms, weights, self._task_group)
       if shards[0].corrected:
         total = tf.add_n(weights)
-        if self._task_group is not None:
-          total = self._task_group.sum([total])[0]
+        total = self._task_group.sum([total])[0]
         variance = variance * total / (total - 1)
       return variance
 
@@ -250,16 +248,15 @@ def _check_supported(layer) -> None:
 
 
 def _weighted_mean(values: Sequence[tf.Tensor],
-                   weights: Sequence[tf.Tensor], task_group=None) -> tf.Tensor:
+                   weights: Sequence[tf.Tensor], task_group) -> tf.Tensor:
   """sum_i w_i v_i / sum_i w_i; a zero weight drops a NaN value.
 
-  With a task_group, both sums run over the towers of every task.
+  Both sums run over the towers of every task of `task_group`.
   """
   terms = [tf.where(w > 0, w * v, tf.zeros_like(v))
            for v, w in zip(values, weights)]
   numerator, denominator = tf.add_n(terms), tf.add_n(weights)
-  if task_group is not None:
-    numerator, denominator = task_group.sum([numerator, denominator])
+  numerator, denominator = task_group.sum([numerator, denominator])
   return numerator / denominator
 
 

@@ -50,6 +50,7 @@ import tensorflow as tf
 from estimator_towers import aggregation
 from estimator_towers import gradient_routing as calls
 from estimator_towers import loss_scaling
+from estimator_towers import op_ledger
 from estimator_towers import write_order
 
 # A named logger, not absl's functions: their first call in a script
@@ -72,12 +73,14 @@ class OneUpdate:
 
   Args:
     num_towers: How many towers call the model_fn.
-    weigh: Given the towers' losses of one optimizer call, returns one scalar
-      weight per tower such that the weighted sum is the global-batch loss.
+    weights: The towers' loss weights (a loss_reduction.TowerWeights),
+      whose weighted terms add up to the global-batch loss.
     unshared: A context factory inside which new variables (slots) may be
       created in any tower; see `VariableSharing.unshared`.
     replicas: For the 'all_reduce' aggregation, the towers' copies of the
       variables (a `replicas.Replicas`); None for one shared set.
+    has_rows: Whether this task's batch has any example (a bool scalar),
+      for the gradients summed over the tasks of a cluster.
     training: False in EVAL and PREDICT: `tf.gradients` then stays each
       tower's own (what it computes may be an output; no update runs).
     automatic_loss_scale: Wrap the optimizers in a dynamic loss scale (the
@@ -85,15 +88,16 @@ class OneUpdate:
   """
 
   def __init__(self, num_towers: int,
-               weigh: Callable[[List[tf.Tensor]], List[tf.Tensor]],
+               weights,
                unshared: Callable[[], contextlib.AbstractContextManager],
-               replicas=None, training: bool = True,
+               replicas, has_rows: tf.Tensor, training: bool = True,
                automatic_loss_scale: bool = False):
     self._num_towers = num_towers
     self._training = training
     self._scaling = (loss_scaling.AutomaticScaling() if automatic_loss_scale
                      else None)
-    self._weigh = weigh
+    self._weights = weights
+    self._has_rows = has_rows
     self._unshared = unshared
     self._replicas = replicas
     # Ops the model_fn made the optimizer calls depend on, per tower.
@@ -114,15 +118,15 @@ class OneUpdate:
     self._total: Optional[tf.Tensor] = None
     self._terms: List[tf.Tensor] = []
     self.applying = False
-    # Op-id ranges [first, end) of the last tower's routed calls: the one
-    # update, whose writes are not a tower's writes from its shard.
-    self._update_ranges: List[Tuple[int, int]] = []
-    # Op-id ranges of the gradients and global losses built there: values of
-    # the whole batch, though they read the last tower's activations.
-    self._whole_batch_ranges: List[Tuple[int, int]] = []
+    # The ops of the last tower's routed calls: the one update, whose
+    # writes are not a tower's writes from its shard.
+    self._update_regions: List[op_ledger.Region] = []
+    # The ops of the gradients and global losses built there: values of the
+    # whole batch, though they read the last tower's activations.
+    self._whole_batch_regions: List[op_ledger.Region] = []
     # The last tower's updates (minimize, get_updates, apply_gradients):
-    # their results and op-id ranges.
-    self._updates: List[Tuple[Any, Tuple[int, int]]] = []
+    # their results and regions.
+    self._updates: List[Tuple[Any, op_ledger.Region]] = []
 
   @contextlib.contextmanager
   def routing(self) -> Iterator[None]:
@@ -150,7 +154,7 @@ class OneUpdate:
       if self._replicas is not None and not self.applying:
         _refuse_inside_control_flow(
             call, graph, self._graph,
-            self._replicas.task_group is not None)
+            self._replicas.task_group.across_tasks)
       return call.run()
     if call.name == 'gradients':
       if not self._training:
@@ -207,7 +211,7 @@ class OneUpdate:
       if call.kind == calls.GRADIENTS:
         self._routed_outputs[tower].extend(_ops_of(result))
     if call.kind == calls.UPDATE:
-      self._updates.append((result, self._update_ranges[-1]))
+      self._updates.append((result, self._update_regions[-1]))
     return result
 
   def _outer_apply(self, call: calls.Call) -> Any:
@@ -235,7 +239,7 @@ class OneUpdate:
         result = self._scaling.run(call)
       else:
         result = self._update(call)
-    self._updates.append((result, self._update_ranges[-1]))
+    self._updates.append((result, self._update_regions[-1]))
     return result
 
   def _scaled(self, call: calls.Call) -> bool:
@@ -251,22 +255,21 @@ class OneUpdate:
     every tower (each op on its tower's device), and slot and non-slot
     variables get checkpoint-compatible names.
     """
-    graph = tf1.get_default_graph()
-    first = _next_op_id(graph)
     self.applying = True
     try:
-      with self._first_tower_scope(key), self._unshared():
-        yield
+      with op_ledger.region() as update:
+        self._update_regions.append(update)
+        with self._first_tower_scope(key), self._unshared():
+          yield
     finally:
       self.applying = False
-      self._update_ranges.append((first, _next_op_id(graph)))
 
   def update_op_names(self) -> Set[str]:
     """Names of the ops the last tower's routed calls created (the one
     update), which write variables once, from the whole batch."""
     graph = self._graph or tf1.get_default_graph()
     return {op.name for op in graph.get_operations()
-            if _in_ranges(op, self._update_ranges)}
+            if op_ledger.in_any(op, self._update_regions)}
 
   def result_ops(self) -> List[tf.Operation]:
     """The ops that end the one update: what its optimizer calls returned."""
@@ -276,12 +279,9 @@ class OneUpdate:
   @contextlib.contextmanager
   def _whole_batch(self) -> Iterator[None]:
     """Marks the ops made inside as the whole batch's values."""
-    graph = tf1.get_default_graph()
-    first = _next_op_id(graph)
-    try:
+    with op_ledger.region() as whole_batch:
+      self._whole_batch_regions.append(whole_batch)
       yield
-    finally:
-      self._whole_batch_ranges.append((first, _next_op_id(graph)))
 
   def check_batch_free_update(self, depends_on_shard: Callable[
       [tf.Tensor], bool]) -> None:
@@ -301,19 +301,18 @@ class OneUpdate:
     """
     if self._num_towers < 2:
       return
-    for result, (first, end) in self._updates:
+    for result, update in self._updates:
       pending, seen = _operations_of(result), set()
       while pending:
         op = pending.pop()
-        if op.name in seen or _in_ranges(op, self._whole_batch_ranges):
+        if op.name in seen or op_ledger.in_any(op, self._whole_batch_regions):
           continue
         seen.add(op.name)
-        if not first <= op._id < end:  # pylint: disable=protected-access
+        if not update.contains(op):
           continue
         pending.extend(op.control_inputs)
         for tensor in op.inputs:
-          if (first <= tensor.op._id < end or  # pylint: disable=protected-access
-              not depends_on_shard(tensor)):
+          if update.contains(tensor.op) or not depends_on_shard(tensor):
             pending.append(tensor.op)
             continue
           raise ValueError(
@@ -343,7 +342,8 @@ class OneUpdate:
       if self._replicas is None:
         return direct(loss)
       return pack(self._replicas.gradients(self._tower_terms(loss),
-                                           variables, per_tower))
+                                           variables, per_tower,
+                                           self._has_rows))
 
   def _tower_terms(self, loss: tf.Tensor) -> List[tf.Tensor]:
     """Per tower, a loss whose gradient w.r.t. the tower's copies is its
@@ -382,16 +382,15 @@ class OneUpdate:
 
   def _update_every_copy(self, call: calls.Call, grads_and_vars) -> Any:
     """The base apply_gradients, once for a list holding every copy."""
-    graph = tf1.get_default_graph()
-    first = _next_op_id(graph)
-    with self._replicas.local_slots():
-      # One call for every copy: slots, Adam's powers, Keras's iterations
-      # and global_step advance once.
-      op = call.run({0: self._replicas.expand(grads_and_vars)})
-    unused = self._replicas.unused_sums()
-    if unused:
-      op = tf.group(op, *unused)
-    self._replicas.applied(call.optimizer, first, _next_op_id(graph))
+    with op_ledger.region() as update:
+      with self._replicas.local_slots():
+        # One call for every copy: slots, Adam's powers, Keras's iterations
+        # and global_step advance once.
+        op = call.run({0: self._replicas.expand(grads_and_vars)})
+      unused = self._replicas.unused_sums()
+      if unused:
+        op = tf.group(op, *unused)
+    self._replicas.applied(call.optimizer, update)
     return op
 
   def _update_then_sync(self, call: calls.Call, replace: Dict) -> Any:
@@ -400,15 +399,15 @@ class OneUpdate:
     Its own code may create variables (slots) and write them in ways the
     copies cannot mirror, so it updates only the primaries.
     """
-    graph = tf1.get_default_graph()
-    first = _next_op_id(graph)
-    self._syncing = True
-    try:
-      result = call.run(replace)
-    finally:
-      self._syncing = False
-    synced = self._replicas.sync_written(result, first, call.qualified_name)
-    self._replicas.applied(None, first, _next_op_id(graph))
+    with op_ledger.region() as update:
+      self._syncing = True
+      try:
+        result = call.run(replace)
+      finally:
+        self._syncing = False
+      synced = self._replicas.sync_written(result, update.start,
+                                           call.qualified_name)
+    self._replicas.applied(None, update)
     if isinstance(result, (list, tuple)):
       return [synced]
     return synced
@@ -420,13 +419,10 @@ class OneUpdate:
     """The weighted sum of the towers' losses of optimizer call `call`."""
     losses = [self._losses[call][t] for t in range(self._num_towers)]
     with tf.name_scope('global_loss'), self._whole_batch():
-      weights = self._weigh(losses)
-      weighted = lambda t: losses[t] * tf.cast(weights[t], losses[t].dtype)  # pylint: disable=unnecessary-lambda-assignment
-      if self._replicas is not None:
-        # Each tower's term on its device: its copies' gradients start there.
-        self._terms = self._replicas.on_tower_devices(weighted)
-      else:
-        self._terms = [weighted(t) for t in range(self._num_towers)]
+      # Each tower's term on its device (all_reduce): its copies' gradients
+      # start there.
+      self._terms = self._weights.terms(
+          losses, self._replicas.on_tower_devices if self._replicas else None)
       self._total = tf.add_n(self._terms)
       return self._total
 
@@ -573,11 +569,6 @@ def _operations_of(result) -> List[tf.Operation]:
           if isinstance(item, (tf.Tensor, tf.Operation))]
 
 
-def _in_ranges(op: tf.Operation, ranges: List[Tuple[int, int]]) -> bool:
-  return any(first <= op._id < end  # pylint: disable=protected-access
-             for first, end in ranges)
-
-
 def _gradient_variables(call: calls.Call) -> List:
   """The variables a gradient call differentiates with respect to."""
   var_list = call.get(1)
@@ -680,11 +671,6 @@ def _refuse_inside_control_flow(call: calls.Call, graph: tf.Graph,
       "device's copy of the variables. Make the call outside control flow; "
       'for an update made only on some steps: ' +
       aggregation.instead_of_all_reduce(in_cluster))
-
-
-def _next_op_id(graph: tf.Graph) -> int:
-  # Private, but the only way to tell the update's ops from the model_fn's.
-  return max(graph._nodes_by_id, default=0) + 1  # pylint: disable=protected-access
 
 
 def _variables(var_list) -> List[tf.Variable]:

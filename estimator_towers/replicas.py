@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from estimator_towers import aggregation
 from estimator_towers import cross_device
+from estimator_towers import op_ledger
 from estimator_towers import task_sync
 from tensorflow.python.ops import variables as variables_lib  # pylint: disable=g-direct-tensorflow-import,g-bad-import-order
 
@@ -59,15 +60,15 @@ class Replicas:
       freely (see `VariableSharing.unshared`).
     placement: The aggregation.AllReduce placement, which lets the all-reduce
       ops keep the devices given here.
-    task_group: In a synchronous cluster, the training tasks
-      (task_sync.TaskGroup): gradients are also summed over them, and the
-      chief's variables are broadcast to them at the start. None on one
-      machine.
+    task_group: The training tasks: in a synchronous cluster a
+      task_sync.TaskGroup, over which gradients are also summed and to
+      which the chief's variables are broadcast at the start; on one
+      machine a one_machine.OneMachine.
   """
 
   def __init__(self, devices: Sequence[str],
                unshared: Callable[[], contextlib.AbstractContextManager],
-               placement, task_group=None):
+               placement, task_group):
     self._devices = list(devices)
     self.task_group = task_group
     self._unshared = unshared
@@ -80,7 +81,7 @@ class Replicas:
     self._sums: Dict[int, list] = {}
     self._used = set()  # ids of the sums some copy's update consumes.
     self._optimizers = []
-    self._apply_ids: List[tuple] = []  # [first, last) op ids of updates
+    self._updates: List[op_ledger.Region] = []  # The ops of each update.
     # Primaries' initializers as made: `init_from_checkpoint` (e.g. in a
     # TPUEstimatorSpec's scaffold_fn) replaces one, leaving the old unused.
     self._first_initializers = set()
@@ -178,7 +179,8 @@ class Replicas:
     return results
 
   def gradients(self, weighted_losses: Sequence[tf.Tensor], variables: List,
-                differentiate: Callable[[tf.Tensor, List], List]) -> List:
+                differentiate: Callable[[tf.Tensor, List], List],
+                has_rows: tf.Tensor) -> List:
     """Each tower's gradients w.r.t. its copies, all-reduced.
 
     Args:
@@ -186,6 +188,8 @@ class Replicas:
       variables: The variables the model_fn asked gradients for (primaries
         or one tower's copies).
       differentiate: (loss, variables) -> one gradient (or None) each.
+      has_rows: Whether this task's batch has any example (a bool scalar);
+        in a synchronous cluster a task without one adds nothing.
 
     Returns:
       The summed gradients on tower 0's device, one per variable; the other
@@ -196,8 +200,10 @@ class Replicas:
     for tower, loss in enumerate(weighted_losses):
       per_tower.append(differentiate(
           loss, [self.tower_variable(p, tower) for p in primaries]))
-    if self.task_group is not None:
-      return self._gradients_over_tasks(primaries, per_tower)
+    if self.task_group.across_tasks:
+      # A local collective would be resolved by the cluster's group leader,
+      # where every task's local group has the same key: see task_sync.
+      return self._gradients_over_tasks(primaries, per_tower, has_rows)
     result = []
     with self._placement.deferring(), tf.name_scope('all_reduce'):
       for k in range(len(primaries)):
@@ -216,8 +222,8 @@ class Replicas:
         self._sums[id(result[-1])] = sums
     return result
 
-  def _gradients_over_tasks(self, primaries: List, per_tower: List[List]
-                            ) -> List:
+  def _gradients_over_tasks(self, primaries: List, per_tower: List[List],
+                            has_rows: tf.Tensor) -> List:
     """`gradients` in a synchronous cluster: summed over towers and tasks.
 
     The towers' gradients are added on tower 0's device, the dense sums of
@@ -231,7 +237,7 @@ class Replicas:
         grad = _local_sum(primary, grads, self._devices[0])
         if grad is not None:
           with tf.device(self._devices[0]):
-            grad = self.task_group.own_part(grad)
+            grad = self.task_group.own_part(grad, has_rows)
         local.append(grad)
       dense = [k for k, g in enumerate(local)
                if g is not None and not isinstance(g, tf.IndexedSlices)]
@@ -282,14 +288,14 @@ class Replicas:
     return [t for sums in self._sums.values() for t in sums
             if id(t) not in self._used]
 
-  def applied(self, optimizer, first_op_id: int, last_op_id: int) -> None:
+  def applied(self, optimizer, update: op_ledger.Region) -> None:
     """Records an update: its ops, and its optimizer if it made slots for
     the copies (None if it updated only the primaries)."""
     if optimizer is not None:
       self._optimizers.append(optimizer)
-    self._apply_ids.append((first_op_id, last_op_id))
+    self._updates.append(update)
 
-  def sync_written(self, update, first_op_id: int, what: str):
+  def sync_written(self, update, since: op_ledger.Mark, what: str):
     """After `update`, sets every copy of each primary it wrote.
 
     For an update the copies cannot take themselves (an optimizer's own
@@ -298,7 +304,7 @@ class Replicas:
 
     Args:
       update: The update's op (or a list of them).
-      first_op_id: The id of the update's first op.
+      since: A mark taken before the update was built.
       what: The update's name, for errors.
 
     Returns:
@@ -316,7 +322,7 @@ class Replicas:
     written = {}
     graph = tf1.get_default_graph()
     for op in graph.get_operations():
-      if op._id < first_op_id or op.type in _READS:  # pylint: disable=protected-access
+      if op_ledger.made_before(op, since) or op.type in _READS:
         continue
       # Any other use of a variable may write it (ResourceApplyAdam, ...).
       for target in (t.name for t in op.inputs):
@@ -324,7 +330,8 @@ class Replicas:
           raise ValueError(
               f"aggregation='all_reduce': {what} writes "
               f'{copies[target].op.name}, a per-device copy, itself. '
-              + aggregation.instead_of_all_reduce(self.task_group is not None))
+              + aggregation.instead_of_all_reduce(
+                  self.task_group.across_tasks))
         if target in primaries:
           written[target] = primaries[target]
     updates = tf.nest.flatten(update)
@@ -353,11 +360,15 @@ class Replicas:
               found.append((primary_slot, copy_slot))
     return found
 
-  def check_no_other_writes(self, first_op_id: int) -> None:
+  def check_no_other_writes(self, since: op_ledger.Mark) -> None:
     """Fails when the model_fn itself writes a replicated variable.
 
     Such a write (an assign in the model_fn) would reach one copy only, and
     the copies would drift apart silently.
+
+    Args:
+      since: A mark taken before the towers were built: earlier ops are not
+        the model_fn's.
     """
     handles = {}
     for copies in self._copies.values():
@@ -367,10 +378,8 @@ class Replicas:
     initializers = {v.initializer.name for vs in self._copies.values()
                     for v in vs} | self._first_initializers
     for op in graph.get_operations():
-      op_id = op._id  # pylint: disable=protected-access
-      if (op_id < first_op_id or op.type not in _WRITES or
-          op.name in initializers or
-          any(a <= op_id < b for a, b in self._apply_ids)):
+      if (op_ledger.made_before(op, since) or op.type not in _WRITES or
+          op.name in initializers or op_ledger.in_any(op, self._updates)):
         continue
       target = op.inputs[0].name if op.inputs else None
       if target in handles:
@@ -379,7 +388,7 @@ class Replicas:
             f'variable {self.primary_of(handles[target]).op.name} itself '
             f'({op.type} {op.name}), which would reach only one of its '
             'copies. ' +
-            aggregation.instead_of_all_reduce(self.task_group is not None))
+            aggregation.instead_of_all_reduce(self.task_group.across_tasks))
 
   def sync_op(self, after: tf.Operation) -> tf.Operation:
     """Sets every copy and copy slot from its primary, after `after`."""
@@ -420,8 +429,7 @@ class _SyncingScaffold(tf1.train.Scaffold):
     super().__init__(copy_from_scaffold=scaffold)
     self._replicas = replicas
     self._synced = False
-    group = replicas.task_group
-    if group is not None and not group.is_chief:
+    if not replicas.task_group.is_chief:
       # A worker neither restores nor waits for a chief's initialisation of
       # its variables (no ps holds them): local_init_op initialises them and
       # then takes the chief's values.
@@ -435,29 +443,18 @@ class _SyncingScaffold(tf1.train.Scaffold):
         base = tf1.train.Scaffold.get_or_default(
             'local_init_op', tf1.GraphKeys.LOCAL_INIT_OP,
             tf1.train.Scaffold.default_local_init_op)
-      group = self._replicas.task_group
-      if group is not None:
-        base = self._start_over_tasks(group, base)
+      base = self._replicas.task_group.started(
+          base, self._worker_init_op,
+          lambda: tf1.global_variables() + self._replicas.local_state())
       self._local_init_op = self._replicas.sync_op(base)
     return super().finalize()
 
-  def _start_over_tasks(self, group, base: tf.Operation) -> tf.Operation:
-    """base, preceded (on workers) by initialisation, then the broadcast."""
-    guard = group.restart_guard()
-    with tf.control_dependencies([guard]):
-      agreed = group.agreement_op(tf1.global_variables())
-    first = [agreed]
-    if not group.is_chief:
-      init = self._init_op
-      if init is None:
-        init = tf1.global_variables_initializer()
-      with tf.control_dependencies([agreed]):
-        first = [tf.group(init)]
-    with tf.control_dependencies(first):
-      base = tf.group(base)
-    with tf.control_dependencies([base]):
-      return tf.group(base, group.broadcast_op(
-          tf1.global_variables() + self._replicas.local_state()))
+  def _worker_init_op(self) -> tf.Operation:
+    """What initialises a worker's variables: the model_fn's init_op, else
+    every global variable's initializer."""
+    if self._init_op is None:
+      return tf1.global_variables_initializer()
+    return self._init_op
 
 
 def _local_sum(primary, grads: list, device: str):

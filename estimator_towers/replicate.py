@@ -8,6 +8,7 @@ variables whose names are those of the unwrapped model_fn.
 """
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import os
@@ -21,7 +22,9 @@ from estimator_towers import loss_reduction as reduction_lib
 from estimator_towers import loss_scaling
 from estimator_towers import metric_adds
 from estimator_towers import moving_statistics
+from estimator_towers import one_machine
 from estimator_towers import one_update
+from estimator_towers import op_ledger
 from estimator_towers import optimizer_iterations
 from estimator_towers import peer_watch
 from estimator_towers import replicas as replicas_lib
@@ -199,14 +202,14 @@ def replicate_model_fn(model_fn: ModelFn,
   def replicated_model_fn(features, labels=None, mode=None, params=None,
                           config=None):
     tower_devices = _tower_devices(devices, config)
-    task_group = None
     if mode == ModeKeys.TRAIN:
       aggregation_lib.check_tasks(aggregation, config)
-      if task_sync.is_sync_cluster(config):
-        task_group = task_sync.TaskGroup(config, tower_devices[0],
-                                         sync_timeout_secs, task_agreement)
     if variables_device is not None:
       _check_variables_device(variables_device, config)
+    placement = aggregation_lib.make(aggregation, tower_devices,
+                                     variables_device)
+    task_group = _task_group(mode, config, tower_devices[0],
+                             sync_timeout_secs, placement, task_agreement)
     kwargs = {'mode': mode, 'params': params, 'config': config}
     kwargs = {k: v for k, v in kwargs.items() if k in accepted}
     if labels is not None and 'labels' not in accepted:
@@ -225,21 +228,19 @@ def replicate_model_fn(model_fn: ModelFn,
     # One tower with the float16 rewrite still needs the one update's loss
     # scale, so it is built as towers are.
     if len(tower_devices) == 1 and not loss_scaling.automatic(config) and (
-        task_group is None):
+        not task_group.across_tasks):
       if devices is None:  # One device of the session: as if unwrapped.
         return tpu_spec.as_estimator_spec(
             model_fn(features=features, **kwargs))
-      placement = aggregation_lib.make(aggregation, tower_devices,
-                                       variables_device)
       with tf1.get_default_graph().device(
           _placer(0, tower_devices[0], placement, lambda: False)):
         return tpu_spec.as_estimator_spec(
             model_fn(features=features, **kwargs))
-    builder = _TowerBuilder(model_fn, tower_devices, variables_device,
-                            loss_reduction, mode, aggregation,
-                            loss_scaling.automatic(config), task_group)
+    builder = _TowerBuilder(model_fn, tower_devices, placement, task_group,
+                            loss_reduction, mode,
+                            loss_scaling.automatic(config))
     spec = builder.build(features, labels, kwargs)
-    if task_group is not None:
+    if task_group.across_tasks:
       # A stuck or dead peer must end this task, not hang it.
       spec = spec._replace(training_hooks=(
           *peer_watch.for_task(config, sync_timeout_secs),
@@ -250,44 +251,107 @@ def replicate_model_fn(model_fn: ModelFn,
   return replicated_model_fn
 
 
-class _TowerBuilder:
-  """Builds the towers of one model_fn call and merges their specs."""
+@dataclasses.dataclass
+class _Split:
+  """The global batch split into the towers' shards.
 
-  def __init__(self, model_fn, devices, variables_device, loss_reduction,
-               mode, aggregation, automatic_loss_scale=False,
-               task_group=None):
+  Attributes:
+    features: Each tower's features.
+    labels: Each tower's labels.
+    sizes: Each tower's number of real examples (an int32 vector).
+    padded: Whether an idle tower got a copy of an example (TRAIN, PREDICT)
+      or an empty shard (EVAL).
+  """
+  features: List[Any]
+  labels: List[Any]
+  sizes: tf.Tensor
+  padded: bool
+
+  def shard(self, tower: int) -> tuple:
+    """The tower's features and labels."""
+    return self.features[tower], self.labels[tower]
+
+
+@dataclasses.dataclass
+class _Step:
+  """What one model_fn call builds around its towers, once the batch is
+  split: the loss weights, the one update, the shared tables and (TRAIN)
+  the batch-norm statistics."""
+  split: _Split
+  weights: reduction_lib.TowerWeights
+  update: one_update.OneUpdate
+  tables: table_sharing.TableSharing
+  statistics: Optional[moving_statistics.MovingStatistics]
+
+
+class _TowerBuilder:
+  """Builds the towers of one model_fn call and merges their specs.
+
+  `build` runs the phases in order: split the batch, build each tower,
+  check the towers' effects, finish the one update, merge the specs.
+
+  Args:
+    model_fn: The one-device model_fn.
+    devices: The tower devices.
+    placement: The aggregation strategy's aggregation.Placement.
+    task_group: The tasks training together (task_sync.TaskGroup or
+      one_machine.OneMachine).
+    loss_reduction: 'auto', 'mean' or 'sum' (see loss_reduction).
+    mode: The Estimator's mode.
+    automatic_loss_scale: Whether the float16 rewrite asks for a loss scale.
+  """
+
+  def __init__(self, model_fn, devices: Sequence[str],
+               placement: aggregation_lib.Placement, task_group,
+               loss_reduction: str, mode, automatic_loss_scale: bool):
     self._model_fn = model_fn
-    self._task_group = task_group
-    self._automatic_loss_scale = automatic_loss_scale
     self._devices = devices
+    self._placement = placement
+    self._task_group = task_group
     self._reduction = loss_reduction
     self._mode = mode
+    self._automatic_loss_scale = automatic_loss_scale
+    self._towers = op_ledger.TowerLedger()
     self._sharing = variable_sharing.VariableSharing()
-    self._tables = table_sharing.TableSharing()
     self._tpu_parts = []  # Of towers that return a TPUEstimatorSpec.
-    self._update = None
-    self._statistics = None
-    self._placement = aggregation_lib.make(aggregation, devices,
-                                           variables_device)
-    if task_group is not None:
-      task_group.placement = self._placement
     self._replicas = None
-    if aggregation == 'all_reduce' and mode == ModeKeys.TRAIN:
+    if placement.replicates_variables and mode == ModeKeys.TRAIN:
       # Other modes read the primaries, which are tower 0's variables.
       self._replicas = replicas_lib.Replicas(devices, self._sharing.unshared,
-                                             self._placement, task_group)
+                                             placement, task_group)
       self._sharing.tower_variable = self._replicas.tower_variable
 
   def build(self, features, labels, kwargs) -> tf.estimator.EstimatorSpec:
-    num_towers = len(self._devices)
+    """The merged spec of the towers of one model_fn call."""
     if self._mode == ModeKeys.EVAL:
       _warn_about_onednn_once(self._devices)
+    split, has_rows = self._split_batch(features, labels)
+    step = self._step(split, has_rows)
+    specs, update_ops = self._build_towers(step, kwargs)
+    self._check_tables(step.tables)
+    if self._mode == ModeKeys.TRAIN:
+      moving_statistics.check_single_writers(update_ops)
+      one_update_ops = step.update.update_op_names()
+      effects = self._check_effects(step, specs, update_ops, one_update_ops)
+      spec = self._merge_train(step, specs, update_ops, effects,
+                               one_update_ops)
+      return self._finish_update(step, spec, one_update_ops)
+    if self._mode == ModeKeys.EVAL:
+      return self._merge_eval(step, specs)
+    return self._finish_tpu_spec(spec_merge.merge_predict(specs, split.sizes),
+                                 split)
+
+  # --------------------------------------------------------------------------
+  # Phases.
+
+  def _split_batch(self, features, labels):
+    """Phase 1: the towers' shards, and whether the batch has any example."""
+    num_towers = len(self._devices)
     with tf.name_scope('split_batch'):
       batch = sharding.global_batch_size(
           sharding.named_leaves(features, labels))
       sizes = sharding.shard_sizes(batch, num_towers)
-      if self._task_group is not None:
-        self._task_group.has_rows = batch > 0
+      has_rows = batch > 0
       # Idle towers get a copy of an example in TRAIN (weighted by zero) and
       # PREDICT (their rows are sliced off): an empty batch can make a mean
       # NaN, and oneDNN's CPU convolution mishandles it. EVAL keeps empty
@@ -295,100 +359,130 @@ class _TowerBuilder:
       pad = self._mode != ModeKeys.EVAL
       feature_shards = sharding.split_batch(features, sizes, num_towers, pad)
       label_shards = sharding.split_batch(labels, sizes, num_towers, pad)
-    first_ids = []
-    self._tables.sizes = sizes
-    weigh = reduction_lib.TowerWeights(
-        self._reduction, sizes, list(zip(feature_shards, label_shards)),
-        first_ids, self._task_group)
-    self._update = one_update.OneUpdate(
-        num_towers, weigh, self._sharing.unshared, self._replicas,
-        training=self._mode == ModeKeys.TRAIN,
+    return _Split(feature_shards, label_shards, sizes, pad), has_rows
+
+  def _step(self, split: _Split, has_rows: tf.Tensor) -> _Step:
+    """The collaborators that need the split batch."""
+    num_towers = len(self._devices)
+    weights = reduction_lib.TowerWeights(
+        self._reduction, split.sizes,
+        [split.shard(i) for i in range(num_towers)], self._towers,
+        self._task_group)
+    update = one_update.OneUpdate(
+        num_towers, weights, self._sharing.unshared, self._replicas,
+        has_rows, training=self._mode == ModeKeys.TRAIN,
         automatic_loss_scale=self._automatic_loss_scale)
+    statistics = None
     if self._mode == ModeKeys.TRAIN:
-      self._statistics = moving_statistics.MovingStatistics(
-          num_towers, sizes, self._task_group)
+      statistics = moving_statistics.MovingStatistics(
+          num_towers, split.sizes, self._task_group)
+    return _Step(split, weights, update,
+                 table_sharing.TableSharing(split.sizes), statistics)
+
+  def _build_towers(self, step: _Step, kwargs):
+    """Phase 2: each tower's spec and UPDATE_OPS, tower after tower."""
     specs, update_ops = [], []
-    graph = tf1.get_default_graph()
-    with self._update.routing(), (
+    with step.update.routing(), (
         optimizer_iterations.same_iterations_accepted()), (
-            self._task_group.own_random_seed() if self._task_group
-            else contextlib.nullcontext()):
-      for i in range(num_towers):
-        first_ids.append(_next_op_id(graph))
-        spec, added = self._build_tower(i, feature_shards[i], label_shards[i],
-                                        kwargs)
+            self._task_group.own_random_seed()):
+      for i in range(len(self._devices)):
+        with self._towers.tower(i):
+          spec, added = self._build_tower(step, i, kwargs)
         specs.append(spec)
         update_ops.append(added[tf1.GraphKeys.UPDATE_OPS])
-    end_ids = first_ids[1:] + [_next_op_id(graph)]
-    self._tables.order_accesses(first_ids)
-    written = self._tables.written(first_ids[0])
-    if self._task_group is not None and written:
+    return specs, update_ops
+
+  def _check_tables(self, tables: table_sharing.TableSharing) -> None:
+    """Orders the towers' accesses of shared tables; refuses table writes
+    in a synchronous cluster."""
+    tables.order_accesses(self._towers)
+    written = tables.written(self._towers.first)
+    if self._task_group.across_tasks and written:
       # A table is not a variable: it is neither summed nor broadcast.
       raise ValueError(
           f'The model_fn writes the mutable lookup table(s) {written} while '
           'training. In a synchronous cluster each task would insert only '
           'its own part of the batch, and the tables would drift apart. '
           'Train with ps tasks (asynchronous), or on one machine.')
-    if self._mode == ModeKeys.TRAIN:
-      moving_statistics.check_single_writers(update_ops)
-      effects = []
-      one_update_ops = self._update.update_op_names()
-      self._update.check_batch_free_update(reduction_lib.ExampleDependence(
-          (feature_shards[-1], label_shards[-1]), first_ids[-1],
-          one_update_ops))
-      for i, spec in enumerate(specs):
-        # The last tower's effects run in its own train_op; its shard
-        # writes are still checked and idle-masked.
-        found = tower_effects.shard_effects(
-            spec.train_op, first_ids[i],
-            reduction_lib.ExampleDependence(
-                (feature_shards[i], label_shards[i]), first_ids[i],
-                one_update_ops),
-            self._update.call_dependencies[i], sizes[i] > 0,
-            {_op_of(u).name for u in update_ops[i]} |
-            self._statistics.exact_writes | one_update_ops,
-            across_tasks=self._task_group is not None,
-            drawn=self._drawn(graph, first_ids[i], end_ids[i],
-                              one_update_ops))
-        if i < num_towers - 1:
-          effects.extend(found)
-      spec = spec_merge.merge_train(specs, weigh, sizes,
-                                    [op for ops in update_ops for op in ops],
-                                    effects)
-      spec = spec._replace(predictions=spec_merge.whole_batch_predictions(
-          specs, sizes, True, [reduction_lib.ExampleDependence(
-              (feature_shards[i], label_shards[i]), first_ids[i],
-              one_update_ops) for i in range(num_towers)]))
-      spec = self._finish_tpu_spec(spec, sizes, feature_shards)
-      if self._replicas is not None:
-        self._replicas.check_no_other_writes(first_ids[0])
-        spec = spec._replace(scaffold=self._replicas.scaffold(spec.scaffold))
-      if self._task_group is not None:
-        # The loss logged (and checked for NaN) is the global batch's.
-        spec = spec._replace(loss=self._task_group.sum([spec.loss])[0])
-      # Towers change the schedule: reads the model_fn left unordered with
-      # the step's writes must still see the values from before the step.
-      write_order.order_writes([spec.train_op, spec.loss],
-                               self._update.result_ops(), one_update_ops)
-      return spec
-    if self._mode == ModeKeys.EVAL:
-      depends = [reduction_lib.ExampleDependence(
-          (feature_shards[i], label_shards[i]), first_ids[i])
-                 for i in range(num_towers)]
-      spec = spec_merge.merge_eval(specs, weigh, sizes)
-      # Every tower adds into one metric state: an add per batch (a count
-      # of calls, a batch's mean) must add what one device's step adds.
-      metric_adds.count_once(
-          [s.eval_metric_ops or {} for s in specs],
-          [_made_between(first_ids[i], end_ids[i]) for i in range(num_towers)],
-          depends, [sizes[i] > 0 for i in range(num_towers)])
-      spec = spec._replace(predictions=spec_merge.whole_batch_predictions(
-          specs, sizes, False, depends))
-      return self._finish_tpu_spec(spec, sizes, feature_shards)
-    return self._finish_tpu_spec(spec_merge.merge_predict(specs, sizes),
-                                 sizes, feature_shards)
 
-  def _finish_tpu_spec(self, spec, sizes, shards):
+  def _check_effects(self, step: _Step, specs, update_ops,
+                     one_update_ops) -> List[tf.Operation]:
+    """Phase 3 (TRAIN): checks the one update and each tower's effects.
+
+    Returns:
+      What earlier towers' train_ops must still run (see tower_effects).
+    """
+    split, graph = step.split, tf1.get_default_graph()
+    last = len(specs) - 1
+    step.update.check_batch_free_update(reduction_lib.ExampleDependence(
+        split.shard(last), self._towers.start(last), one_update_ops))
+    effects = []
+    for i, spec in enumerate(specs):
+      # The last tower's effects run in its own train_op; its shard
+      # writes are still checked and idle-masked.
+      found = tower_effects.shard_effects(
+          spec.train_op, self._towers.start(i),
+          reduction_lib.ExampleDependence(
+              split.shard(i), self._towers.start(i), one_update_ops),
+          step.update.call_dependencies[i], split.sizes[i] > 0,
+          {_op_of(u).name for u in update_ops[i]} |
+          step.statistics.exact_writes | one_update_ops,
+          across_tasks=self._task_group.across_tasks,
+          drawn=self._drawn(graph, self._towers.region(i), one_update_ops))
+      if i < last:
+        effects.extend(found)
+    return effects
+
+  def _merge_train(self, step: _Step, specs, update_ops, effects,
+                   one_update_ops) -> tf.estimator.EstimatorSpec:
+    """Phase 4 (TRAIN): one spec with the global loss and one train_op."""
+    split = step.split
+    spec_merge.check_train(specs)
+    spec = spec_merge.merge_train(
+        specs, step.weights.merged_loss([s.loss for s in specs]),
+        [op for ops in update_ops for op in ops], effects)
+    spec = spec._replace(predictions=spec_merge.whole_batch_predictions(
+        specs, split.sizes, True, [reduction_lib.ExampleDependence(
+            split.shard(i), self._towers.start(i), one_update_ops)
+                                   for i in range(len(specs))]))
+    return self._finish_tpu_spec(spec, split)
+
+  def _finish_update(self, step: _Step, spec,
+                     one_update_ops) -> tf.estimator.EstimatorSpec:
+    """Phase 5 (TRAIN): the one update's copies, sums and write order."""
+    if self._replicas is not None:
+      self._replicas.check_no_other_writes(self._towers.first)
+      spec = spec._replace(scaffold=self._replicas.scaffold(spec.scaffold))
+    # The loss logged (and checked for NaN) is the global batch's.
+    spec = spec._replace(loss=self._task_group.sum([spec.loss])[0])
+    # Towers change the schedule: reads the model_fn left unordered with
+    # the step's writes must still see the values from before the step.
+    write_order.order_writes([spec.train_op, spec.loss],
+                             step.update.result_ops(), one_update_ops)
+    return spec
+
+  def _merge_eval(self, step: _Step, specs) -> tf.estimator.EstimatorSpec:
+    """EVAL: one spec whose metrics add what one device's step adds."""
+    split, num_towers = step.split, len(specs)
+    depends = [reduction_lib.ExampleDependence(
+        split.shard(i), self._towers.start(i)) for i in range(num_towers)]
+    spec_merge.check_eval(specs)
+    spec = spec_merge.merge_eval(
+        specs, step.weights.merged_loss([s.loss for s in specs]))
+    # Every tower adds into one metric state: an add per batch (a count
+    # of calls, a batch's mean) must add what one device's step adds.
+    metric_adds.count_once(
+        [s.eval_metric_ops or {} for s in specs],
+        [self._towers.region(i).contains for i in range(num_towers)],
+        depends, [split.sizes[i] > 0 for i in range(num_towers)])
+    spec = spec._replace(predictions=spec_merge.whole_batch_predictions(
+        specs, split.sizes, False, depends))
+    return self._finish_tpu_spec(spec, split)
+
+  # --------------------------------------------------------------------------
+  # One tower.
+
+  def _finish_tpu_spec(self, spec, split: _Split):
     """`spec` with the towers' TPUEstimatorSpec parts, if they gave any."""
     if not self._tpu_parts:
       return spec
@@ -397,41 +491,43 @@ class _TowerBuilder:
           f'Only {len(self._tpu_parts)} of {len(self._devices)} towers '
           f'returned a TPUEstimatorSpec; every tower must build the same '
           'model.')
-    padded = self._mode != ModeKeys.EVAL  # As the shards were split.
     return tpu_spec.finish(
         spec, self._tpu_parts,
         lambda name, tensors: spec_merge.concat_rows(
-            name, tensors, sizes, padded, kind='TPUEstimatorSpec'),
-        [sharding.static_rows(shard) for shard in shards])
+            name, tensors, split.sizes, split.padded, kind='TPUEstimatorSpec'),
+        [sharding.static_rows(shard) for shard in split.features])
 
-  def _drawn(self, graph, first_id: int, end_id: int, one_update_ops):
-    """In a synchronous cluster, whether a tensor of the tower between the
-    two op ids depends on its random ops (each task draws its own); None on
+  def _drawn(self, graph, tower: op_ledger.Region, one_update_ops):
+    """In a synchronous cluster, whether a tensor of the tower made in
+    `tower` depends on its random ops (each task draws its own); None on
     one machine."""
-    if self._task_group is None:
+    if not self._task_group.across_tasks:
       return None
     return reduction_lib.ExampleDependence(
-        tower_effects.random_draws(graph, first_id, end_id), first_id,
+        tower_effects.random_draws(graph, tower), tower.start,
         one_update_ops)
 
-  def _build_tower(self, index, features, labels, kwargs):
+  def _build_tower(self, step: _Step, index: int, kwargs):
     device = self._devices[index]
+    features, labels = step.split.shard(index)
     context = tower_lib.TowerContext(index, len(self._devices), device)
     name_scope = f'tower_{index}' if index else ''
     graph = tf1.get_default_graph()
     tower_kwargs = dict(kwargs)
     if 'labels' in tower_kwargs:
       tower_kwargs['labels'] = labels
+    update = step.update
     with contextlib.ExitStack() as stack:
       stack.enter_context(tower_lib._entered(context))  # pylint: disable=protected-access
       if name_scope:
         stack.enter_context(graph.name_scope(name_scope))
-      stack.enter_context(graph.device(self._device_fn(index, device)))
+      stack.enter_context(graph.device(_placer(
+          index, device, self._placement, lambda: update.applying)))
       stack.enter_context(self._sharing.tower(index))
-      stack.enter_context(self._tables.tower(index))
-      stack.enter_context(self._update.tower(index, name_scope))
-      if self._statistics is not None:
-        stack.enter_context(self._statistics.tower(index))
+      stack.enter_context(step.tables.tower(index))
+      stack.enter_context(update.tower(index, name_scope))
+      if step.statistics is not None:
+        stack.enter_context(step.statistics.tower(index))
       added = stack.enter_context(_per_tower_collections(graph, index))
       # As the Estimator calls it: features by keyword, so that any order
       # of the arguments works.
@@ -444,13 +540,22 @@ class _TowerBuilder:
                       '; a model_fn must return a tf.estimator.EstimatorSpec '
                       'or a TPUEstimatorSpec.')
     if self._mode == ModeKeys.TRAIN:
-      self._update.check_tower(index, spec)
+      update.check_tower(index, spec)
     return spec, added
 
-  def _device_fn(self, index: int, tower_device: str):
-    update = self._update
-    return _placer(index, tower_device, self._placement,
-                   lambda: update.applying)
+
+def _task_group(mode, config, tower_device: str, timeout_secs: float,
+                placement: aggregation_lib.Placement,
+                agreement: Optional[Mapping[str, Any]]):
+  """The tasks training together: a synchronous cluster's, else this one.
+
+  Only TRAIN spans the tasks of a cluster; EVAL and PREDICT, and clusters
+  with ps tasks, run as on one machine.
+  """
+  if mode == ModeKeys.TRAIN and task_sync.is_sync_cluster(config):
+    return task_sync.TaskGroup(config, tower_device, timeout_secs, placement,
+                               agreement)
+  return one_machine.OneMachine()
 
 
 def _placer(tower: int, tower_device: str,
@@ -610,18 +715,6 @@ def _is_serving_graph(features) -> bool:
       placeholders += 1
     pending.extend(t.op for t in op.inputs)
   return placeholders > 0
-
-
-def _made_between(first_id: int, end_id: int) -> Callable[[tf.Operation],
-                                                           bool]:
-  """Whether an op was created between the two ids (by one tower)."""
-  return lambda op: first_id <= op._id < end_id  # pylint: disable=protected-access
-
-
-def _next_op_id(graph: tf.Graph) -> int:
-  """The id the graph's next op will get: ops are numbered in creation order."""
-  # Private, but the only way to tell a tower's ops from earlier ones.
-  return max(graph._nodes_by_id, default=0) + 1  # pylint: disable=protected-access
 
 
 def _presented_signature(model_fn: ModelFn) -> inspect.Signature:

@@ -14,28 +14,6 @@ ModeKeys = tf.estimator.ModeKeys
 _export = tf.estimator.export
 
 
-def weighted_loss(specs: Sequence[tf.estimator.EstimatorSpec],
-                  weigh: Callable[[List[tf.Tensor]], List[tf.Tensor]],
-                  sizes: tf.Tensor) -> tf.Tensor:
-  """The global-batch loss: towers' losses weighted, idle towers left out.
-
-  Args:
-    specs: The towers' specs.
-    weigh: Returns the towers' weights for a list of their losses.
-    sizes: Each tower's number of real examples.
-
-  An idle tower's loss may be NaN (the mean of nothing); `tf.where` drops it
-  instead of multiplying it by zero.
-  """
-  weights = weigh([spec.loss for spec in specs])
-  terms = []
-  for i, spec in enumerate(specs):
-    loss = spec.loss
-    term = loss * tf.cast(weights[i], loss.dtype)
-    terms.append(tf.where(sizes[i] > 0, term, tf.zeros_like(term)))
-  return tf.add_n(terms, name='tower_weighted_loss')
-
-
 def _check_same_keys(what: str, per_tower: Sequence) -> None:
   first = sorted(per_tower[0])
   for i, keys in enumerate(per_tower[1:], start=1):
@@ -45,14 +23,24 @@ def _check_same_keys(what: str, per_tower: Sequence) -> None:
           f'{sorted(keys)}. Every tower must build the same model.')
 
 
-def merge_train(specs, weigh, sizes, update_ops: Sequence,
+def check_train(specs: Sequence[tf.estimator.EstimatorSpec]) -> None:
+  """Fails when a tower's TRAIN spec lacks a loss or a train_op."""
+  for i, spec in enumerate(specs):
+    if spec.loss is None:
+      raise ValueError(f'Tower {i} returned a TRAIN EstimatorSpec without a '
+                       'loss; set EstimatorSpec(loss=...).')
+    if spec.train_op is None:
+      raise ValueError(f'Tower {i} returned a TRAIN EstimatorSpec without a '
+                       'train_op; set EstimatorSpec(train_op=...).')
+
+
+def merge_train(specs, loss: tf.Tensor, update_ops: Sequence,
                 effects: Sequence[tf.Operation]) -> tf.estimator.EstimatorSpec:
-  """One TRAIN spec: weighted loss; the last tower's train_op.
+  """One TRAIN spec: the global loss; the last tower's train_op.
 
   Args:
-    specs: The towers' specs.
-    weigh: Returns the towers' weights for a list of their losses.
-    sizes: Each tower's number of real examples.
+    specs: The towers' specs (see `check_train`).
+    loss: The global-batch loss (loss_reduction.TowerWeights.merged_loss).
     update_ops: Every tower's UPDATE_OPS (batch-norm statistics).
     effects: What earlier towers' train_ops must still run (see
       tower_effects); their updates are the last tower's one update.
@@ -61,38 +49,38 @@ def merge_train(specs, weigh, sizes, update_ops: Sequence,
   optimizer call sees the optimizer's slots only in the last tower, where
   they are created.
   """
-  for i, spec in enumerate(specs):
-    if spec.loss is None:
-      raise ValueError(f'Tower {i} returned a TRAIN EstimatorSpec without a '
-                       'loss; set EstimatorSpec(loss=...).')
-    if spec.train_op is None:
-      raise ValueError(f'Tower {i} returned a TRAIN EstimatorSpec without a '
-                       'train_op; set EstimatorSpec(train_op=...).')
-  loss = weighted_loss(specs, weigh, sizes)
   train_op = tf.group(specs[-1].train_op, *effects, *update_ops,
                       name='replicated_train_op')
   return specs[0]._replace(loss=loss, train_op=train_op,
                            scaffold=specs[-1].scaffold)
 
 
-def merge_eval(specs, weigh, sizes) -> tf.estimator.EstimatorSpec:
-  """One EVAL spec: weighted loss; metrics read from tower 0's shared state.
-
-  The towers' metric variables are tower 0's (see variable_sharing), so each
-  tower's update op accumulates into one state and tower 0's value op reads
-  the whole batch's result.
-  """
+def check_eval(specs: Sequence[tf.estimator.EstimatorSpec]) -> None:
+  """Fails when a tower's EVAL spec lacks a loss or its metrics differ."""
   for i, spec in enumerate(specs):
     if spec.loss is None:
       raise ValueError(f'Tower {i} returned an EVAL EstimatorSpec without a '
                        'loss; set EstimatorSpec(loss=...).')
   _check_same_keys('eval_metric_ops', [s.eval_metric_ops for s in specs])
+
+
+def merge_eval(specs, loss: tf.Tensor) -> tf.estimator.EstimatorSpec:
+  """One EVAL spec: the global loss; metrics read from tower 0's shared
+  state.
+
+  The towers' metric variables are tower 0's (see variable_sharing), so each
+  tower's update op accumulates into one state and tower 0's value op reads
+  the whole batch's result.
+
+  Args:
+    specs: The towers' specs (see `check_eval`).
+    loss: The global-batch loss (loss_reduction.TowerWeights.merged_loss).
+  """
   metrics = {}
   for name, (value, update) in specs[0].eval_metric_ops.items():
     updates = [update] + [s.eval_metric_ops[name][1] for s in specs[1:]]
     metrics[name] = (value, tf.group(*updates))
-  return specs[0]._replace(loss=weighted_loss(specs, weigh, sizes),
-                           eval_metric_ops=metrics)
+  return specs[0]._replace(loss=loss, eval_metric_ops=metrics)
 
 
 def concat_rows(name: str, tensors: List[tf.Tensor], sizes,

@@ -29,12 +29,13 @@ Read-only tables (`StaticHashTable`, feature-column vocabularies) are left
 per tower: their copies hold the same contents.
 """
 
-import bisect
 import contextlib
 import threading
-from typing import Callable, Iterator, List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional
 
 import tensorflow as tf
+
+from estimator_towers import op_ledger
 
 tf1 = tf.compat.v1
 _TABLE_CLASSES = (tf.lookup.experimental.MutableHashTable,
@@ -54,13 +55,17 @@ _EXPORTS = frozenset(['LookupTableExport', 'LookupTableExportV2'])
 
 
 class TableSharing:
-  """Records tower 0's mutable tables and hands them to the later towers."""
+  """Records tower 0's mutable tables and hands them to the later towers.
 
-  def __init__(self):
+  Args:
+    sizes: Each tower's number of real examples (an int32 vector): an idle
+      tower's writes insert nothing. None leaves every tower's writes as
+      they are.
+  """
+
+  def __init__(self, sizes: Optional[tf.Tensor] = None):
     self._created: List = []
-    # Each tower's number of real examples (a Tensor), set before the towers
-    # are built; None leaves every tower's writes as they are.
-    self.sizes: Optional[tf.Tensor] = None
+    self.sizes = sizes
 
   @contextlib.contextmanager
   def tower(self, index: int) -> Iterator[None]:
@@ -146,30 +151,29 @@ class TableSharing:
           'must build the same model.')
     return first
 
-  def written(self, first_id: int) -> List[str]:
-    """Names of the shared tables some op from `first_id` on writes."""
+  def written(self, since: op_ledger.Mark) -> List[str]:
+    """Names of the shared tables some op made after `since` writes."""
     return [table.name for table in self._created
-            if any(op.type in _WRITES and op._id >= first_id  # pylint: disable=protected-access
+            if any(op.type in _WRITES and op_ledger.made_after(op, since)
                    for op in table.resource_handle.consumers())]
 
-  def order_accesses(self, first_ids: Sequence[int]) -> None:
+  def order_accesses(self, towers: op_ledger.TowerLedger) -> None:
     """Orders the towers' accesses of each shared table (see module doc).
 
     Args:
-      first_ids: For each tower, the id of its first op; ops before tower 0's
-        are not the towers'. Called once all towers are built.
+      towers: Where each tower's ops begin; ops before tower 0's are not
+        the towers'. Called once all towers are built.
 
     Raises:
       ValueError: A read waits for a write of the same step to a table that
         several towers write, a function uses a shared table, or the towers
         write a table different numbers of times.
     """
-    first_id = first_ids[0]
+    first = towers.first
     for table in self._created:
-      users = sorted(
-          (op for op in table.resource_handle.consumers()
-           if op._id >= first_id and op.type not in _EXPORTS),  # pylint: disable=protected-access
-          key=lambda op: op._id)  # pylint: disable=protected-access
+      users = op_ledger.by_creation(
+          op for op in table.resource_handle.consumers()
+          if op_ledger.made_after(op, first) and op.type not in _EXPORTS)
       for op in users:
         if op.type in _FUNCTIONAL:
           raise ValueError(
@@ -184,7 +188,7 @@ class TableSharing:
       reads = [op for op in users if op.type not in _WRITES]
       write_names = {op.name for op in writes}
       for read in reads:
-        if _waits_for(read, write_names, first_id):
+        if _waits_for(read, write_names, first):
           raise ValueError(
               f'Lookup table {table.name!r} is read by {read.name} after '
               'a write of the same step, and several towers write it: each '
@@ -192,7 +196,7 @@ class TableSharing:
               "the whole batch's. Read the table before writing it in the "
               'step (e.g. lookup, then insert), or keep the table out of '
               'replicate_model_fn.')
-      writes = _write_major(table, writes, first_ids)
+      writes = _write_major(table, writes, towers)
       for before, after in zip(writes, writes[1:]):
         after._add_control_inputs([before])  # pylint: disable=protected-access
       for write in writes:
@@ -201,16 +205,16 @@ class TableSharing:
 
 
 def _write_major(table, writes: List[tf.Operation],
-                 first_ids: Sequence[int]) -> List[tf.Operation]:
+                 towers: op_ledger.TowerLedger) -> List[tf.Operation]:
   """`writes` (in op order) as every tower's first write, then second, ...
 
   Tower by tower would be wrong when a table is written twice in a step:
   a later tower's remove would undo an earlier tower's insert, which one
   device, removing for the whole batch before inserting, never does.
   """
-  by_tower = [[] for _ in first_ids]
+  by_tower = [[] for _ in range(towers.count)]
   for op in writes:
-    by_tower[bisect.bisect_right(first_ids, op._id) - 1].append(op)  # pylint: disable=protected-access
+    by_tower[towers.tower_of(op)].append(op)
   counts = [len(ops) for ops in by_tower]
   if len(set(counts)) > 1:
     raise ValueError(
@@ -245,13 +249,14 @@ def _unless_idle(method: Callable, real: tf.Tensor,
   return write
 
 
-def _waits_for(op: tf.Operation, names, first_id: int) -> bool:
-  """True when `op` depends on an op named in `names` (ops from first_id)."""
+def _waits_for(op: tf.Operation, names, since: op_ledger.Mark) -> bool:
+  """True when `op` depends on an op named in `names` (among the ops made
+  after `since`)."""
   pending, seen = list(op.inputs) + list(op.control_inputs), set()
   while pending:
     item = pending.pop()
     node = getattr(item, 'op', item)
-    if node.name in seen or node._id < first_id:  # pylint: disable=protected-access
+    if node.name in seen or op_ledger.made_before(node, since):
       continue
     seen.add(node.name)
     if node.name in names:

@@ -26,7 +26,7 @@ collective op that must be the same on every task for the same tensor and
 must not name two different collectives in one process (the servers cache
 them). Keys are hashes of what the op carries and of its rank among the
 collectives of its graph, so every task, building the same model_fn,
-derives the same keys without talking.
+derives the same keys without talking (see collective_keys).
 
 Within a task, the towers' sums are plain `add_n`s: a collective of the
 local devices would also be resolved by the cluster's group leader, where
@@ -34,14 +34,13 @@ every task's local group has the same key.
 """
 
 import contextlib
-import hashlib
-import threading
-import weakref
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional,
+                    Sequence)
 
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 
+from estimator_towers import collective_keys
 from estimator_towers import task_agreement
 
 # A prime far from small seeds: task k's graph seed is seed + k * stride.
@@ -55,13 +54,6 @@ TRAINING_JOBS = ('chief', 'master', 'worker')
 DEFAULT_TIMEOUT_SECS = 300.0
 # What the restart guard's error says (trainer.sync_errors finds it).
 RESTARTED = 'a task of the synchronous cluster failed or restarted'
-_GROUP_KEY = 0x7E58_0001
-_KEY_SPACE = 2**30
-# Every key this process handed out: key -> what it carries.
-_issued: Dict[int, str] = {}
-_issued_lock = threading.Lock()
-# graph -> how many collectives it has so far.
-_ranks = weakref.WeakKeyDictionary()
 
 
 def is_sync_cluster(config) -> bool:
@@ -120,10 +112,16 @@ class TaskGroup:
       collectives run on that device of every task.
     timeout_secs: How long the start's broadcast may wait for the other
       tasks (the steps are bounded by peer_watch.StepWatch).
+    placement: The tower builder's aggregation.Placement: its device
+      functions must let the collectives keep this task's collective device.
   """
+
+  # Sums and the start span several tasks (one_machine.OneMachine: one).
+  across_tasks = True
 
   def __init__(self, config, tower_device: str,
                timeout_secs: float = DEFAULT_TIMEOUT_SECS,
+               placement=None,
                agreement: Optional[Mapping[str, Any]] = None):
     self.size = config.num_worker_replicas
     self.index = config.global_id_in_cluster
@@ -133,18 +131,11 @@ class TaskGroup:
     self.device = spec.replace(job=config.task_type, replica=0,
                                task=config.task_id).to_string()
     self._timeout = float(timeout_secs)
+    self.placement = placement
     # What every task must have been given alike (task_agreement).
     self._agreement = dict(agreement or {})
-    # The tower builder's aggregation.Placement: its device functions must
-    # let the collectives keep this task's collective device.
-    self.placement = None
-    # Whether this task's part of the step's global batch has any example
-    # (a bool scalar the tower builder sets). A task without one trains its
-    # towers on a row of zeros, whose gradients must not count: see
-    # `own_part`.
-    self.has_rows = None
 
-  def own_part(self, gradient):
+  def own_part(self, gradient, has_rows: tf.Tensor):
     """`gradient` as this task's part of the sum: nothing if it has no rows.
 
     The zero row a task without examples trains on is weighted by zero, but
@@ -155,17 +146,18 @@ class TaskGroup:
 
     Args:
       gradient: A Tensor or tf.IndexedSlices, this task's towers' sum.
+      has_rows: Whether this task's part of the step's global batch has any
+        example (a bool scalar). A task without one trains its towers on a
+        row of zeros, whose gradients must not count.
 
     Returns:
       The same kind of value.
     """
-    if self.has_rows is None:
-      return gradient
     if isinstance(gradient, tf.IndexedSlices):
-      rows = tf.shape(gradient.indices)[0] * tf.cast(self.has_rows, tf.int32)
+      rows = tf.shape(gradient.indices)[0] * tf.cast(has_rows, tf.int32)
       return tf.IndexedSlices(gradient.values[:rows],
                               gradient.indices[:rows], gradient.dense_shape)
-    return tf.where(self.has_rows, gradient, tf.zeros_like(gradient))
+    return tf.where(has_rows, gradient, tf.zeros_like(gradient))
 
   @contextlib.contextmanager
   def _on_device(self, scope: str) -> Iterator[None]:
@@ -196,8 +188,8 @@ class TaskGroup:
         shapes = [_static_shape(t) for t in parts]
         flat = tf.concat([tf.reshape(t, [-1]) for t in parts], 0)
         total = collective_ops.all_reduce(
-            flat, self.size, _GROUP_KEY,
-            self._key(f'sum:{dtype.name}:{shapes}'), 'Add', 'Id')
+            flat, self.size, collective_keys.TASK_GROUP,
+            self._instance_key(f'sum:{dtype.name}:{shapes}'), 'Add', 'Id')
         sizes = [_num_elements(s) for s in shapes]
         for i, piece, shape in zip(positions, tf.split(total, sizes),
                                    shapes):
@@ -217,15 +209,18 @@ class TaskGroup:
       # The number of rows varies with the batch; a row's shape may not.
       name = f'{values.dtype.name}:{_static_shape(values, first_dim=1)}'
       counts = collective_ops.all_gather(
-          rows, self.size, _GROUP_KEY, self._key(f'rows:{name}'))
+          rows, self.size, collective_keys.TASK_GROUP,
+          self._instance_key(f'rows:{name}'))
       most = tf.reduce_max(counts)
       pad = most - rows[0]
       values = tf.pad(values, [[0, pad]] + [[0, 0]] * (values.shape.rank - 1))
       indices = tf.pad(indices, [[0, pad]])
       all_values = collective_ops.all_gather(
-          values, self.size, _GROUP_KEY, self._key(f'values:{name}'))
+          values, self.size, collective_keys.TASK_GROUP,
+          self._instance_key(f'values:{name}'))
       all_indices = collective_ops.all_gather(
-          indices, self.size, _GROUP_KEY, self._key(f'indices:{name}'))
+          indices, self.size, collective_keys.TASK_GROUP,
+          self._instance_key(f'indices:{name}'))
       keep = tf.reshape(
           tf.sequence_mask(counts, most), [-1])
       return tf.IndexedSlices(
@@ -263,16 +258,17 @@ class TaskGroup:
         # session run that starts the tasks must be the same collective
         # graph on every task (its key hashes these), or the agreement op
         # before it would not meet between tasks with other variables.
-        key = self._fixed_key(f'start:{dtype.name}')
+        key = collective_keys.of_graph().fixed_task_instance(
+            self.size, f'start:{dtype.name}')
         if self.is_chief:
           flat = tf.concat([tf.reshape(v.read_value(), [-1]) for v in group],
                            0)
           ops.append(collective_ops.broadcast_send(
-              flat, flat.shape, dtype, self.size, _GROUP_KEY, key,
-              timeout=self._timeout).op)
+              flat, flat.shape, dtype, self.size, collective_keys.TASK_GROUP,
+              key, timeout=self._timeout).op)
           continue
         flat = collective_ops.broadcast_recv(
-            [sum(sizes)], dtype, self.size, _GROUP_KEY, key,
+            [sum(sizes)], dtype, self.size, collective_keys.TASK_GROUP, key,
             timeout=self._timeout)
         for variable, piece, shape in zip(group, tf.split(flat, sizes),
                                           shapes):
@@ -289,12 +285,48 @@ class TaskGroup:
       # A key of its own, not one counted from the graph: tasks whose
       # graphs differ must still meet here.
       return collective_ops.all_gather(
-          codes, self.size, _GROUP_KEY, self._fixed_key('agreement'),
+          codes, self.size, collective_keys.TASK_GROUP,
+          collective_keys.of_graph().fixed_task_instance(self.size,
+                                                         'agreement'),
           timeout=self._timeout)
 
     with self._on_device('task_agreement'):
       return task_agreement.agreement_op(self.task, self._agreement,
                                          variables, self.size, gather)
+
+  def started(self, base: tf.Operation,
+              init_op: Callable[[], tf.Operation],
+              variables: Callable[[], Sequence[tf.Variable]]
+              ) -> tf.Operation:
+    """`base`, preceded by the restart guard, the tasks' agreement (and on
+    workers by their initialisation), then followed by the chief's
+    broadcast.
+
+    A worker neither restores nor waits for a chief's initialisation of its
+    variables (no ps holds them): local_init_op initialises them and then
+    takes the chief's values.
+
+    Args:
+      base: The local_init_op the Scaffold would run.
+      init_op: Makes the op that initialises the variables (a worker's).
+      variables: Gives the variables the chief broadcasts, once every
+        variable exists.
+
+    Returns:
+      The op to run as local_init_op.
+    """
+    guard = self.restart_guard()
+    with tf.control_dependencies([guard]):
+      agreed = self.agreement_op(variables())
+    first = [agreed]
+    if not self.is_chief:
+      init = init_op()  # Made before the guard: only its run waits for it.
+      with tf.control_dependencies([agreed]):
+        first = [tf.group(init)]
+    with tf.control_dependencies(first):
+      base = tf.group(base)
+    with tf.control_dependencies([base]):
+      return tf.group(base, self.broadcast_op(variables()))
 
   @contextlib.contextmanager
   def own_random_seed(self) -> Iterator[None]:
@@ -348,27 +380,9 @@ class TaskGroup:
 
   # --------------------------------------------------------------------
 
-  def _key(self, carries: str) -> int:
+  def _instance_key(self, carries: str) -> int:
     """An instance key, the same on every task for the same collective."""
-    graph = tf1.get_default_graph()
-    rank = _ranks.get(graph, 0)
-    _ranks[graph] = rank + 1
-    return self._issue(f'{self.size}:{rank}:{carries}')
-
-  def _fixed_key(self, name: str) -> int:
-    """An instance key that depends on `name` alone, not on the graph."""
-    return self._issue(f'{self.size}:fixed:{name}')
-
-  def _issue(self, signature: str) -> int:
-    digest = hashlib.sha256(signature.encode()).digest()
-    key = 1 + int.from_bytes(digest[:8], 'big') % (_KEY_SPACE - 1)
-    with _issued_lock:
-      if _issued.setdefault(key, signature) != signature:
-        raise ValueError(
-            f'Two collectives of this process hash to instance key {key} '
-            f'({_issued[key]!r} and {signature!r}). Build the training '
-            'graph in a fresh process.')
-    return key
+    return collective_keys.of_graph().task_instance(self.size, carries)
 
 
 def can_broadcast(variable: tf.Variable) -> bool:

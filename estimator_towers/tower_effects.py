@@ -35,6 +35,7 @@ from typing import Callable, Collection, Iterable, List, Optional
 import tensorflow as tf
 
 from estimator_towers import loss_reduction
+from estimator_towers import op_ledger
 
 _CHECKS = frozenset(['Assert', 'Print', 'PrintV2'])
 # A `tf.debugging.assert_*` whose outcome is not known while the graph is
@@ -76,7 +77,7 @@ _ADVICE = (
     'total / count); otherwise train without replicate_model_fn.')
 
 
-def shard_effects(train_op: tf.Operation, first_id: int,
+def shard_effects(train_op: tf.Operation, since: op_ledger.Mark,
                   depends_on_shard: Callable[[tf.Tensor], bool],
                   call_dependencies: Iterable[tf.Operation],
                   active: tf.Tensor,
@@ -92,8 +93,8 @@ def shard_effects(train_op: tf.Operation, first_id: int,
 
   Args:
     train_op: The tower's train_op (an Operation or a Tensor).
-    first_id: The id of the first op the tower's model_fn call created; the
-      walk stays among the tower's own ops.
+    since: A mark taken before the tower's model_fn call; the walk stays
+      among the ops made after it, the tower's own.
     depends_on_shard: Tells whether a tensor depends on the tower's shard
       (a `loss_reduction.ExampleDependence`).
     call_dependencies: Control inputs the model_fn put around the tower's
@@ -121,7 +122,7 @@ def shard_effects(train_op: tf.Operation, first_id: int,
   seen = set()
   while pending:
     op = pending.pop()
-    if op.name in seen or op._id < first_id:  # pylint: disable=protected-access
+    if op.name in seen or op_ledger.made_before(op, since):
       continue
     seen.add(op.name)
     if op.type in _CHECKS:
@@ -160,21 +161,20 @@ def shard_effects(train_op: tf.Operation, first_id: int,
   return [_runnable(op) for op in found.values()]
 
 
-def random_draws(graph: tf.Graph, first_id: int, end_id: int
+def random_draws(graph: tf.Graph, tower: op_ledger.Region
                  ) -> List[tf.Tensor]:
-  """The outputs of the stateful random ops with ids in [first_id, end_id).
+  """The outputs of the stateful random ops made in `tower`.
 
   Args:
     graph: The graph of the towers.
-    first_id: The id of the first op of a tower.
-    end_id: The id after the tower's last op.
+    tower: The region of the ops one tower made.
 
   Returns:
     The tensors, for a `loss_reduction.ExampleDependence` that then tells
     whether a tensor depends on them.
   """
   return [op.outputs[0] for op in graph.get_operations()
-          if op.type in _RANDOM and first_id <= op._id < end_id]  # pylint: disable=protected-access
+          if op.type in _RANDOM and tower.contains(op)]
 
 
 def _check_adds_up(op: tf.Operation, depends_on_shard) -> None:

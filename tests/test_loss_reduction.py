@@ -11,6 +11,7 @@ import tensorflow as tf
 from helpers import (assert_same_variables, dataset_input_fn, make_estimator,
                      seeded, variables_of)
 from estimator_towers import loss_reduction
+from estimator_towers import op_ledger
 
 tf1 = tf.compat.v1
 Reduction = tf1.losses.Reduction
@@ -123,7 +124,7 @@ def test_analyze_reads_the_reduction(build, expected):
   with tf.Graph().as_default():
     x = tf1.placeholder(tf.float32, [None, 3])
     found = loss_reduction.analyze(
-        build(x), loss_reduction.ExampleDependence(x, first_id=0))
+        build(x), loss_reduction.ExampleDependence(x, since=op_ledger.GRAPH_START))
   assert found.kind == expected, found.detail
 
 
@@ -143,7 +144,7 @@ def test_analyze_with_a_static_batch_size(build, expected):
   with tf.Graph().as_default():
     x = tf1.placeholder(tf.float32, [8, 3])
     found = loss_reduction.analyze(
-        build(x), loss_reduction.ExampleDependence(x, first_id=0))
+        build(x), loss_reduction.ExampleDependence(x, since=op_ledger.GRAPH_START))
   assert found.kind == expected, found.detail
 
 
@@ -154,6 +155,6 @@ def test_analyze_tells_constant_terms():
     w = tf1.get_variable('w', [3])
     found = loss_reduction.analyze(
         tf.reduce_sum(x * w) + tf.nn.l2_loss(w),
-        loss_reduction.ExampleDependence(x, first_id=0))
+        loss_reduction.ExampleDependence(x, since=op_ledger.GRAPH_START))
   assert (found.kind, found.constant_terms) == (loss_reduction.SUM, True)
   np.testing.assert_equal(found.divisors, [])
