@@ -5,6 +5,7 @@ thread or graph building a model at the same time must see the original
 methods, and every patch is undone, in order, also on errors.
 """
 
+import json
 import subprocess
 import sys
 import threading
@@ -13,6 +14,8 @@ import pytest
 import tensorflow as tf
 
 from cli_helpers import ROOT
+import estimator_towers
+from estimator_towers import cluster_server
 from estimator_towers import gradient_routing
 from estimator_towers import patching
 
@@ -143,6 +146,22 @@ def test_gradients_of_another_thread_are_not_routed():
       tf1.gradients(x * x, [x])
   assert calls == [threading.get_ident()]
   assert tf1.gradients is gradient_routing.TF1_GRADIENTS
+
+
+@pytest.mark.fast
+def test_make_run_config_installs_the_cluster_server_for_a_cluster(
+    monkeypatch):
+  executor = cluster_server._executor  # pylint: disable=protected-access
+  monkeypatch.setattr(executor, '_start_std_server',
+                      cluster_server._original)  # pylint: disable=protected-access
+  monkeypatch.delenv('TF_CONFIG', raising=False)
+  estimator_towers.make_run_config(cpu_devices=2)
+  assert executor._start_std_server is cluster_server._original  # pylint: disable=protected-access
+  monkeypatch.setenv('TF_CONFIG', json.dumps({
+      'cluster': {'chief': ['localhost:2222'], 'worker': ['localhost:2223']},
+      'task': {'type': 'worker', 'index': 0}}))
+  estimator_towers.make_run_config(cpu_devices=2)
+  assert executor._start_std_server is cluster_server._start_std_server  # pylint: disable=protected-access
 
 
 _IMPORT_PROBE = """
