@@ -16,13 +16,15 @@ original server.
 Nothing is installed at import (`import estimator_towers` leaves
 tensorflow_estimator as it is). `make_run_config` installs it when its
 RunConfig describes a cluster (TF_CONFIG): the server is started by
-`train_and_evaluate` before any model_fn is built, so `make_run_config`,
-which every such process calls first, is the last place that can; a user of
+`train_and_evaluate` before any model_fn is built (too late for
+`replicate_model_fn`), and `make_run_config` runs before it. A user of
 `tf.estimator.train_and_evaluate` with `make_run_config` and
 `replicate_model_fn` needs to call nothing else. Code that builds its own
-RunConfig for a cluster calls `install()` itself. tensorflow-estimator is pinned at 2.15 (its last
-release), whose private `_TrainingExecutor._start_std_server` this replaces;
-`install` checks that the method is there and refuses loudly otherwise.
+RunConfig for a cluster calls `install()` itself.
+
+tensorflow-estimator is pinned at 2.15 (its last release), whose private
+`_TrainingExecutor._start_std_server` this replaces; `install` checks that the
+method is there and refuses loudly otherwise.
 """
 
 import tensorflow as tf
