@@ -11,6 +11,9 @@ Public API:
   tower_context: which tower the model_fn being built is (index, count).
   task_slice: a task's part of each global batch in a synchronous cluster.
   TowerContext: what tower_context returns.
+
+Importing it patches nothing; `make_run_config` installs the cluster server
+hook for a TF_CONFIG cluster (see cluster_server.py).
 """
 
 import sys
@@ -23,14 +26,11 @@ if not (3, 9) <= sys.version_info[:2] <= (3, 11):
       'with python3.11 (run.sh does this).')
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from estimator_towers import cluster_server
 from estimator_towers.replicate import replicate_model_fn
 from estimator_towers.run_config import make_run_config
 from estimator_towers.task_input import task_slice
 from estimator_towers.tower import tower_context
 from estimator_towers.tower import TowerContext
-
-cluster_server.install()
 
 __all__ = ['TowerContext', 'make_run_config', 'replicate_model_fn',
            'task_slice', 'tower_context']

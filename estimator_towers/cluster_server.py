@@ -10,14 +10,27 @@ not run the collectives of a synchronous cluster (task_sync).
 `install()` makes the Estimator start the server from
 `task_sync.server_config` instead: the session config's device counts,
 thread pools and GPU options, plus the chief as group leader. Nothing else
-about the server changes. tensorflow-estimator is pinned at 2.15 (its last
-release), whose private `_TrainingExecutor._start_std_server` this replaces;
-`install` checks that the method is there and refuses loudly otherwise.
+about the server changes, and a RunConfig without a cluster still gets the
+original server.
+
+Nothing is installed at import (`import estimator_towers` leaves
+tensorflow_estimator as it is). `make_run_config` installs it when its
+RunConfig describes a cluster (TF_CONFIG): the server is started by
+`train_and_evaluate` before any model_fn is built (too late for
+`replicate_model_fn`), and `make_run_config` runs before it. A user of
+`tf.estimator.train_and_evaluate` with `make_run_config` and
+`replicate_model_fn` needs to call nothing else. Code that builds its own
+RunConfig for a cluster calls `install()` itself.
+
+tensorflow-estimator is pinned at 2.15 (its last release), whose private
+`_TrainingExecutor._start_std_server` this replaces; `install` checks that the
+method is there and refuses loudly otherwise.
 """
 
 import tensorflow as tf
 from tensorflow_estimator.python.estimator import training as training_lib  # pylint: disable=g-direct-tensorflow-import
 
+from estimator_towers import patching
 from estimator_towers import task_sync
 
 _executor = training_lib._TrainingExecutor  # pylint: disable=protected-access
@@ -54,6 +67,8 @@ def _start_std_server(self, config):
 def install() -> None:
   """Makes train_and_evaluate start servers with `start_server`.
 
+  For the rest of the process; installing again is a no-op.
+
   Raises:
     ImportError: tensorflow-estimator has no `_start_std_server` (a version
       other than the pinned 2.15).
@@ -63,6 +78,6 @@ def install() -> None:
         'tensorflow_estimator has no _TrainingExecutor._start_std_server; '
         'estimator_towers needs tensorflow-estimator 2.15 (pip install '
         '"tensorflow-estimator==2.15.*").')
-  if _executor._start_std_server is not _start_std_server:  # pylint: disable=protected-access
-    _executor._start_std_server = _start_std_server  # pylint: disable=protected-access
+  patching.replace_for_process(_executor, '_start_std_server',
+                               _start_std_server)
 

@@ -20,12 +20,13 @@ update, gradients to update), its arguments and how to run the original.
 """
 
 import contextlib
-import functools
 import inspect
 import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import tensorflow as tf
+
+from estimator_towers import patching
 
 tf1 = tf.compat.v1
 
@@ -159,42 +160,35 @@ def _bases() -> List[Tuple[type, Dict[str, str], bool]]:
   return bases
 
 
-class _Patches:
-  """Replaced attributes, put back by `restore`."""
+class _Patches(patching.Patcher):
+  """Routed attributes, for the graph and thread that create it."""
 
   def __init__(self, handler: Callable[[Call], Any]):
+    super().__init__()
     self._handler = handler
-    self._originals: Dict[Tuple[Any, str], Any] = {}
-    self._absent: List[Tuple[Any, str]] = []
-
-  def set(self, owner, name: str, value) -> None:
-    key = (owner, name)
-    if key not in self._originals and key not in self._absent:
-      if isinstance(owner, type) and name not in owner.__dict__:
-        self._absent.append(key)
-      else:
-        self._originals[key] = getattr(owner, name)
-    setattr(owner, name, value)
+    self._routed = set()
 
   def route_class(self, cls: type, base: type, methods: Dict[str, str],
                   keras: bool) -> None:
     """Routes the methods of `methods` that `cls` defines itself."""
     for name, kind in methods.items():
       function = cls.__dict__.get(name)
-      if function is None or (cls, name) in self._originals:
+      if function is None or (cls, name) in self._routed:
         continue
+      self._routed.add((cls, name))
       self.set(cls, name, self._method(cls, name, kind, function,
                                        cls is not base, keras))
 
   def _method(self, cls, name, kind, function, overriding, keras):
     handler = self._handler
 
-    @functools.wraps(function)
     def routed(*args, **kwargs):
       return handler(Call(kind, name, cls, function, overriding, keras, args,
                           kwargs))
 
-    return routed
+    # Another thread or graph building a model at the same time calls the
+    # optimizer's own method.
+    return self.guard(routed, function)
 
   def route_gradients_functions(self) -> None:
     """Routes `tf.gradients`/`tf.compat.v1.gradients` in every API module."""
@@ -206,14 +200,7 @@ class _Patches:
                             False, args, kwargs))
 
       for module in _api_modules_holding(original):
-        self.set(module, 'gradients', functools.wraps(original)(routed))
-
-  def restore(self) -> None:
-    for (owner, name), value in self._originals.items():
-      setattr(owner, name, value)
-    for owner, name in self._absent:
-      if name in owner.__dict__:
-        delattr(owner, name)
+        self.set(module, 'gradients', self.guard(routed, original))
 
 
 def _api_modules_holding(function) -> List[Any]:
@@ -248,8 +235,7 @@ def routed(handler: Callable[[Call], Any]) -> Iterator[None]:
   change its arguments or return something else. Everything is put back on
   exit, also on error.
   """
-  patches = _Patches(handler)
-  try:
+  with _Patches(handler) as patches:
     for base, methods, keras in _bases():
       patches.route_class(base, base, methods, keras)
       for cls in _subclasses(base):
@@ -258,8 +244,6 @@ def routed(handler: Callable[[Call], Any]) -> Iterator[None]:
           _subclass_hook(base, methods, keras, patches)))
     patches.route_gradients_functions()
     yield
-  finally:
-    patches.restore()
 
 
 def _subclass_hook(base, methods, keras, patches):
@@ -267,7 +251,8 @@ def _subclass_hook(base, methods, keras, patches):
 
   def hook(cls, **kwargs):
     super(base, cls).__init_subclass__(**kwargs)
-    patches.route_class(cls, base, methods, keras)
+    if patches.owns():  # Not a class another thread or graph defines.
+      patches.route_class(cls, base, methods, keras)
 
   return hook
 

@@ -29,6 +29,8 @@ from typing import Dict, List, Optional, Sequence
 from keras.src.layers.normalization import batch_normalization as keras_bn
 import tensorflow as tf
 
+from estimator_towers import patching
+
 tf1 = tf.compat.v1
 _Base = keras_bn.BatchNormalizationBase
 _READS = frozenset(['ReadVariableOp', 'Identity'])
@@ -95,13 +97,16 @@ class MovingStatistics:
 
     self._tower = index
     try:
-      _Base._moments = moments
-      _Base._fused_batch_norm = fused_batch_norm
-      _Base._assign_moving_average = assign_moving_average
-      yield
+      # Guarded: a batch-norm layer another thread or graph builds at the
+      # same time keeps Keras' own methods.
+      with patching.Patcher() as patcher:
+        for name, method in (('_moments', moments),
+                             ('_fused_batch_norm', fused_batch_norm),
+                             ('_assign_moving_average',
+                              assign_moving_average)):
+          patcher.set(_Base, name, patcher.guard(method, originals[name]))
+        yield
     finally:
-      for name, method in originals.items():
-        setattr(_Base, name, method)
       self._tower = None
 
   def _note_call(self, layer, inputs, corrected: bool, mask=None) -> None:

@@ -11,12 +11,11 @@ any other variable is still refused, as Keras does.
 """
 
 import contextlib
-import threading
 from typing import Iterator, Optional
 
 import tensorflow as tf
 
-tf1 = tf.compat.v1
+from estimator_towers import patching
 
 
 def _keras_legacy_optimizer() -> Optional[type]:
@@ -41,20 +40,16 @@ def same_iterations_accepted() -> Iterator[None]:
   if not isinstance(original, property):
     yield
     return
-  graph, thread = tf1.get_default_graph(), threading.get_ident()
+  with patching.Patcher() as patcher:
 
-  def set_iterations(opt, variable):
-    current = getattr(opt, '_iterations', None)
-    if (current is not None and current is variable and
-        threading.get_ident() == thread and
-        tf1.get_default_graph() is graph):
-      return  # A later tower repeats tower 0's assignment.
-    original.fset(opt, variable)
+    def set_iterations(opt, variable):
+      current = getattr(opt, '_iterations', None)
+      if current is not None and current is variable:
+        return  # A later tower repeats tower 0's assignment.
+      original.fset(opt, variable)
 
-  setattr(base, 'iterations',
-          property(original.fget, set_iterations, original.fdel,
-                   original.__doc__))
-  try:
+    # Guarded: elsewhere (another thread or graph) Keras' setter runs as is.
+    patcher.set(base, 'iterations', property(
+        original.fget, patcher.guard(set_iterations, original.fset),
+        original.fdel, original.__doc__))
     yield
-  finally:
-    setattr(base, 'iterations', original)

@@ -30,6 +30,7 @@ from tensorflow.core.protobuf import rewriter_config_pb2
 from tensorflow.python.client import pywrap_tf_session
 from tensorflow.python.util import _pywrap_util_port
 
+from estimator_towers import cluster_server
 from estimator_towers import task_sync
 
 # A named logger, not absl's functions: their first call in a script
@@ -116,7 +117,9 @@ def make_run_config(model_dir: Optional[str] = None,
     A `tf.estimator.RunConfig` carrying the built `session_config`, plus the
     device filters and graph options `RunConfig` derives from `TF_CONFIG`.
     In a cluster without ps tasks (synchronous training), workers start
-    without train_and_evaluate's staggered delay.
+    without train_and_evaluate's staggered delay. In any cluster,
+    train_and_evaluate is made to start this task's server from the
+    session config (`cluster_server.install`).
 
   Raises:
     TypeError: If an argument has the wrong type.
@@ -155,6 +158,10 @@ def make_run_config(model_dir: Optional[str] = None,
     # train_and_evaluate delays worker k by 5(k+1) s (up to 60), which helps
     # asynchronous training; a synchronous step waits for every worker.
     run_config = run_config.replace(experimental_max_worker_delay_secs=0)
+  if run_config.cluster_spec:
+    # train_and_evaluate starts this task's server before any model_fn is
+    # built; it must keep the towers' devices and lead collectives.
+    cluster_server.install()
   return run_config.replace(session_config=session_config)
 
 

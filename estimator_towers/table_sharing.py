@@ -30,12 +30,12 @@ per tower: their copies hold the same contents.
 """
 
 import contextlib
-import threading
 from typing import Callable, Iterator, List, Optional
 
 import tensorflow as tf
 
 from estimator_towers import op_ledger
+from estimator_towers import patching
 
 tf1 = tf.compat.v1
 _TABLE_CLASSES = (tf.lookup.experimental.MutableHashTable,
@@ -80,13 +80,11 @@ class TableSharing:
     Raises:
       ValueError: A later tower creates a table tower 0 did not create.
     """
-    graph, thread = tf1.get_default_graph(), threading.get_ident()
+    # Only this thread's and graph's tables are shared (see patching).
+    patcher = patching.Patcher()
+    graph, owns = patcher.graph, patcher.owns
     cursor = [0]
     redirected = []
-
-    def owns() -> bool:
-      return (threading.get_ident() == thread and
-              tf1.get_default_graph() is graph)
 
     def creator(original):
       def create_resource(table):
@@ -113,14 +111,10 @@ class TableSharing:
           if name in cls.__dict__:
             patches[(cls, name)] = _unless_idle(cls.__dict__[name], real,
                                                 owns)
-    originals = {key: key[0].__dict__[key[1]] for key in patches}
-    for (cls, name), method in patches.items():
-      setattr(cls, name, method)
-    try:
+    with patcher:
+      for (cls, name), method in patches.items():
+        patcher.set(cls, name, method)
       yield
-    finally:
-      for (cls, name), method in originals.items():
-        setattr(cls, name, method)
     if index:
       _drop_saveables(graph, redirected)
       if cursor[0] != len(self._created):
