@@ -25,7 +25,10 @@ device's step adds:
   (see loss_reduction), so the towers' adds make the batch's mean; an idle
   tower (empty shard) adds zero;
 * an add of a sum plus terms that do not depend on the shard would count
-  those terms once per tower: a `ValueError`.
+  those terms once per tower: a `ValueError`;
+* an add of any other value per batch (a max, a square of a mean, a mean
+  over the batch axis of a vector): a `ValueError`, as is metric state
+  written from the shard by other than an add (`check_overwrites`).
 
 Adds the analysis cannot read (a vector of per-threshold counts, as
 `tf.compat.v1.metrics.auc` makes) are left as they are: they are sums of
@@ -37,6 +40,7 @@ from typing import Callable, Dict, List, Sequence
 import tensorflow as tf
 
 from estimator_towers import loss_reduction
+from estimator_towers import tower_effects
 
 # Adds into a metric's state: position of the value they add.
 _ADDS = {'AssignAdd': 1, 'AssignAddVariableOp': 1}
@@ -95,6 +99,15 @@ def _count_once(metric: str, adds: List[tf.Operation], depends_on_shard,
           'values.')
     return
   if kinds != {loss_reduction.RATIO}:
+    if _unreadable_per_batch_value(values[0]):
+      raise ValueError(
+          f'The metric {metric!r} adds one value per batch that is neither '
+          f'a sum nor a mean over the examples ({reductions[0].detail}, '
+          'e.g. a max or a square of a mean). Under replicate_model_fn every '
+          'tower adds its own shard\'s value, which is not what one device '
+          'adds for the whole batch. Compute the metric from per-example '
+          'values (a mean of per-example values, a sum), or evaluate without '
+          'replicate_model_fn.')
     return
   weights = loss_reduction.exact_weights(values, reductions, active)
   if weights is None:
@@ -107,6 +120,62 @@ def _count_once(metric: str, adds: List[tf.Operation], depends_on_shard,
     # An empty shard's mean is NaN, which a zero weight would keep.
     _replace(add, position, tf.where(on, weighted, tf.zeros_like(value)),
              'weighted_by_shard')
+
+
+def _unreadable_per_batch_value(value: tf.Tensor) -> bool:
+  """Whether an add the analysis cannot read is one value per batch.
+
+  A scalar is; so is a mean over the batch axis (`mean_tensor` of a batch
+  mean). Other vectors (`auc`'s per-threshold counts) are sums of
+  per-example counts, which add up over the towers.
+  """
+  if value.shape.rank == 0:
+    return True
+  op = value.op
+  while op.type in ('Identity', 'Cast', 'Reshape', 'Squeeze') and op.inputs:
+    op = op.inputs[0].op
+  return op.type == 'Mean'
+
+
+def check_overwrites(metric_ops: Sequence[Dict[str, tuple]],
+                     in_tower: Sequence[Callable[[tf.Operation], bool]],
+                     depends_on_shard: Sequence[Callable[[tf.Tensor], bool]]
+                     ) -> None:
+  """Refuses metric state written from the shard by other than an add.
+
+  A running max (`v.assign(tf.maximum(v, batch_max))`) written by every
+  tower keeps whichever tower wrote last, run after run.
+
+  Raises:
+    ValueError: such a write.
+  """
+  for tower, ops in enumerate(metric_ops):
+    for name, (_, update) in ops.items():
+      for op in _ops_of(update, in_tower[tower]):
+        if op.type in tower_effects.WRITES and op.type not in _ADDS and (
+            len(op.inputs) > 1 and depends_on_shard[tower](op.inputs[-1])):
+          raise ValueError(
+              f'The metric {name!r} writes its state with {op.type} '
+              f'({op.name}) from the examples. Under replicate_model_fn '
+              'every tower writes it from its own shard, and the last write '
+              'wins; one device writes it once from the whole batch. Keep '
+              'the state as sums (assign_add) and derive the value from them, '
+              'or evaluate without replicate_model_fn.')
+
+
+def _ops_of(update, in_tower: Callable[[tf.Operation], bool]
+            ) -> List[tf.Operation]:
+  found, seen = [], set()
+  pending = [getattr(update, 'op', update)]
+  while pending:
+    op = pending.pop()
+    if op.name in seen or not in_tower(op):
+      continue
+    seen.add(op.name)
+    found.append(op)
+    pending.extend(t.op for t in op.inputs)
+    pending.extend(op.control_inputs)
+  return found
 
 
 def _adds(update, in_tower: Callable[[tf.Operation], bool]

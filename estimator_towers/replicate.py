@@ -471,10 +471,11 @@ class _TowerBuilder:
         specs, step.weights.merged_loss([s.loss for s in specs]))
     # Every tower adds into one metric state: an add per batch (a count
     # of calls, a batch's mean) must add what one device's step adds.
-    metric_adds.count_once(
-        [s.eval_metric_ops or {} for s in specs],
-        [self._towers.region(i).contains for i in range(num_towers)],
-        depends, [split.sizes[i] > 0 for i in range(num_towers)])
+    metric_ops = [s.eval_metric_ops or {} for s in specs]
+    in_tower = [self._towers.region(i).contains for i in range(num_towers)]
+    metric_adds.check_overwrites(metric_ops, in_tower, depends)
+    metric_adds.count_once(metric_ops, in_tower, depends,
+                           [split.sizes[i] > 0 for i in range(num_towers)])
     spec = spec._replace(predictions=spec_merge.whole_batch_predictions(
         specs, split.sizes, False, depends))
     return self._finish_tpu_spec(spec, split)

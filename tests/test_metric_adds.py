@@ -166,3 +166,36 @@ def test_a_sum_plus_a_constant_per_call_is_refused():
       estimator_towers.replicate_model_fn(_classifier)(
           features, labels, tf.estimator.ModeKeys.EVAL, {'metrics': metric},
           estimator_towers.make_run_config(cpu_devices=2))
+
+
+def _running_max(per_example):
+  peak = tf1.get_local_variable('peak', [], initializer=tf1.zeros_initializer(),
+                                collections=[tf1.GraphKeys.METRIC_VARIABLES,
+                                             tf1.GraphKeys.LOCAL_VARIABLES])
+  return peak.read_value(), peak.assign(tf.maximum(peak,
+                                                   tf.reduce_max(per_example)))
+
+
+@pytest.mark.parametrize('name,metric,says', [
+    # One value per batch that is no sum or mean of the examples: each
+    # tower added its shard's (5.66 for 3.38; -inf from an idle tower).
+    ('batch_max', lambda e: tf1.metrics.mean(tf.reduce_max(e)),
+     'neither a sum nor a mean'),
+    ('squared_mean', lambda e: tf1.metrics.mean(tf.square(tf.reduce_mean(e))),
+     'neither a sum nor a mean'),
+    # A vector mean over the batch axis: doubled on 2 towers.
+    ('mean_vector', lambda e: tf1.metrics.mean_tensor(
+        tf.reduce_mean(tf.stack([e, 2 * e], 1), 0)),
+     'neither a sum nor a mean'),
+    # State written from the shard by an assign: the last tower wins.
+    ('running_max', _running_max, 'the last write wins'),
+])
+def test_a_per_batch_value_the_towers_cannot_combine_is_refused(name, metric,
+                                                                says):
+  with tf.Graph().as_default():
+    features, labels = tf1.data.make_one_shot_iterator(_input_fn()).get_next()
+    with pytest.raises(ValueError, match=f"'{name}'.*{says}"):
+      estimator_towers.replicate_model_fn(_classifier)(
+          features, labels, tf.estimator.ModeKeys.EVAL,
+          {'metrics': lambda e: {name: metric(e)}},
+          estimator_towers.make_run_config(cpu_devices=2))
