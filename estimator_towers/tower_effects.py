@@ -30,7 +30,7 @@ Writes that do not depend on the shard (a manual `global_step` increment,
 an EMA of the weights, a constant counter) run once, in the last tower.
 """
 
-from typing import Callable, Collection, Iterable, List, Optional
+from typing import Callable, Collection, Iterable, List, Optional, Set
 
 import tensorflow as tf
 
@@ -203,6 +203,50 @@ def calls_write(op: tf.Operation) -> bool:
   """Whether a function-calling op (`If`, `While`, a `tf.function` call)
   writes a variable inside its functions."""
   return bool(_writes_in_functions(op.graph, _called(op.node_def), set()))
+
+
+def written_inputs(op: tf.Operation) -> Set[int]:
+  """Positions of the inputs a function-calling op writes inside.
+
+  An `If` that reads a weight and writes a snapshot of it takes both; only
+  the snapshot is written. A nested call or an input the body passes on
+  to something unreadable counts as written (the safe side).
+  """
+  offset = 1 if op.type in ('If', 'StatelessIf', 'Case',
+                            'StatelessCase') else 0
+  written = set()
+  for name in _called(op.node_def):
+    function = op.graph._get_function(name)  # pylint: disable=protected-access
+    if function is None:
+      continue
+    definition = function.definition
+    args = [arg.name for arg in definition.signature.input_arg]
+    nodes = {node.name: node for node in definition.node_def}
+    for node in definition.node_def:
+      if node.op in WRITES and node.op not in _SHARED and node.input:
+        targets = [node.input[0]]
+      elif _called(node)[1:] or graph_function(op.graph, node.op):
+        targets = list(node.input)  # A nested call: any of its inputs.
+      else:
+        continue
+      for target in targets:
+        arg = _argument_of(target, nodes)
+        if arg in args:
+          written.add(offset + args.index(arg))
+  return written
+
+
+def graph_function(graph: tf.Graph, name: str):
+  """The graph function `name`, or None."""
+  return graph._get_function(name)  # pylint: disable=protected-access
+
+
+def _argument_of(reference: str, nodes) -> str:
+  """The function argument a node input refers to, through Identity."""
+  name = reference.lstrip('^').split(':')[0]
+  while name in nodes and nodes[name].op == 'Identity' and nodes[name].input:
+    name = nodes[name].input[0].split(':')[0]
+  return name
 
 
 def _check_no_writes_inside(op: tf.Operation,

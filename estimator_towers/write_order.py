@@ -31,7 +31,7 @@ count as a write when their functions write, else as a read).
 """
 
 import heapq
-from typing import Collection, Dict, Iterable, List, Sequence, Set
+from typing import Collection, Dict, Iterable, List, Sequence, Set, Tuple
 
 import tensorflow as tf
 
@@ -89,8 +89,8 @@ class _Step:
     for op in self.ops:
       if _in_v1_control_flow(op):
         continue
-      accesses = self.writes if writes(op) else self.reads
-      for variable in variables_taken(op):
+      for variable, written in _accesses(op):
+        accesses = self.writes if written else self.reads
         accesses.setdefault(variable, []).append(op)
     self._position = self._reads_first_order()
 
@@ -180,6 +180,22 @@ def _ancestors(ops: Iterable[tf.Operation]) -> Set[tf.Operation]:
 
 def _takes_variable(tensor: tf.Tensor) -> bool:
   return tensor.dtype == tf.resource or tensor.dtype._is_ref_dtype  # pylint: disable=protected-access
+
+
+def _accesses(op: tf.Operation) -> List[Tuple[str, bool]]:
+  """(variable, whether `op` writes it) for each variable `op` takes.
+
+  A function call (`If`, a tf.function) writes only the variables its
+  functions write; the others it reads, and those reads must come before
+  the step's writes too (a Lookahead-style snapshot under a tf.cond read
+  the updated weights on towers).
+  """
+  if op.type in tower_effects.CALLS:
+    written = tower_effects.written_inputs(op)
+    return [(_source(t).name, i in written) for i, t in enumerate(op.inputs)
+            if _takes_variable(t)]
+  is_write = writes(op)
+  return [(name, is_write) for name in variables_taken(op)]
 
 
 def variables_taken(op: tf.Operation) -> List[str]:

@@ -164,6 +164,24 @@ def _running_max_model_fn(features, labels, mode):
                                     train_op=tf.group(update, raised))
 
 
+def _cond_snapshot_model_fn(features, labels, mode, ordered=False):
+  """Lookahead-style slow weights: every other step a tf.cond copies the
+  weights beside the update (one device: before it)."""
+  step = tf1.train.get_or_create_global_step()
+  weights = tf1.get_variable('w', initializer=_fixed(4, 1))
+  slow = tf1.get_variable('slow', [4, 1], initializer=tf.zeros_initializer(),
+                          trainable=False)
+  loss = tf1.losses.mean_squared_error(
+      labels, tf.matmul(features['x'], weights)[:, 0])
+  snapshot = tf.cond(tf.equal(step % 2, 0),
+                     lambda: tf.group(slow.assign(weights.read_value())),
+                     tf.no_op)
+  with tf.control_dependencies([snapshot] if ordered else []):
+    update = tf1.train.GradientDescentOptimizer(0.05).minimize(loss, step)
+  return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                    train_op=tf.group(update, snapshot))
+
+
 def _batches():
   rng = np.random.RandomState(0)
   x = rng.randn(_BATCH * _STEPS, 4).astype(np.float32)
@@ -380,3 +398,26 @@ def test_a_running_max_of_the_shard_is_refused():
   with pytest.raises(ValueError, match='ScatterNdMax does not add up'):
     _build(model_fn, 2)
 
+
+@pytest.mark.fast
+@pytest.mark.parametrize('aggregation', AGGREGATIONS)
+@pytest.mark.parametrize('towers', [2, 3])
+def test_a_snapshot_under_a_cond_reads_the_weights_before_the_update(
+    towers, aggregation):
+  # The If reads w and writes slow: only slow is its write. Counted as a
+  # write of both, its read of w was left after the update (on every tower
+  # run the snapshot held the updated weights).
+  _, spec, _ = _build(_cond_snapshot_model_fn, towers, aggregation)
+  graph = spec.train_op.graph
+  snapshots = [op for op in graph.get_operations() if op.type == 'If' and
+               'split_batch' not in op.name and op in _ancestors(
+                   [spec.train_op.op if hasattr(spec.train_op, 'op')
+                    else spec.train_op])]
+  updates = [op for op in _ancestors([spec.train_op])
+             if op.type == 'ResourceApplyGradientDescent']
+  assert snapshots and updates
+  for snapshot in snapshots:
+    read = {_variable_of(t) for t in snapshot.inputs if t.dtype == tf.resource}
+    for update in updates:  # all_reduce: the tower reads its own copy.
+      if _variable_of(update.inputs[0]) in read:
+        assert snapshot in _ancestors([update]), (snapshot.name, update.name)
