@@ -8,6 +8,7 @@ one-device names and resume under every other strategy.
 """
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -33,65 +34,98 @@ def _train(tmp_path, name, towers, data, params, steps=STEPS, **kwargs):
   return estimator
 
 
+@pytest.fixture(scope='module')
+def one_device(tmp_path_factory):
+  """`one_device(key, train)`: a one-device reference run, once per key.
+
+  The parametrized cases compare each strategy and tower count with the
+  same one-device run, which is deterministic (seeded initializers and
+  `tf_random_seed`, data in order; a canned model from a saved start): it
+  runs once per `key` in this module, `train(model_dir)` returning what the
+  cases compare with (its variables), instead of once per case. Each case
+  still trains its own replicated run.
+  """
+  runs = {}
+
+  def get(key, train):
+    if key not in runs:
+      runs[key] = train(tmp_path_factory.mktemp('one_device'))
+    return runs[key]
+
+  return get
+
+
+def _one_classifier(one_device, data, optimizer, steps=STEPS, **params):
+  """classifier_model_fn trained `steps` on one device, through the cache."""
+  key = ('classifier', optimizer, steps, tuple(sorted(params.items())))
+  params = {'optimizer': OPTIMIZERS[optimizer], **params}
+  return one_device(key, lambda model_dir: variables_of(
+      _train(model_dir, 'one', 1, data, params, steps=steps)))
+
+
 @pytest.mark.training
 @pytest.mark.parametrize('aggregation', AGGREGATIONS)
 @pytest.mark.parametrize('towers', [2, 3])
 @pytest.mark.parametrize('optimizer', ['momentum', 'adam'])
-def test_training_equals_one_device(tmp_path, data, aggregation, towers,
-                                    optimizer):
+def test_training_equals_one_device(tmp_path, data, one_device, aggregation,
+                                    towers, optimizer):
   params = {'optimizer': OPTIMIZERS[optimizer]}
-  one = _train(tmp_path, 'one', 1, data, params)
+  one = _one_classifier(one_device, data, optimizer)
   many = _train(tmp_path, 'many', towers, data, params,
                 aggregation=aggregation)
   # Same names (slots and Adam's powers too) and values; one global_step.
-  assert_same_variables(variables_of(one), variables_of(many))
+  assert_same_variables(one, variables_of(many))
   assert many.get_variable_value('global_step') == STEPS
 
 
 @pytest.mark.training
 @pytest.mark.parametrize('aggregation', AGGREGATIONS)
-def test_clipped_gradients_equal_one_device(tmp_path, data, aggregation):
+def test_clipped_gradients_equal_one_device(tmp_path, data, one_device,
+                                            aggregation):
   params = {'optimizer': OPTIMIZERS['momentum'], 'clip_norm': 0.05}
-  one = _train(tmp_path, 'one', 1, data, params)
+  one = _one_classifier(one_device, data, 'momentum', clip_norm=0.05)
   many = _train(tmp_path, 'many', 3, data, params, aggregation=aggregation)
-  unclipped = _train(tmp_path, 'unclipped', 1, data,
-                     {'optimizer': OPTIMIZERS['momentum']})
-  assert_same_variables(variables_of(one), variables_of(many))
+  unclipped = _one_classifier(one_device, data, 'momentum')
+  assert_same_variables(one, variables_of(many))
   # The clip is active, so the comparison is not vacuous.
-  assert not np.allclose(one.get_variable_value('dense/kernel'),
-                         unclipped.get_variable_value('dense/kernel'))
-
-
-def _canned_pair(tmp_path, model_fn, towers, input_fn, aggregation):
-  dirs = [tmp_path / 'one', tmp_path / 'many']
-  save_start_checkpoint(model_fn, input_fn, dirs)
-  one = tf.estimator.Estimator(
-      model_fn,
-      config=estimator_towers.make_run_config(str(dirs[0]), cpu_devices=1))
-  many = tf.estimator.Estimator(
-      estimator_towers.replicate_model_fn(model_fn, aggregation=aggregation),
-      config=estimator_towers.make_run_config(str(dirs[1]),
-                                              cpu_devices=towers))
-  return one, many
+  assert not np.allclose(one['dense/kernel'], unclipped['dense/kernel'])
 
 
 @pytest.mark.training
 @pytest.mark.parametrize('aggregation', AGGREGATIONS)
 @pytest.mark.parametrize('version', ['v1', 'tf2_keras_optimizer'])
-def test_canned_dnn_classifier_equals_one_device(tmp_path, data, aggregation,
-                                                 version):
+def test_canned_dnn_classifier_equals_one_device(tmp_path, data, one_device,
+                                                 aggregation, version):
   # v1: summed loss, tf.compat.v1 Adagrad; TF2: a legacy Keras Adagrad.
   x, y = data
   canned = (tf1.estimator.DNNClassifier if version == 'v1'
             else tf.estimator.DNNClassifier)
-  estimator = canned(hidden_units=[4], feature_columns=COLUMNS)
   input_fn = dataset_input_fn({'x': x}, y[:, None], BATCH)
   towers = 2 if version == 'v1' else 3
-  one, many = _canned_pair(tmp_path, estimator.model_fn, towers, input_fn,
-                           aggregation)
-  one.train(input_fn, steps=STEPS)
+
+  def model_fn():
+    return canned(hidden_units=[4], feature_columns=COLUMNS).model_fn
+
+  def start_and_one(root):
+    # The canned initializers are not seeded: the start checkpoint is saved
+    # once per version, and the one-device run trains from it once; each
+    # case trains its replicated run from a copy of that start.
+    save_start_checkpoint(model_fn(), input_fn, [root / 'one', root / 'start'])
+    one = tf.estimator.Estimator(
+        model_fn(),
+        config=estimator_towers.make_run_config(str(root / 'one'),
+                                                cpu_devices=1))
+    one.train(input_fn, steps=STEPS)
+    return root / 'start', variables_of(one)
+
+  start, one = one_device(('canned', version), start_and_one)
+  shutil.copytree(start, tmp_path / 'many')
+  many = tf.estimator.Estimator(
+      estimator_towers.replicate_model_fn(model_fn(), aggregation=aggregation),
+      config=estimator_towers.make_run_config(str(tmp_path / 'many'),
+                                              cpu_devices=towers))
   many.train(input_fn, steps=STEPS)
-  assert_same_variables(variables_of(one), variables_of(many))
+  assert_same_variables(one, variables_of(many))
   assert any('Adagrad' in name for name in variables_of(many))
 
 
@@ -125,12 +159,17 @@ def _checkpoint_names(model_dir):
 @pytest.mark.training
 @pytest.mark.parametrize('aggregation', AGGREGATIONS)
 def test_checkpoints_hold_exactly_the_one_device_names(tmp_path, data,
+                                                        one_device,
                                                         aggregation):
   params = {'optimizer': OPTIMIZERS['adam']}
-  _train(tmp_path, 'one', 1, data, params, steps=1)
+
+  def one_names(model_dir):
+    _train(model_dir, 'one', 1, data, params, steps=1)
+    return _checkpoint_names(model_dir / 'one')
+
   _train(tmp_path, 'many', 3, data, params, steps=1, aggregation=aggregation)
   names = _checkpoint_names(tmp_path / 'many')
-  assert names == _checkpoint_names(tmp_path / 'one')
+  assert names == one_device('adam_checkpoint_names', one_names)
   assert not any('replica' in name for name in names)
 
 
@@ -281,12 +320,13 @@ def test_all_reduce_refuses_a_model_fn_that_writes_its_weights():
 
 
 @pytest.mark.training
-def test_one_explicit_device_with_all_reduce_is_plain(tmp_path, data):
+def test_one_explicit_device_with_all_reduce_is_plain(tmp_path, data,
+                                                      one_device):
   params = {'optimizer': OPTIMIZERS['momentum']}
-  one = _train(tmp_path, 'one', 1, data, params)
+  one = _one_classifier(one_device, data, 'momentum')
   pinned = _train(tmp_path, 'pinned', 2, data, params, devices=['/cpu:1'],
                   aggregation='all_reduce')
-  assert_same_variables(variables_of(one), variables_of(pinned))
+  assert_same_variables(one, variables_of(pinned))
 
 
 def _two_optimizers_model_fn(features, labels, mode):
@@ -312,15 +352,18 @@ def _two_optimizers_model_fn(features, labels, mode):
 
 @pytest.mark.training
 @pytest.mark.parametrize('aggregation', AGGREGATIONS)
-def test_two_optimizers_equal_one_device(tmp_path, data, aggregation):
+def test_two_optimizers_equal_one_device(tmp_path, data, one_device,
+                                         aggregation):
   x, y = data
-  runs = {}
-  for towers in (1, 3):
-    kwargs = {'aggregation': aggregation} if towers > 1 else {}
-    estimator = make_estimator(_two_optimizers_model_fn, tmp_path / str(towers),
-                               towers, **kwargs)
+
+  def train(model_dir, towers, **kwargs):
+    estimator = make_estimator(_two_optimizers_model_fn, model_dir, towers,
+                               **kwargs)
     estimator.train(dataset_input_fn({'x': x}, y, BATCH), steps=3)
-    runs[towers] = variables_of(estimator)
+    return variables_of(estimator)
+
+  runs = {1: one_device('two_optimizers', lambda d: train(d, 1)),
+          3: train(tmp_path / '3', 3, aggregation=aggregation)}
   assert_same_variables(runs[1], runs[3])
   assert runs[3]['global_step'] == 3
 
@@ -344,7 +387,8 @@ def _embedding_model_fn(features, labels, mode):
 
 @pytest.mark.training
 @pytest.mark.parametrize('aggregation', AGGREGATIONS)
-def test_sparse_embedding_gradients_equal_one_device(tmp_path, aggregation):
+def test_sparse_embedding_gradients_equal_one_device(tmp_path, one_device,
+                                                     aggregation):
   rng = np.random.RandomState(1)
   words = np.array([b'cat', b'dog', b'fish', b'bird', b'cow'])[
       rng.randint(0, 5, 40)]
@@ -358,13 +402,14 @@ def test_sparse_embedding_gradients_equal_one_device(tmp_path, aggregation):
         tf.reshape(f['word'], [1])), 'amount': f['amount']}, l))
     return ds.batch(BATCH).repeat()
 
-  runs = {}
-  for towers in (1, 3):
-    kwargs = {'aggregation': aggregation} if towers > 1 else {}
-    estimator = make_estimator(_embedding_model_fn, tmp_path / str(towers),
-                               towers, **kwargs)
+  def train(model_dir, towers, **kwargs):
+    estimator = make_estimator(_embedding_model_fn, model_dir, towers,
+                               **kwargs)
     estimator.train(input_fn, steps=STEPS)
-    runs[towers] = variables_of(estimator)
+    return variables_of(estimator)
+
+  runs = {1: one_device('embedding', lambda d: train(d, 1)),
+          3: train(tmp_path / '3', 3, aggregation=aggregation)}
   assert_same_variables(runs[1], runs[3])
   assert any('embedding_weights/Momentum' in name for name in runs[3])
 
@@ -412,15 +457,17 @@ def _constrained_model_fn(features, labels, mode):
 @pytest.mark.training
 @pytest.mark.parametrize('aggregation', AGGREGATIONS)
 def test_variable_constraints_apply_to_every_copy(tmp_path, data,
-                                                  aggregation):
+                                                  one_device, aggregation):
   x, y = data
-  runs = {}
-  for towers in (1, 3):
-    kwargs = {'aggregation': aggregation} if towers > 1 else {}
-    estimator = make_estimator(_constrained_model_fn, tmp_path / str(towers),
-                               towers, **kwargs)
+
+  def train(model_dir, towers, **kwargs):
+    estimator = make_estimator(_constrained_model_fn, model_dir, towers,
+                               **kwargs)
     estimator.train(dataset_input_fn({'x': x}, y, BATCH), steps=STEPS)
-    runs[towers] = variables_of(estimator)
+    return variables_of(estimator)
+
+  runs = {1: one_device('constrained', lambda d: train(d, 1)),
+          3: train(tmp_path / '3', 3, aggregation=aggregation)}
   assert_same_variables(runs[1], runs[3])
   # The constraint binds, so a copy that ignored it would differ.
   norms = np.linalg.norm(runs[1]['dense/kernel'], axis=0)

@@ -6,6 +6,8 @@ one device, from the same start checkpoint, on batches that do not divide by
 the tower count.
 """
 
+import shutil
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -58,19 +60,52 @@ def _labels(data, kind):
   return {'x': x}, labels
 
 
+@pytest.fixture(scope='module')
+def canned_one_device(tmp_path_factory, data):
+  """`canned_one_device(kind)`: (start checkpoint dir, one-device variables).
+
+  Canned initializers are not seeded, so the start checkpoint is random:
+  each kind saves one once and trains the one-device Estimator from it once
+  (deterministic from there); each tower count's case trains its replicated
+  run from a copy of that start.
+  """
+  runs = {}
+
+  def get(kind):
+    if kind not in runs:
+      root = tmp_path_factory.mktemp(f'canned_{kind}')
+      features, labels = _labels(data, kind)
+      input_fn = dataset_input_fn(features, labels, BATCH)
+      model_fn = _v1_canned(kind).model_fn
+      save_start_checkpoint(model_fn, input_fn, [root / 'one', root / 'start'])
+      one = tf.estimator.Estimator(
+          model_fn,
+          config=trainer.make_run_config(str(root / 'one'), cpu_devices=1))
+      one.train(input_fn, steps=STEPS)
+      runs[kind] = root / 'start', variables_of(one)
+    return runs[kind]
+
+  return get
+
+
 @pytest.mark.parametrize('kind', ['dnn', 'linear', 'combined', 'baseline',
                                   'dnn_regressor'])
 @pytest.mark.parametrize('towers', [2, 3])
-def test_v1_canned_training_equals_one_device(tmp_path, data, kind, towers):
+def test_v1_canned_training_equals_one_device(tmp_path, data,
+                                              canned_one_device, kind, towers):
   features, labels = _labels(data, kind)
   input_fn = dataset_input_fn(features, labels, BATCH)
-  one, many = _pair(tmp_path, _v1_canned(kind).model_fn, towers, input_fn)
-  one.train(input_fn, steps=STEPS)
+  start, one = canned_one_device(kind)
+  shutil.copytree(start, tmp_path / 'many')
+  many = tf.estimator.Estimator(
+      trainer.replicate_model_fn(_v1_canned(kind).model_fn),
+      config=trainer.make_run_config(str(tmp_path / 'many'),
+                                     cpu_devices=towers))
   many.train(input_fn, steps=STEPS)
   # global_step advances once per step, also where the model_fn advances it
   # itself (DNNLinearCombined), and every variable and slot matches.
   assert many.get_variable_value('global_step') == STEPS
-  assert_same_variables(variables_of(one), variables_of(many))
+  assert_same_variables(one, variables_of(many))
 
 
 def test_v1_canned_with_a_static_batch_size_equals_one_device(tmp_path, data):

@@ -33,17 +33,38 @@ def _train(tmp_path, name, towers, batch_size, data, params, steps=STEPS,
   return estimator
 
 
+@pytest.fixture(scope='module')
+def sgd_one_device(tmp_path_factory, data):
+  """`sgd_one_device(batch_size)`: the variables of the one-device SGD run.
+
+  Deterministic (seeded initializers and `tf_random_seed`, data in order),
+  so it trains once per batch size in this module instead of once per tower
+  count; each case still trains its own towered run.
+  """
+  runs = {}
+
+  def get(batch_size):
+    if batch_size not in runs:
+      runs[batch_size] = variables_of(_train(
+          tmp_path_factory.mktemp('one_device'), 'one', 1, batch_size, data,
+          {'optimizer': OPTIMIZERS['sgd']}))
+    return runs[batch_size]
+
+  return get
+
+
 @pytest.mark.training
 @pytest.mark.parametrize('towers,batch_size', [
     (2, 12), (3, 12), (4, 12),   # divides
     (2, 10), (3, 10), (4, 10),   # does not divide
     (4, 3),                      # fewer examples than towers
 ])
-def test_sgd_training_equals_one_device(tmp_path, data, towers, batch_size):
+def test_sgd_training_equals_one_device(tmp_path, data, sgd_one_device,
+                                        towers, batch_size):
   params = {'optimizer': OPTIMIZERS['sgd']}
-  one = _train(tmp_path, 'one', 1, batch_size, data, params)
+  one = sgd_one_device(batch_size)
   many = _train(tmp_path, 'many', towers, batch_size, data, params)
-  assert_same_variables(variables_of(one), variables_of(many))
+  assert_same_variables(one, variables_of(many))
   assert many.get_variable_value('global_step') == STEPS
 
 
