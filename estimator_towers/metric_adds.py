@@ -165,6 +165,7 @@ def check_overwrites(metric_ops: Sequence[Dict[str, tuple]],
 
 def _ops_of(update, in_tower: Callable[[tf.Operation], bool]
             ) -> List[tf.Operation]:
+  """The ops of a tower's metric update, the update and what it runs."""
   found, seen = [], set()
   pending = [getattr(update, 'op', update)]
   while pending:
@@ -181,17 +182,7 @@ def _ops_of(update, in_tower: Callable[[tf.Operation], bool]
 def _adds(update, in_tower: Callable[[tf.Operation], bool]
           ) -> List[tf.Operation]:
   """The adds a tower's metric update runs, in a fixed order."""
-  found, seen = [], set()
-  pending = [getattr(update, 'op', update)]
-  while pending:
-    op = pending.pop()
-    if op.name in seen or not in_tower(op):
-      continue
-    seen.add(op.name)
-    if op.type in _ADDS:
-      found.append(op)
-    pending.extend(t.op for t in op.inputs)
-    pending.extend(op.control_inputs)
+  found = [op for op in _ops_of(update, in_tower) if op.type in _ADDS]
   # Towers after the first build under their scope: compare below it.
   return sorted(found, key=lambda op: op.name.split('/', 1)[-1]
                 if op.name.startswith('tower_') else op.name)
