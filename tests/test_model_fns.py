@@ -91,9 +91,12 @@ CASES = {
                        feature_columns=tabular_columns(True),
                        hidden_units=[8], embedding_size=2, learning_rate=0.05),
                   tabular_data, 30, 32),
-    # 60 steps: at 30 the accuracy sat close to the 0.9 the test asks for.
+    # 90 steps: at 30 the accuracy sat close to the 0.9 the test asks for;
+    # at 60 one full run of the suite saw a start (the seeds depend on what
+    # the process built before) whose loss was still 0.8x its first, though
+    # it then evaluated at accuracy >= 0.9.
     'cifar_cnn': (IMAGE_PARAMS,
-                  lambda: image_data(64, IMAGE_SHAPE, 4), 60, 32),
+                  lambda: image_data(64, IMAGE_SHAPE, 4), 90, 32),
     'resnet': (dict(IMAGE_PARAMS, resnet_depth=8),
                lambda: image_data(64, IMAGE_SHAPE, 4), 30, 32),
     'keras_app': (dict(BASE, n_classes=2, image_shape=KERAS_IMAGE_SHAPE,
