@@ -216,7 +216,7 @@ def written_inputs(op: tf.Operation) -> Set[int]:
                             'StatelessCase') else 0
   written = set()
   for name in _called(op.node_def):
-    function = op.graph._get_function(name)  # pylint: disable=protected-access
+    function = _function(op.graph, name)
     if function is None:
       continue
     definition = function.definition
@@ -225,7 +225,7 @@ def written_inputs(op: tf.Operation) -> Set[int]:
     for node in definition.node_def:
       if node.op in WRITES and node.op not in _SHARED and node.input:
         targets = [node.input[0]]
-      elif _called(node)[1:] or graph_function(op.graph, node.op):
+      elif _called(node)[1:] or _function(op.graph, node.op) is not None:
         targets = list(node.input)  # A nested call: any of its inputs.
       else:
         continue
@@ -236,7 +236,7 @@ def written_inputs(op: tf.Operation) -> Set[int]:
   return written
 
 
-def graph_function(graph: tf.Graph, name: str):
+def _function(graph: tf.Graph, name: str):
   """The graph function `name`, or None."""
   return graph._get_function(name)  # pylint: disable=protected-access
 
@@ -277,7 +277,7 @@ def _writes_in_functions(graph: tf.Graph, names: Iterable[str],
   """Variable writes inside the named graph functions, nested included."""
   writes = []
   for name in names:
-    function = graph._get_function(name)  # pylint: disable=protected-access
+    function = _function(graph, name)
     if name in seen or function is None:
       continue
     seen.add(name)
