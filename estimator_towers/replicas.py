@@ -102,6 +102,12 @@ class Replicas:
       copies.append(self._make_copy(primary, len(copies)))
     return copies[tower]
 
+  def primary_name(self, name: str, tower: int) -> str:
+    """`name` without tower `tower`'s copy prefix: a variable named after a
+    copy (a slot or EMA shadow made from it) is the primary's."""
+    prefix = _copy_scope(tower)
+    return name[len(prefix):] if name.startswith(prefix) else name
+
   def _partitioned(self, primary, tower: int):
     """A PartitionedVariable of tower `tower`'s copies of the parts."""
     parts = list(primary)
@@ -114,7 +120,7 @@ class Replicas:
         # The constructor wants the slices; the Saver never sees copies.
         copy._set_save_slice_info(part._get_save_slice_info())  # pylint: disable=protected-access
       self._partitioned_copies[key] = variables_lib.PartitionedVariable(
-          f'tower_{tower}_replica/{primary.name}', primary.get_shape(),
+          f'{_copy_scope(tower)}{primary.name}', primary.get_shape(),
           primary.dtype, copies, primary._get_partitions())  # pylint: disable=protected-access
     return self._partitioned_copies[key]
 
@@ -129,7 +135,7 @@ class Replicas:
           f"aggregation='all_reduce' needs a static shape to replicate "
           f'{primary.name}, which has shape {primary.shape}.')
     graph = tf1.get_default_graph()
-    name = f'tower_{tower}_replica/{primary.op.name}'
+    name = f'{_copy_scope(tower)}{primary.op.name}'
     with self._unshared(), graph.name_scope(None), graph.colocate_with(
         None, ignore_existing=True):
       # Zeros until local_init_op sets it from the primary (see sync_op).
@@ -455,6 +461,11 @@ class _SyncingScaffold(tf1.train.Scaffold):
     if self._init_op is None:
       return tf1.global_variables_initializer()
     return self._init_op
+
+
+def _copy_scope(tower: int) -> str:
+  """The name prefix of tower `tower`'s copies."""
+  return f'tower_{tower}_replica/'
 
 
 def _local_sum(primary, grads: list, device: str):

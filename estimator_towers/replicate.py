@@ -319,7 +319,7 @@ class _TowerBuilder:
       # Other modes read the primaries, which are tower 0's variables.
       self._replicas = replicas_lib.Replicas(devices, self._sharing.unshared,
                                              placement, task_group)
-      self._sharing.tower_variable = self._replicas.tower_variable
+      self._sharing.copies = self._replicas
 
   def build(self, features, labels, kwargs) -> tf.estimator.EstimatorSpec:
     """The merged spec of the towers of one model_fn call."""

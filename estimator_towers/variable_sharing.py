@@ -17,13 +17,15 @@ must reuse them. Two mechanisms cover the ways variables get made:
 
 With the 'all_reduce' aggregation, later towers get their own copy of each
 trainable variable instead of tower 0's (see replicas.py): the sharing above
-decides which of tower 0's variables a request means, and `tower_variable`
-maps it to the tower's copy.
+decides which of tower 0's variables a request means, and `copies` maps it
+to the tower's copy. A variable named after a copy (an EMA's shadow of the
+tower's copy, `tower_1_replica/w/ExponentialMovingAverage`) is the one tower
+0 named after the primary: one device has one shadow.
 """
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Iterator, List
 
 import tensorflow as tf
 
@@ -36,13 +38,14 @@ class VariableSharing:
   def __init__(self):
     self._created: List[tf.Variable] = []
     self._local = threading.local()
-    # (primary, tower index) -> what that tower uses; identity by default.
-    self.tower_variable: Optional[Callable[[Any, int], Any]] = None
+    # The all_reduce aggregation's replicas.Replicas: `tower_variable`
+    # (primary, tower index) -> what that tower uses, `primary_name`.
+    self.copies = None
 
   def _for_tower(self, variable, index: int):
-    if self.tower_variable is None or not index:
+    if self.copies is None or not index:
       return variable
-    return self.tower_variable(variable, index)
+    return self.copies.tower_variable(variable, index)
 
   @property
   def _get_variable_depth(self) -> int:
@@ -51,6 +54,10 @@ class VariableSharing:
   def _counting_getter(self, getter, name, *args, **kwargs):
     """Marks creations that come from `get_variable`, which the store shares."""
     self._local.depth = self._get_variable_depth + 1
+    index = getattr(self._local, 'index', 0)
+    unshared = getattr(self._local, 'unshared', False)
+    if self.copies is not None and index and not unshared:
+      name = self.copies.primary_name(name, index)
     initializer = kwargs.get('initializer')
     if isinstance(initializer, tf.Tensor):
       # Slots (e.g. an EMA's) pass only a Tensor initial value, whose dtype
@@ -62,9 +69,9 @@ class VariableSharing:
       variable = getter(name, *args, **kwargs)
     finally:
       self._local.depth -= 1
-    if self._get_variable_depth or getattr(self._local, 'unshared', False):
+    if self._get_variable_depth or unshared:
       return variable
-    return self._for_tower(variable, getattr(self._local, 'index', 0))
+    return self._for_tower(variable, index)
 
   @contextlib.contextmanager
   def unshared(self) -> Iterator[None]:

@@ -1,5 +1,6 @@
 """Towers share tower 0's variables; a tower that differs is an error."""
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -74,3 +75,63 @@ def classifier_spec(mode, logits, labels):
   train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
       loss, tf1.train.get_or_create_global_step())
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _teacher_model_fn(features, labels, mode, ordered=False):
+  """Mean-teacher style: the forward pass reads an EMA shadow of the
+  weights. `ordered` fixes the order one device leaves open (the shadow is
+  read, then the EMA reads the weights, then the update writes them)."""
+  del mode
+  step = tf1.train.get_or_create_global_step()
+  w = tf1.get_variable('w', [5, 1], initializer=tf1.constant_initializer(0.1))
+  ema = tf1.train.ExponentialMovingAverage(0.5)
+  ema_op = ema.apply([w])
+  teacher = ema.average(w)
+  logits = tf.matmul(features['x'], 0.5 * (w + teacher))[:, 0]
+  loss = tf1.losses.mean_squared_error(tf.cast(labels, tf.float32), logits)
+  if ordered:
+    ema_op._add_control_input(loss.op)  # pylint: disable=protected-access
+  with tf.control_dependencies([ema_op] if ordered else []):
+    update = tf1.train.GradientDescentOptimizer(0.1).minimize(loss, step)
+  return tf.estimator.EstimatorSpec(
+      tf.estimator.ModeKeys.TRAIN, loss=loss, train_op=tf.group(update, ema_op))
+
+
+def _teacher_after_steps(towers, aggregation=None, steps=3):
+  rng = np.random.RandomState(3)
+  x = rng.randn(9, 5).astype(np.float32)
+  y = rng.randint(0, 3, size=9).astype(np.int32)
+  graph = tf.Graph()
+  with graph.as_default():
+    features, labels = tf1.data.make_one_shot_iterator(
+        tf.data.Dataset.from_tensors(({'x': x}, y)).repeat()).get_next()
+    step = tf1.train.get_or_create_global_step()
+    if towers:
+      spec = trainer.replicate_model_fn(
+          _teacher_model_fn, aggregation=aggregation)(
+              features, labels, tf.estimator.ModeKeys.TRAIN, {},
+              trainer.make_run_config(cpu_devices=towers))
+    else:
+      spec = _teacher_model_fn(features, labels, None, ordered=True)
+    scaffold = spec.scaffold
+    scaffold.finalize()
+    with tf1.Session(config=tf1.ConfigProto(
+        device_count={'CPU': max(towers, 1)})) as session:
+      session.run([scaffold.init_op, scaffold.local_init_op])
+      for _ in range(steps):
+        session.run(spec.train_op)
+      assert session.run(step) == steps
+      named = {v.op.name: v for v in tf1.global_variables()}
+      return session.run([named['w'], named['w/ExponentialMovingAverage']])
+
+
+@pytest.mark.parametrize('aggregation', ['global_loss', 'all_reduce'])
+def test_an_ema_shadow_read_in_the_forward_pass_is_one_shadow(aggregation):
+  # all_reduce: the EMA of tower 1's copy of w was named after the copy
+  # (tower_1_replica/w/ExponentialMovingAverage) and refused as a variable
+  # tower 0 did not create; it is tower 0's shadow, as on one device.
+  expected = _teacher_after_steps(0)
+  for _ in range(3):  # The step orders reads and writes: several runs.
+    actual = _teacher_after_steps(2, aggregation)
+    for want, got in zip(expected, actual):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
