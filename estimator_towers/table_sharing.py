@@ -36,6 +36,7 @@ import tensorflow as tf
 
 from estimator_towers import op_ledger
 from estimator_towers import patching
+from estimator_towers import write_order
 
 tf1 = tf.compat.v1
 _TABLE_CLASSES = (tf.lookup.experimental.MutableHashTable,
@@ -196,6 +197,7 @@ class TableSharing:
       for write in writes:
         write._add_control_inputs(  # pylint: disable=protected-access
             [r for r in reads if r not in write.control_inputs])
+      write_order.keep_whole(writes[:-1] + list(reads))
 
 
 def _write_major(table, writes: List[tf.Operation],
