@@ -26,6 +26,7 @@ from estimator_towers import op_ledger
 from estimator_towers import optimizer_iterations
 from estimator_towers import peer_watch
 from estimator_towers import replicas as replicas_lib
+from estimator_towers import scoped_collections
 from estimator_towers import sharding
 from estimator_towers import spec_merge
 from estimator_towers import table_sharing
@@ -515,6 +516,7 @@ class _TowerBuilder:
       stack.enter_context(tower_lib._entered(context))  # pylint: disable=protected-access
       if name_scope:
         stack.enter_context(graph.name_scope(name_scope))
+      stack.enter_context(scoped_collections.tower(name_scope))
       stack.enter_context(graph.device(_placer(
           index, device, self._placement, lambda: update.applying)))
       stack.enter_context(self._sharing.tower(index))
