@@ -1,0 +1,656 @@
+"""`compare`: does a model_fn train the same on towers as on one device?
+
+`replicate_model_fn` promises one device's numbers on the same global
+batch. `compare` checks that promise on the user's own model_fn: it writes
+ONE start checkpoint, trains `steps` steps from it on one device and on
+`num_towers` towers (GPUs when the machine has that many, else virtual
+CPUs) with the same batches, and reports every checkpointed variable's
+difference (optimizer slots and batch-norm moving statistics included),
+the eval metrics of both runs side by side and the largest difference of
+their predictions on one batch.
+
+Some models are not meant to train identically; the report names what in
+the towered graph explains a difference (the EXPECTED sources):
+  * stateful random ops upstream of the loss (dropout): each tower draws
+    its own numbers for its shard, unless
+    `replicate_kwargs['random_ops'] == 'one_device'`;
+  * batch-norm layers: each tower normalises its shard with the shard's
+    statistics, unless `replicate_kwargs['batch_norm'] == 'global'`;
+  * float16 / bfloat16 tensors: rounding depends on how the batch is cut;
+  * GPU towers without op determinism (`TF_DETERMINISTIC_OPS`): scatter
+    and segment sums and cuDNN gradients add in a varying order.
+A difference beyond the tolerance that none of these explains is a failure:
+a bug of the library or a dependence on the batch size it did not catch.
+"""
+
+import dataclasses
+import math
+import numbers
+import os
+import re
+import shutil
+import tempfile
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from estimator_towers import moving_statistics
+from estimator_towers import tower_effects
+from estimator_towers.replicate import replicate_model_fn
+from estimator_towers.run_config import available_gpu_count
+from estimator_towers.run_config import make_run_config
+
+tf1 = tf.compat.v1
+ModeKeys = tf.estimator.ModeKeys
+
+EQUAL, EXPLAINED, FAILURE = 'equal', 'explained', 'failure'
+_DEVICE_TYPES = ('CPU', 'GPU')
+# Set by compare, never by the user: the comparison chooses the devices.
+_OWN_ARGUMENTS = ('devices',)
+_LOW_PRECISION = (tf.float16, tf.bfloat16)
+_BEFORE_REPORTING = (
+    'Before reporting: a loss_reduction passed to replicate_model_fn that '
+    'the loss does not have, or a loss that uses the batch size '
+    '(tf.shape(x)[0]), also makes towers differ; see '
+    'docs/writing_model_fns.md, rule 1.')
+
+
+@dataclasses.dataclass(frozen=True)
+class Difference:
+  """How far the towers' value of one tensor is from one device's.
+
+  Attributes:
+    name: The variable, metric or prediction key.
+    shape: Its shape.
+    max_abs: The largest absolute difference.
+    max_rel: The largest difference relative to one device's value (over
+      the elements where that is not zero; inf where only it is zero).
+    ratio: The largest |towers - one device| / (atol + rtol |one device|):
+      above 1 is beyond the tolerance. inf for a NaN on one side only, a
+      shape or dtype mismatch, or unequal non-numeric values.
+  """
+  name: str
+  shape: Tuple[int, ...]
+  max_abs: float
+  max_rel: float
+  ratio: float
+
+  @property
+  def within(self) -> bool:
+    """Whether the towers match one device within the tolerance."""
+    return self.ratio <= 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricPair:
+  """One eval metric of both runs, side by side."""
+  name: str
+  one_device: Any
+  towers: Any
+  difference: Difference
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """A known reason for towers to differ from one device.
+
+  Attributes:
+    name: Short name, e.g. 'random ops'.
+    detail: What was found in the towered graph and what to do about it.
+    explains: Whether it explains a difference beyond the tolerance (the
+      tolerance itself is listed too, but explains nothing).
+  """
+  name: str
+  detail: str
+  explains: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """What `compare` found.
+
+  Attributes:
+    num_towers: Towers of the towered run.
+    devices: The towers' device type, 'CPU' (virtual) or 'GPU'.
+    steps: Training steps of each run.
+    rtol: Relative tolerance.
+    atol: Absolute tolerance.
+    variables: Every variable both checkpoints hold, worst first.
+    unmatched: Variables only one checkpoint holds ('name (towers only)').
+    metrics: The eval metrics of both runs (empty without eval_input_fn).
+    predictions: Each prediction key's difference on the first batch.
+    sources: The expected sources of difference found, and the tolerance.
+  """
+  num_towers: int
+  devices: str
+  steps: int
+  rtol: float
+  atol: float
+  variables: Tuple[Difference, ...]
+  unmatched: Tuple[str, ...]
+  metrics: Tuple[MetricPair, ...]
+  predictions: Tuple[Difference, ...]
+  sources: Tuple[Source, ...]
+
+  @property
+  def beyond_tolerance(self) -> List[str]:
+    """Names of what differs beyond the tolerance (or exists once only)."""
+    return ([d.name for d in self.variables if not d.within] +
+            list(self.unmatched) +
+            [f'metric {m.name}' for m in self.metrics
+             if not m.difference.within] +
+            [f'prediction {d.name}' for d in self.predictions
+             if not d.within])
+
+  @property
+  def verdict(self) -> str:
+    """EQUAL, EXPLAINED (every difference has an expected source), or
+    FAILURE (a difference nothing explains)."""
+    if not self.beyond_tolerance:
+      return EQUAL
+    if not self.unmatched and any(s.explains for s in self.sources):
+      return EXPLAINED
+    return FAILURE
+
+  def verdict_line(self) -> str:
+    """One line: the verdict and why."""
+    what = (f'{self.num_towers} {self.devices} towers vs one device, '
+            f'{self.steps} steps, rtol={self.rtol:g} atol={self.atol:g}')
+    verdict, beyond = self.verdict, self.beyond_tolerance
+    if verdict == EQUAL:
+      return (f'verdict: EQUAL: every variable, metric and prediction '
+              f'matches within tolerance ({what}).')
+    count = f'{len(beyond)} value(s) differ beyond tolerance ({what})'
+    if verdict == EXPLAINED:
+      names = ', '.join(s.name for s in self.sources if s.explains)
+      return (f'verdict: EXPLAINED: {count}; expected from: {names}.')
+    if self.unmatched:
+      return (f'verdict: FAILURE: {count}: the two checkpoints hold '
+              'different variables; this looks like a bug: please report it '
+              'with this output.')
+    return (f'verdict: FAILURE: {count}, and nothing in the towered graph '
+            'explains it; this looks like a bug: please report it with this '
+            'output.')
+
+  def format(self, max_rows: int = 20) -> str:
+    """The whole report as text: variables (worst first, `max_rows` at
+    most), metrics, predictions, expected sources and the verdict."""
+    lines = [f'variables ({len(self.variables)}), worst first:',
+             _row('name', 'shape', 'max abs', 'max rel', 'tol ratio')]
+    for diff in self.variables[:max_rows]:
+      lines.append(_difference_row(diff))
+    if len(self.variables) > max_rows:
+      lines.append(f'... {len(self.variables) - max_rows} more')
+    lines.extend(f'only in one checkpoint: {name}' for name in self.unmatched)
+    if self.metrics:
+      lines.append('eval metrics:')
+      lines.append(_row('name', 'one device', 'towers', 'max abs',
+                        'tol ratio'))
+      for metric in self.metrics:
+        lines.append(_row(metric.name, _value(metric.one_device),
+                          _value(metric.towers),
+                          f'{metric.difference.max_abs:.3g}',
+                          _ratio(metric.difference)))
+    if self.predictions:
+      lines.append('predictions (first batch):')
+      lines.extend(_difference_row(d) for d in self.predictions)
+    lines.append('expected sources of difference:')
+    lines.extend(f'  {"*" if s.explains else "-"} {s.name}: {s.detail}'
+                 for s in self.sources)
+    if self.verdict == FAILURE:
+      lines.append(_BEFORE_REPORTING)
+    lines.append(self.verdict_line())
+    return '\n'.join(lines)
+
+  def __str__(self) -> str:
+    return self.format()
+
+
+def compare(model_fn: Callable[..., Any],
+            input_fn: Callable[..., Any],
+            *,
+            num_towers: int,
+            steps: int,
+            params: Optional[Dict[str, Any]] = None,
+            model_dir: Optional[str] = None,
+            tf_random_seed: int = 7,
+            rtol: float = 1e-4,
+            atol: float = 1e-5,
+            eval_input_fn: Optional[Callable[..., Any]] = None,
+            eval_steps: Optional[int] = None,
+            predict_input_fn: Optional[Callable[..., Any]] = None,
+            device_type: Optional[str] = None,
+            **replicate_kwargs: Any) -> Report:
+  """Trains `model_fn` on one device and on towers and compares them.
+
+  Both runs start from one checkpoint of `model_fn` (its initial values,
+  optimizer slots included), written once and copied, and read the same
+  batches: `input_fn` must yield the same batches each time it is called
+  in a graph with the same seed (a seeded shuffle does; see
+  `tf_random_seed`).
+
+  Args:
+    model_fn: A one-device model_fn, as for `tf.estimator.Estimator`.
+    input_fn: The training input_fn; it batches the GLOBAL batch.
+    num_towers: Towers of the towered run, >= 2.
+    steps: Training steps of each run, >= 1. A few are enough to show a
+      difference; rounding differences grow with more.
+    params: The Estimators' params.
+    model_dir: Where the start checkpoint and the two runs go (subfolders
+      `start`, `one_device`, `towers`, which must not exist yet); None
+      uses a temporary folder, removed afterwards.
+    tf_random_seed: The graph-level seed of every run, so that seeded
+      shuffles and random ops repeat.
+    rtol: Relative tolerance, as numpy.isclose's.
+    atol: Absolute tolerance, as numpy.isclose's.
+    eval_input_fn: If given, both runs are evaluated on it.
+    eval_steps: Evaluation steps; None evaluates until the input ends.
+    predict_input_fn: Whose first batch both runs predict; default
+      `eval_input_fn`, else `input_fn`.
+    device_type: 'GPU' or 'CPU' (virtual CPU devices); None takes GPUs when
+      the machine has `num_towers` of them, else CPUs. One device is one
+      of the same type.
+    **replicate_kwargs: Passed to `replicate_model_fn` for the towered run
+      (e.g. loss_reduction, aggregation; `random_ops` and `batch_norm`
+      decide whether random ops and batch norm explain a difference).
+
+  Returns:
+    A `Report`; `report.verdict` is EQUAL, EXPLAINED or FAILURE and
+    `print(report)` shows it all.
+
+  Raises:
+    TypeError: model_fn or an input_fn is not callable, or a number is of
+      the wrong type.
+    ValueError: a number is out of range, `device_type` is unknown or asks
+      for GPUs the machine lacks, `model_dir` already holds a run, or
+      `replicate_kwargs` sets `devices`. What replicate_model_fn or the
+      Estimator raise for the model_fn passes through.
+  """
+  _check_arguments(model_fn, input_fn, eval_input_fn, predict_input_fn,
+                   num_towers, steps, tf_random_seed, rtol, atol, eval_steps,
+                   replicate_kwargs)
+  device_type = _device_type(device_type, num_towers)
+  # Unknown replicate_model_fn arguments fail here, before any training.
+  towered_fn = replicate_model_fn(model_fn, **replicate_kwargs)
+  temporary = model_dir is None
+  root = tempfile.mkdtemp(prefix='compare-') if temporary else model_dir
+  try:
+    dirs = _run_dirs(root)
+    configs = {name: _run_config(dirs[name], towers, device_type,
+                                 tf_random_seed)
+               for name, towers in (('start', 1), ('one_device', 1),
+                                    ('towers', num_towers))}
+    _write_start(model_fn, input_fn, params, configs['start'],
+                 [dirs['one_device'], dirs['towers']])
+    inspected = _Inspected(towered_fn)
+    estimators = {
+        'one_device': tf.estimator.Estimator(
+            model_fn, config=configs['one_device'], params=params),
+        'towers': tf.estimator.Estimator(
+            inspected, config=configs['towers'], params=params)}
+    for estimator in estimators.values():
+      estimator.train(input_fn, steps=steps)
+    tolerance = (rtol, atol)
+    variables, unmatched = _compare_checkpoints(
+        dirs['one_device'], dirs['towers'], tolerance)
+    metrics = ()
+    if eval_input_fn is not None:
+      results = [estimators[name].evaluate(eval_input_fn, steps=eval_steps)
+                 for name in ('one_device', 'towers')]
+      metrics = _compare_metrics(*results, tolerance)
+    predictions = _compare_predictions(
+        [estimators[name] for name in ('one_device', 'towers')],
+        predict_input_fn or eval_input_fn or input_fn, tolerance)
+    sources = inspected.sources(device_type, replicate_kwargs, tolerance)
+  finally:
+    if temporary:
+      shutil.rmtree(root, ignore_errors=True)
+  return Report(num_towers=num_towers, devices=device_type, steps=steps,
+                rtol=rtol, atol=atol, variables=variables,
+                unmatched=unmatched, metrics=metrics,
+                predictions=predictions, sources=sources)
+
+
+# ----------------------------------------------------------------------------
+# Arguments and runs.
+
+
+def _check_arguments(model_fn, input_fn, eval_input_fn, predict_input_fn,
+                     num_towers, steps, seed, rtol, atol, eval_steps,
+                     replicate_kwargs) -> None:
+  for name, fn in (('model_fn', model_fn), ('input_fn', input_fn),
+                   ('eval_input_fn', eval_input_fn),
+                   ('predict_input_fn', predict_input_fn)):
+    if fn is not None and not callable(fn):
+      raise TypeError(f'{name} must be callable, got {fn!r}.')
+  _check_int('num_towers', num_towers, 2,
+             'compare one device with at least 2 towers')
+  _check_int('steps', steps, 1, 'train at least one step')
+  _check_int('tf_random_seed', seed, 0, 'use a non-negative int')
+  if eval_steps is not None:
+    _check_int('eval_steps', eval_steps, 1,
+               'evaluate at least one step, or pass None for the whole input')
+  for name, value in (('rtol', rtol), ('atol', atol)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+      raise TypeError(f'{name} must be a number, got {value!r}.')
+    if not value >= 0 or math.isinf(value):  # NaN fails too.
+      raise ValueError(f'{name}={value!r}; use a finite number >= 0, e.g. '
+                       f'rtol=1e-4, atol=1e-5 for float32.')
+  own = sorted(set(_OWN_ARGUMENTS) & set(replicate_kwargs))
+  if own:
+    raise ValueError(f'replicate_kwargs sets {own}; compare chooses the '
+                     'tower devices itself (see num_towers and device_type).')
+
+
+def _check_int(name: str, value: Any, minimum: int, advice: str) -> None:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(f'{name} must be an int, got {value!r}.')
+  if value < minimum:
+    raise ValueError(f'{name}={value}; {advice} ({name} >= {minimum}).')
+
+
+def _device_type(device_type: Optional[str], num_towers: int) -> str:
+  """The towers' device type: as asked, else GPUs if there are enough."""
+  gpus = available_gpu_count()
+  if device_type is None:
+    return 'GPU' if gpus >= num_towers else 'CPU'
+  if device_type not in _DEVICE_TYPES:
+    raise ValueError(f'device_type={device_type!r}; use one of '
+                     f'{_DEVICE_TYPES}, or None to choose by the machine.')
+  if device_type == 'GPU' and gpus < num_towers:
+    raise ValueError(f"device_type='GPU' with num_towers={num_towers}, but "
+                     f'TensorFlow sees {gpus} GPU(s); ask for at most '
+                     f"{gpus} towers, or use device_type='CPU'.")
+  return device_type
+
+
+def _run_dirs(root: str) -> Dict[str, str]:
+  """The runs' folders under `root`, refused when one is there already."""
+  dirs = {name: os.path.join(root, name)
+          for name in ('start', 'one_device', 'towers')}
+  taken = [d for d in dirs.values() if tf.io.gfile.exists(d)]
+  if taken:
+    raise ValueError(f'model_dir={root!r} already holds {taken}; a comparison '
+                     'must start from a fresh folder: pass a new model_dir, '
+                     'or None for a temporary one.')
+  return dirs
+
+
+def _run_config(model_dir: str, towers: int, device_type: str,
+                seed: int) -> tf.estimator.RunConfig:
+  devices = ({'num_gpus': towers} if device_type == 'GPU' else
+             {'num_gpus': 0, 'cpu_devices': towers})
+  # Only the final checkpoint matters; summaries would only cost time.
+  return make_run_config(model_dir, tf_random_seed=seed,
+                         save_checkpoints_steps=10**9, save_summary_steps=0,
+                         log_step_count_steps=10**9, **devices)
+
+
+class _StopAtStart(tf1.train.SessionRunHook):
+  """Ends training once the session exists: after the Estimator's saver has
+  written the step-0 checkpoint, before the first step."""
+
+  def after_create_session(self, session, coord):
+    del session
+    coord.request_stop()
+
+
+def _write_start(model_fn, input_fn, params, config,
+                 model_dirs: Sequence[str]) -> None:
+  """Writes ONE step-0 checkpoint of `model_fn` and copies it into each of
+  `model_dirs`.
+
+  Initializers without an op-level seed do not draw the same values in
+  the one-device and the towered graph, so both resume from these values.
+  A one-device Estimator writes it, as it would start training: its
+  Saver, scaffold and input_fn conventions apply.
+  """
+  tf.estimator.Estimator(model_fn, config=config, params=params).train(
+      input_fn, hooks=[_StopAtStart()])
+  checkpoint = tf.train.latest_checkpoint(config.model_dir)
+  if checkpoint is None:
+    raise ValueError(f'The start checkpoint was not written in '
+                     f'{config.model_dir}; does input_fn yield a batch?')
+  for model_dir in model_dirs:
+    tf.io.gfile.makedirs(model_dir)
+    for path in tf.io.gfile.glob(checkpoint + '.*'):
+      tf.io.gfile.copy(path, os.path.join(model_dir, os.path.basename(path)))
+    tf1.train.update_checkpoint_state(
+        model_dir, os.path.join(model_dir, os.path.basename(checkpoint)))
+
+
+# ----------------------------------------------------------------------------
+# Differences.
+
+
+def _difference(name: str, one, towers, tolerance) -> Difference:
+  """How far `towers` is from `one` (the reference)."""
+  rtol, atol = tolerance
+  one, towers = np.asarray(one), np.asarray(towers)
+  shape = tuple(one.shape)
+  if one.shape != towers.shape:
+    return Difference(name, shape, math.inf, math.inf, math.inf)
+  numeric = all(np.issubdtype(a.dtype, np.number) or a.dtype == bool
+                for a in (one, towers))
+  if not numeric:
+    same = np.array_equal(one, towers)
+    return Difference(name, shape, 0.0 if same else math.inf,
+                      0.0 if same else math.inf, 0.0 if same else math.inf)
+  if one.size == 0:
+    return Difference(name, shape, 0.0, 0.0, 0.0)
+  a, b = one.astype(np.float64), towers.astype(np.float64)
+  both_nan = np.isnan(a) & np.isnan(b)
+  same_inf = np.isinf(a) & (a == b)
+  error = np.where(both_nan | same_inf, 0.0, np.abs(b - a))
+  error = np.where(np.isnan(error), math.inf, error)  # NaN on one side.
+  with np.errstate(divide='ignore', invalid='ignore'):
+    relative = np.where(error == 0, 0.0, error / np.abs(a))
+    bound = atol + rtol * np.where(np.isfinite(a), np.abs(a), 0.0)
+    ratio = np.where(error == 0, 0.0, error / bound)
+  return Difference(name, shape, float(error.max()), float(relative.max()),
+                    float(ratio.max()))
+
+
+def _compare_checkpoints(one_dir: str, towers_dir: str, tolerance
+                         ) -> Tuple[Tuple[Difference, ...], Tuple[str, ...]]:
+  """Every variable of the two runs' final checkpoints, worst first."""
+  readers = [tf.train.load_checkpoint(d) for d in (one_dir, towers_dir)]
+  names = [set(r.get_variable_to_shape_map()) -
+           {'_CHECKPOINTABLE_OBJECT_GRAPH'} for r in readers]
+  unmatched = tuple(sorted(
+      [f'{n} (one device only)' for n in names[0] - names[1]] +
+      [f'{n} (towers only)' for n in names[1] - names[0]]))
+  differences = [_difference(name, readers[0].get_tensor(name),
+                             readers[1].get_tensor(name), tolerance)
+                 for name in sorted(names[0] & names[1])]
+  return _worst_first(differences), unmatched
+
+
+def _worst_first(differences: Sequence[Difference]
+                 ) -> Tuple[Difference, ...]:
+  return tuple(sorted(differences, key=lambda d: (-d.ratio, -d.max_abs,
+                                                  d.name)))
+
+
+def _compare_metrics(one: Dict[str, Any], towers: Dict[str, Any],
+                     tolerance) -> Tuple[MetricPair, ...]:
+  pairs = []
+  for name in sorted(set(one) | set(towers)):
+    if name in one and name in towers:
+      difference = _difference(name, one[name], towers[name], tolerance)
+    else:
+      difference = Difference(name, (), math.inf, math.inf, math.inf)
+    pairs.append(MetricPair(name, one.get(name), towers.get(name),
+                            difference))
+  return tuple(pairs)
+
+
+def _compare_predictions(estimators, input_fn, tolerance
+                         ) -> Tuple[Difference, ...]:
+  """Each prediction key's difference on the first batch of `input_fn`."""
+  batches = []
+  for estimator in estimators:
+    outputs = estimator.predict(input_fn, yield_single_examples=False)
+    try:
+      batch = next(outputs)
+    finally:
+      outputs.close()  # Ends the prediction session.
+    batches.append(batch if isinstance(batch, dict) else {'': batch})
+  one, towers = batches
+  differences = [_difference(key, one[key], towers[key], tolerance)
+                 for key in sorted(set(one) & set(towers))]
+  differences += [Difference(key, (), math.inf, math.inf, math.inf)
+                  for key in sorted(set(one) ^ set(towers))]
+  return _worst_first(differences)
+
+
+# ----------------------------------------------------------------------------
+# Expected sources, read off the towered TRAIN graph.
+
+
+class _Inspected:
+  """The towered model_fn; remembers what its TRAIN graph holds that can
+  make towers differ from one device."""
+
+  def __init__(self, towered_fn):
+    self._towered_fn = towered_fn
+    self._random: List[str] = []
+    self._batch_norm: List[str] = []
+    self._low_precision: List[str] = []
+    self._non_deterministic: List[str] = []
+
+  def __call__(self, features, labels=None, mode=None, params=None,
+               config=None):
+    spec = self._towered_fn(features, labels, mode, params, config)
+    if mode == ModeKeys.TRAIN:
+      graph = tf1.get_default_graph()
+      used = _upstream([spec.train_op, spec.loss])
+      self._random = sorted({_one_device_name(op) for op in used
+                             if op.type in tower_effects.RANDOM})
+      self._batch_norm = moving_statistics.per_tower_layers(graph)
+      self._low_precision = sorted({
+          _one_device_name(op) for op in used
+          if any(t.dtype in _LOW_PRECISION for t in op.outputs)})
+      self._non_deterministic = sorted({
+          op.type for op in used if _accumulates_in_any_order(op.type)})
+    return spec
+
+  def sources(self, device_type: str, replicate_kwargs: Dict[str, Any],
+              tolerance) -> Tuple[Source, ...]:
+    """The expected sources of difference found, then the tolerance."""
+    found = []
+    if self._random:
+      one_device = replicate_kwargs.get('random_ops') == 'one_device'
+      found.append(Source(
+          'random ops',
+          f'{len(self._random)} stateful random op(s) feed the loss '
+          f'({_some(self._random)}), e.g. dropout. ' +
+          ("With random_ops='one_device' the towers draw one device's "
+           'numbers, so they explain no difference.' if one_device else
+           "Each tower draws its own numbers for its shard; pass "
+           "random_ops='one_device' to replicate_model_fn to draw one "
+           "device's, or compare without dropout."),
+          explains=not one_device))
+    if self._batch_norm:
+      global_ = replicate_kwargs.get('batch_norm') == 'global'
+      found.append(Source(
+          'batch norm',
+          f'{len(self._batch_norm)} batch-norm layer(s) '
+          f'({_some(self._batch_norm)}). ' +
+          ("With batch_norm='global' they normalise with the global "
+           'batch\'s statistics, so they explain no difference.'
+           if global_ else
+           "Each tower normalises its shard with the shard's own "
+           "statistics (the moving statistics are exact); pass "
+           "batch_norm='global' to replicate_model_fn for one device's."),
+          explains=not global_))
+    if self._low_precision:
+      found.append(Source(
+          'reduced precision',
+          f'{len(self._low_precision)} op(s) compute in float16/bfloat16 '
+          f'({_some(self._low_precision)}): their rounding depends on how '
+          'the batch is cut; compare in float32, or raise rtol and atol to '
+          "that precision's.", explains=True))
+    if device_type == 'GPU' and not _deterministic():
+      kinds = (f' (here: {", ".join(self._non_deterministic)})'
+               if self._non_deterministic else '')
+      found.append(Source(
+          'non-deterministic kernels',
+          'GPU kernels such as scatter and segment sums and cuDNN '
+          f'gradients add in a varying order{kinds}; set '
+          'TF_DETERMINISTIC_OPS=1 (or tf.config.experimental.'
+          'enable_op_determinism()) to rule them out.', explains=True))
+    rtol, atol = tolerance
+    found.append(Source(
+        'tolerance',
+        f'rtol={rtol:g}, atol={atol:g}: towers add the shards\' gradients in '
+        'another order than one device adds the batch, so float32 results '
+        'differ in the last bits; a few steps stay well within 1e-4.',
+        explains=False))
+    return tuple(found)
+
+
+def _upstream(tensors_or_ops) -> List[tf.Operation]:
+  """The ops the given tensors and ops depend on (data and control)."""
+  pending = [getattr(t, 'op', t) for t in tensors_or_ops if t is not None]
+  seen, ops = set(), []
+  while pending:
+    op = pending.pop()
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    ops.append(op)
+    pending.extend(t.op for t in op.inputs)
+    pending.extend(op.control_inputs)
+  return ops
+
+
+def _one_device_name(op: tf.Operation) -> str:
+  """The op's name without its tower's name scope (tower_1/...)."""
+  return re.sub(r'^tower_\d+/', '', op.name)
+
+
+def _accumulates_in_any_order(op_type: str) -> bool:
+  """Op types whose GPU kernels add with atomics (no fixed order)."""
+  return 'Segment' in op_type or op_type.startswith(
+      ('ScatterAdd', 'ResourceScatterAdd', 'ScatterNdAdd',
+       'ResourceScatterNdAdd', 'TensorScatterAdd', 'Conv2DBackprop',
+       'BiasAddGrad'))
+
+
+def _deterministic() -> bool:
+  if os.environ.get('TF_DETERMINISTIC_OPS', '').lower() in ('1', 'true'):
+    return True
+  return tf.config.experimental.is_op_determinism_enabled()
+
+
+def _some(names: Sequence[str], most: int = 3) -> str:
+  shown = ', '.join(names[:most])
+  return shown + (f' and {len(names) - most} more' if len(names) > most
+                  else '')
+
+
+# ----------------------------------------------------------------------------
+# Text.
+
+
+def _row(*cells) -> str:
+  name, *rest = cells
+  return f'  {name:<48} ' + ' '.join(f'{c:>12}' for c in rest)
+
+
+def _difference_row(diff: Difference) -> str:
+  return _row(diff.name, 'x'.join(map(str, diff.shape)) or 'scalar',
+              f'{diff.max_abs:.3g}', f'{diff.max_rel:.3g}', _ratio(diff))
+
+
+def _ratio(diff: Difference) -> str:
+  return f'{diff.ratio:.3g}' + ('' if diff.within else ' !')
+
+
+def _value(value) -> str:
+  array = np.asarray(value)
+  if array.size == 1 and np.issubdtype(array.dtype, np.number):
+    return f'{array.item():.6g}'
+  return f'{array.dtype.name}{list(array.shape)}'
