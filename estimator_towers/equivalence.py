@@ -23,7 +23,9 @@ A difference beyond the tolerance that none of these explains is a failure:
 a bug of the library or a dependence on the batch size it did not catch.
 """
 
+import contextlib
 import dataclasses
+import logging
 import math
 import numbers
 import os
@@ -387,6 +389,21 @@ def _run_config(model_dir: str, towers: int, device_type: str,
                          log_step_count_steps=10**9, **devices)
 
 
+# The Estimator's warning when the start checkpoint is written: expected.
+_NO_STEPS = 'Training with estimator made no steps'
+
+
+@contextlib.contextmanager
+def _filtered(logger: logging.Logger, start: str):
+  """Drops `logger`'s records that start with `start`, for a while."""
+  record_filter = lambda record: not record.getMessage().startswith(start)
+  logger.addFilter(record_filter)
+  try:
+    yield
+  finally:
+    logger.removeFilter(record_filter)
+
+
 class _StopAtStart(tf1.train.SessionRunHook):
   """Ends training once the session exists: after the Estimator's saver has
   written the step-0 checkpoint, before the first step."""
@@ -406,8 +423,9 @@ def _write_start(model_fn, input_fn, params, config,
   A one-device Estimator writes it, as it would start training: its
   Saver, scaffold and input_fn conventions apply.
   """
-  tf.estimator.Estimator(model_fn, config=config, params=params).train(
-      input_fn, hooks=[_StopAtStart()])
+  estimator = tf.estimator.Estimator(model_fn, config=config, params=params)
+  with _filtered(tf.get_logger(), _NO_STEPS):
+    estimator.train(input_fn, hooks=[_StopAtStart()])
   checkpoint = tf.train.latest_checkpoint(config.model_dir)
   if checkpoint is None:
     raise ValueError(f'The start checkpoint was not written in '
