@@ -140,12 +140,13 @@ def test_a_used_model_dir_is_refused(data, tmp_path):
 
 @pytest.mark.fast
 def test_differences_count_nan_on_one_side_and_shapes_as_beyond():
+  difference = equivalence._difference  # pylint: disable=protected-access
   tolerance = (1e-4, 1e-5)
-  close = equivalence._difference('w', [1.0, 2.0], [1.00001, 2.0], tolerance)  # pylint: disable=protected-access
+  close = difference('w', [1.0, 2.0], [1.00001, 2.0], tolerance)
   assert close.within and close.max_abs == pytest.approx(1e-5)
   for one, towers in (([1.0, np.nan], [1.0, 1.0]), ([1.0], [1.0, 1.0])):
-    assert not equivalence._difference('w', one, towers, tolerance).within  # pylint: disable=protected-access
-  assert equivalence._difference('w', [np.nan], [np.nan], tolerance).within  # pylint: disable=protected-access
+    assert not difference('w', one, towers, tolerance).within
+  assert difference('w', [np.nan], [np.nan], tolerance).within
 
 
 @pytest.mark.cli
