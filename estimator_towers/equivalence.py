@@ -25,6 +25,7 @@ a bug of the library or a dependence on the batch size it did not catch.
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import math
 import numbers
@@ -123,6 +124,8 @@ class Report:
     metrics: The eval metrics of both runs (empty without eval_input_fn).
     predictions: Each prediction key's difference on the first batch.
     sources: The expected sources of difference found, and the tolerance.
+    batches: Training batches each run read, the same in both (checked by
+      their fingerprints).
   """
   num_towers: int
   devices: str
@@ -134,6 +137,7 @@ class Report:
   metrics: Tuple[MetricPair, ...]
   predictions: Tuple[Difference, ...]
   sources: Tuple[Source, ...]
+  batches: int
 
   @property
   def beyond_tolerance(self) -> List[str]:
@@ -178,7 +182,9 @@ class Report:
   def format(self, max_rows: int = 20) -> str:
     """The whole report as text: variables (worst first, `max_rows` at
     most), metrics, predictions, expected sources and the verdict."""
-    lines = [f'variables ({len(self.variables)}), worst first:',
+    lines = [f'training: {self.batches} identical batches per run, '
+             f'from one start checkpoint',
+             f'variables ({len(self.variables)}), worst first:',
              _row('name', 'shape', 'max abs', 'max rel', 'tol ratio')]
     for diff in self.variables[:max_rows]:
       lines.append(_difference_row(diff))
@@ -274,7 +280,9 @@ def compare(model_fn: Callable[..., Any],
                    replicate_kwargs)
   device_type = _device_type(device_type, num_towers)
   # Unknown replicate_model_fn arguments fail here, before any training.
-  towered_fn = replicate_model_fn(model_fn, **replicate_kwargs)
+  runs = {'one_device': _Observed(replicate_model_fn(model_fn)),
+          'towers': _Observed(replicate_model_fn(model_fn,
+                                                 **replicate_kwargs))}
   temporary = model_dir is None
   root = tempfile.mkdtemp(prefix='compare-') if temporary else model_dir
   try:
@@ -283,16 +291,17 @@ def compare(model_fn: Callable[..., Any],
                                  tf_random_seed)
                for name, towers in (('start', 1), ('one_device', 1),
                                     ('towers', num_towers))}
-    _write_start(model_fn, input_fn, params, configs['start'],
-                 [dirs['one_device'], dirs['towers']])
-    inspected = _Inspected(towered_fn)
+    # On a one-device session replicate_model_fn calls the model_fn as it
+    # is (a TPUEstimatorSpec becomes an EstimatorSpec).
+    _write_start(runs['one_device'].model_fn(), input_fn, params,
+                 configs['start'], [dirs['one_device'], dirs['towers']])
     estimators = {
-        'one_device': tf.estimator.Estimator(
-            model_fn, config=configs['one_device'], params=params),
-        'towers': tf.estimator.Estimator(
-            inspected, config=configs['towers'], params=params)}
+        name: tf.estimator.Estimator(run.model_fn(), config=configs[name],
+                                     params=params)
+        for name, run in runs.items()}
     for estimator in estimators.values():
       estimator.train(input_fn, steps=steps)
+    _check_same_batches(runs['one_device'].batches, runs['towers'].batches)
     tolerance = (rtol, atol)
     variables, unmatched = _compare_checkpoints(
         dirs['one_device'], dirs['towers'], tolerance)
@@ -304,14 +313,16 @@ def compare(model_fn: Callable[..., Any],
     predictions = _compare_predictions(
         [estimators[name] for name in ('one_device', 'towers')],
         predict_input_fn or eval_input_fn or input_fn, tolerance)
-    sources = inspected.sources(device_type, replicate_kwargs, tolerance)
+    sources = runs['towers'].sources(device_type, replicate_kwargs,
+                                     tolerance)
   finally:
     if temporary:
       shutil.rmtree(root, ignore_errors=True)
   return Report(num_towers=num_towers, devices=device_type, steps=steps,
                 rtol=rtol, atol=atol, variables=variables,
                 unmatched=unmatched, metrics=metrics,
-                predictions=predictions, sources=sources)
+                predictions=predictions, sources=sources,
+                batches=len(runs['towers'].batches))
 
 
 # ----------------------------------------------------------------------------
@@ -527,32 +538,52 @@ def _compare_predictions(estimators, input_fn, tolerance
 # Expected sources, read off the towered TRAIN graph.
 
 
-class _Inspected:
-  """The towered model_fn; remembers what its TRAIN graph holds that can
-  make towers differ from one device."""
+class _Observed:
+  """A model_fn of one run: records a fingerprint of each training batch,
+  and what its TRAIN graph holds that can make towers differ from one
+  device.
 
-  def __init__(self, towered_fn):
-    self._towered_fn = towered_fn
+  Args:
+    fn: The run's model_fn (replicated, as Estimator calls it).
+  """
+
+  def __init__(self, fn):
+    self._fn = fn
+    self.batches: List[np.ndarray] = []
     self._random: List[str] = []
     self._batch_norm: List[str] = []
     self._low_precision: List[str] = []
     self._non_deterministic: List[str] = []
 
-  def __call__(self, features, labels=None, mode=None, params=None,
-               config=None):
-    spec = self._towered_fn(features, labels, mode, params, config)
-    if mode == ModeKeys.TRAIN:
-      graph = tf1.get_default_graph()
-      used = _upstream([spec.train_op, spec.loss])
-      self._random = sorted({_one_device_name(op) for op in used
-                             if op.type in tower_effects.RANDOM})
-      self._batch_norm = moving_statistics.per_tower_layers(graph)
-      self._low_precision = sorted({
-          _one_device_name(op) for op in used
-          if any(t.dtype in _LOW_PRECISION for t in op.outputs)})
-      self._non_deterministic = sorted({
-          op.type for op in used if _accumulates_in_any_order(op.type)})
-    return spec
+  def model_fn(self):
+    """The model_fn to give the run's Estimator."""
+
+    def observed_model_fn(features, labels=None, mode=None, params=None,
+                          config=None):
+      spec = self._fn(features, labels, mode, params, config)
+      if mode != ModeKeys.TRAIN:
+        return spec
+      self._inspect(spec)
+      return spec._replace(training_hooks=[
+          *spec.training_hooks,
+          _Fingerprints(_fingerprint(features, labels), self.batches)])
+
+    # Estimator passes the arguments the wrapped model_fn presents (the
+    # user's model_fn's own), and checks them as for that model_fn.
+    observed_model_fn.__signature__ = inspect.signature(self._fn)
+    return observed_model_fn
+
+  def _inspect(self, spec) -> None:
+    graph = tf1.get_default_graph()
+    used = _upstream([spec.train_op, spec.loss])
+    self._random = sorted({_one_device_name(op) for op in used
+                           if op.type in tower_effects.RANDOM})
+    self._batch_norm = moving_statistics.per_tower_layers(graph)
+    self._low_precision = sorted({
+        _one_device_name(op) for op in used
+        if any(t.dtype in _LOW_PRECISION for t in op.outputs)})
+    self._non_deterministic = sorted({
+        op.type for op in used if _accumulates_in_any_order(op.type)})
 
   def sources(self, device_type: str, replicate_kwargs: Dict[str, Any],
               tolerance) -> Tuple[Source, ...]:
@@ -607,6 +638,67 @@ class _Inspected:
         'differ in the last bits; a few steps stay well within 1e-4.',
         explains=False))
     return tuple(found)
+
+
+class _Fingerprints(tf1.train.SessionRunHook):
+  """Appends each step's batch fingerprint to a list."""
+
+  def __init__(self, fingerprint: tf.Tensor, out: List[np.ndarray]):
+    self._fingerprint = fingerprint
+    self._out = out
+
+  def before_run(self, run_context):
+    del run_context
+    return tf1.train.SessionRunArgs(self._fingerprint)
+
+  def after_run(self, run_context, run_values):
+    del run_context
+    self._out.append(run_values.results)
+
+
+def _fingerprint(features, labels) -> tf.Tensor:
+  """float64 [3 * tensors]: each tensor's sum, position-weighted sum and
+  size, so that other values or another order change it."""
+  parts = []
+  with tf.name_scope('compare_batch_fingerprint'):
+    for leaf in tf.nest.flatten((features, labels), expand_composites=True):
+      if not isinstance(leaf, tf.Tensor):
+        continue
+      if leaf.dtype == tf.string:
+        leaf = tf.strings.to_hash_bucket_fast(leaf, 2**31 - 1)
+      elif not (leaf.dtype.is_numeric or leaf.dtype.is_bool):
+        continue  # Resources, variants: no values of their own.
+      flat = tf.reshape(tf.cast(leaf, tf.float64), [-1])
+      positions = tf.cast(tf.range(1, tf.size(flat) + 1), tf.float64)
+      parts.append(tf.stack([tf.reduce_sum(flat),
+                             tf.reduce_sum(flat * positions),
+                             tf.cast(tf.size(flat), tf.float64)]))
+    return tf.concat(parts, 0) if parts else tf.zeros([0], tf.float64)
+
+
+def _check_same_batches(one: Sequence[np.ndarray],
+                        towers: Sequence[np.ndarray]) -> None:
+  """Refuses a comparison whose runs read different batches.
+
+  Raises:
+    ValueError: a step's batch, or the number of steps, differs.
+  """
+  for step, (a, b) in enumerate(zip(one, towers)):
+    # float64 sums of the same values in the same order: equal, unless
+    # the batches differ (rtol leaves room for another summation order).
+    if a.shape != b.shape or not np.allclose(a, b, rtol=1e-9, atol=0,
+                                             equal_nan=True):
+      raise ValueError(
+          f'The input_fn gave the one-device and the towered run different '
+          f'batches (first at step {step + 1}), so their weights cannot be '
+          'compared. Make it yield the same batches on every call: shuffle '
+          'with a seed, and no parallel map or interleave with '
+          'deterministic=False.')
+  if len(one) != len(towers):
+    raise ValueError(
+        f'The input_fn gave the one-device run {len(one)} batches and the '
+        f'towered run {len(towers)}; it must yield the same batches on '
+        'every call.')
 
 
 def _upstream(tensors_or_ops) -> List[tf.Operation]:

@@ -68,6 +68,7 @@ def test_an_exact_model_is_equal_in_every_variable_metric_and_prediction(
                     params={'optimizer': OPTIMIZERS['adam']},
                     eval_input_fn=dataset_input_fn({'x': x}, y, repeat=False))
   assert report.verdict == equivalence.EQUAL, report.format()
+  assert report.batches == 3  # Each run's, the same in both.
   names = [d.name for d in report.variables]
   # Optimizer slots are compared too, not only the weights.
   assert {'dense/kernel', 'dense/kernel/Adam', 'dense/kernel/Adam_1',
@@ -108,6 +109,23 @@ def test_a_difference_nothing_explains_is_a_failure(data):
   last = report.format().splitlines()[-1]
   assert last.startswith('verdict: FAILURE')
   assert 'this looks like a bug: please report it with this output' in last
+
+
+@pytest.mark.training
+def test_an_input_fn_giving_the_runs_other_batches_is_refused(data):
+  x, y = data
+  calls = []
+
+  def input_fn():
+    calls.append(None)
+    # Each call starts one example later: the runs read other batches.
+    examples = tf.data.Dataset.from_tensor_slices(({'x': x}, y))
+    return examples.skip(len(calls)).batch(12).repeat()
+
+  with pytest.raises(ValueError, match=r'different batches \(first at step '
+                     r'1\).*shuffle with a seed'):
+    equivalence.compare(_small_model_fn, input_fn, num_towers=2, steps=2,
+                        params={})
 
 
 @pytest.mark.fast
@@ -154,10 +172,12 @@ def test_check_cli_on_the_embedded_digits_exits_0_with_table_and_verdict():
   result = run_module('trainer.check', '--cpu-towers=2', '--check-steps=2',
                       '--max-rows=3', timeout=180)
   lines = result.stdout.splitlines()
-  assert lines[0].startswith('variables (') and 'worst first' in lines[0]
-  assert lines[1].split() == ['name', 'shape', 'max', 'abs', 'max', 'rel',
+  assert lines[0] == ('training: 2 identical batches per run, from one '
+                      'start checkpoint')
+  assert lines[1].startswith('variables (') and 'worst first' in lines[1]
+  assert lines[2].split() == ['name', 'shape', 'max', 'abs', 'max', 'rel',
                               'tol', 'ratio']
-  assert lines[5].startswith('... ') and lines[5].endswith(' more')
+  assert lines[6].startswith('... ') and lines[6].endswith(' more')
   assert 'eval metrics:' in lines and 'expected sources of difference:' in lines
   assert any(l.split()[0] == 'accuracy' for l in lines if l.strip())
   assert lines[-1].startswith('verdict: EQUAL: ')
