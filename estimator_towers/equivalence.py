@@ -37,9 +37,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import config as tf_framework_config  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers import moving_statistics
 from estimator_towers import tower_effects
+from estimator_towers import write_order
 from estimator_towers.replicate import replicate_model_fn
 from estimator_towers.run_config import available_gpu_count
 from estimator_towers.run_config import make_run_config
@@ -575,7 +577,9 @@ class _Observed:
 
   def _inspect(self, spec) -> None:
     graph = tf1.get_default_graph()
-    used = _upstream([spec.train_op, spec.loss])
+    used = write_order.ancestors(
+        getattr(t, 'op', t) for t in (spec.train_op, spec.loss)
+        if t is not None)
     self._random = sorted({_one_device_name(op) for op in used
                            if op.type in tower_effects.RANDOM})
     self._batch_norm = moving_statistics.per_tower_layers(graph)
@@ -590,30 +594,23 @@ class _Observed:
     """The expected sources of difference found, then the tolerance."""
     found = []
     if self._random:
-      one_device = replicate_kwargs.get('random_ops') == 'one_device'
-      found.append(Source(
-          'random ops',
+      found.append(_unless_option(
+          'random ops', replicate_kwargs, ('random_ops', 'one_device'),
           f'{len(self._random)} stateful random op(s) feed the loss '
-          f'({_some(self._random)}), e.g. dropout. ' +
-          ("With random_ops='one_device' the towers draw one device's "
-           'numbers, so they explain no difference.' if one_device else
-           "Each tower draws its own numbers for its shard; pass "
-           "random_ops='one_device' to replicate_model_fn to draw one "
-           "device's, or compare without dropout."),
-          explains=not one_device))
+          f'({_some(self._random)}), e.g. dropout.',
+          "the towers draw one device's numbers",
+          'Each tower draws its own numbers for its shard; pass '
+          "random_ops='one_device' to replicate_model_fn to draw one "
+          "device's, or compare without dropout."))
     if self._batch_norm:
-      global_ = replicate_kwargs.get('batch_norm') == 'global'
-      found.append(Source(
-          'batch norm',
+      found.append(_unless_option(
+          'batch norm', replicate_kwargs, ('batch_norm', 'global'),
           f'{len(self._batch_norm)} batch-norm layer(s) '
-          f'({_some(self._batch_norm)}). ' +
-          ("With batch_norm='global' they normalise with the global "
-           'batch\'s statistics, so they explain no difference.'
-           if global_ else
-           "Each tower normalises its shard with the shard's own "
-           "statistics (the moving statistics are exact); pass "
-           "batch_norm='global' to replicate_model_fn for one device's."),
-          explains=not global_))
+          f'({_some(self._batch_norm)}).',
+          "they normalise with the global batch's statistics",
+          "Each tower normalises its shard with the shard's own "
+          'statistics (the moving statistics are exact); pass '
+          "batch_norm='global' to replicate_model_fn for one device's."))
     if self._low_precision:
       found.append(Source(
           'reduced precision',
@@ -701,19 +698,15 @@ def _check_same_batches(one: Sequence[np.ndarray],
         'every call.')
 
 
-def _upstream(tensors_or_ops) -> List[tf.Operation]:
-  """The ops the given tensors and ops depend on (data and control)."""
-  pending = [getattr(t, 'op', t) for t in tensors_or_ops if t is not None]
-  seen, ops = set(), []
-  while pending:
-    op = pending.pop()
-    if op.name in seen:
-      continue
-    seen.add(op.name)
-    ops.append(op)
-    pending.extend(t.op for t in op.inputs)
-    pending.extend(op.control_inputs)
-  return ops
+def _unless_option(name: str, replicate_kwargs: Dict[str, Any],
+                   option: Tuple[str, str], found: str, when_set: str,
+                   otherwise: str) -> Source:
+  """A source that a replicate_model_fn option (name, value) rules out."""
+  key, value = option
+  if replicate_kwargs.get(key) == value:
+    return Source(name, f'{found} With {key}={value!r} {when_set}, so they '
+                  'explain no difference.', explains=False)
+  return Source(name, f'{found} {otherwise}', explains=True)
 
 
 def _one_device_name(op: tf.Operation) -> str:
@@ -732,7 +725,8 @@ def _accumulates_in_any_order(op_type: str) -> bool:
 def _deterministic() -> bool:
   if os.environ.get('TF_DETERMINISTIC_OPS', '').lower() in ('1', 'true'):
     return True
-  return tf.config.experimental.is_op_determinism_enabled()
+  # Private, but the only reader of enable_op_determinism's switch.
+  return tf_framework_config.is_op_determinism_enabled()
 
 
 def _some(names: Sequence[str], most: int = 3) -> str:
