@@ -593,24 +593,24 @@ class _Observed:
               tolerance) -> Tuple[Source, ...]:
     """The expected sources of difference found, then the tolerance."""
     found = []
-    if self._random:
-      found.append(_unless_option(
-          'random ops', replicate_kwargs, ('random_ops', 'one_device'),
-          f'{len(self._random)} stateful random op(s) feed the loss '
-          f'({_some(self._random)}), e.g. dropout.',
-          "the towers draw one device's numbers",
-          'Each tower draws its own numbers for its shard; pass '
-          "random_ops='one_device' to replicate_model_fn to draw one "
-          "device's, or compare without dropout."))
-    if self._batch_norm:
-      found.append(_unless_option(
-          'batch norm', replicate_kwargs, ('batch_norm', 'global'),
-          f'{len(self._batch_norm)} batch-norm layer(s) '
-          f'({_some(self._batch_norm)}).',
-          "they normalise with the global batch's statistics",
-          "Each tower normalises its shard with the shard's own "
-          'statistics (the moving statistics are exact); pass '
-          "batch_norm='global' to replicate_model_fn for one device's."))
+    for name, ops, option, found_as, when_set, otherwise in (
+        ('random ops', self._random, ('random_ops', 'one_device'),
+         'stateful random op(s) feed the loss ({}), e.g. dropout.',
+         "the towers draw one device's numbers",
+         'Each tower draws its own numbers for its shard; pass '
+         "random_ops='one_device' to replicate_model_fn to draw one "
+         "device's, or compare without dropout."),
+        ('batch norm', self._batch_norm, ('batch_norm', 'global'),
+         'batch-norm layer(s) ({}).',
+         "they normalise with the global batch's statistics",
+         "Each tower normalises its shard with the shard's own statistics "
+         "(the moving statistics are exact); pass batch_norm='global' to "
+         "replicate_model_fn for one device's.")):
+      if ops:
+        found.append(_unless_option(
+            name, replicate_kwargs, option,
+            f'{len(ops)} {found_as.format(_some(ops))}', when_set,
+            otherwise))
     if self._low_precision:
       found.append(Source(
           'reduced precision',
