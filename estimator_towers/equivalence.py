@@ -54,6 +54,9 @@ _DEVICE_TYPES = ('CPU', 'GPU')
 # Set by compare, never by the user: the comparison chooses the devices.
 _OWN_ARGUMENTS = ('devices',)
 _LOW_PRECISION = (tf.float16, tf.bfloat16)
+_EXPLAINED_WARNING = (
+    'warning: the towers differ from one device, as the expected sources '
+    'above explain; rule them out (the options named) to check the rest.')
 _BEFORE_REPORTING = (
     'Before reporting: a loss_reduction passed to replicate_model_fn that '
     'the loss does not have, or a loss that uses the batch size '
@@ -183,7 +186,8 @@ class Report:
 
   def format(self, max_rows: int = 20) -> str:
     """The whole report as text: variables (worst first, `max_rows` at
-    most), metrics, predictions, expected sources and the verdict."""
+    most), metrics, predictions, expected sources, a warning line when the
+    differences are explained, and the verdict as the last line."""
     lines = [f'training: {self.batches} identical batches per run, '
              f'from one start checkpoint',
              f'variables ({len(self.variables)}), worst first:',
@@ -210,6 +214,8 @@ class Report:
                  for s in self.sources)
     if self.verdict == FAILURE:
       lines.append(_BEFORE_REPORTING)
+    if self.verdict == EXPLAINED:
+      lines.append(_EXPLAINED_WARNING)
     lines.append(self.verdict_line())
     return '\n'.join(lines)
 
