@@ -20,7 +20,8 @@ the towered graph explains a difference (the EXPECTED sources):
   * GPU towers without op determinism (`TF_DETERMINISTIC_OPS`): scatter
     and segment sums and cuDNN gradients add in a varying order.
 A difference beyond the tolerance that none of these explains is a failure:
-a bug of the library or a dependence on the batch size it did not catch.
+a bug of the library, or of the model_fn in a way the library did not catch
+(a loss that uses the batch size, a model changed by `tower_context()`).
 """
 
 import contextlib
@@ -59,9 +60,9 @@ _EXPLAINED_WARNING = (
     'above explain; rule them out (the options named) to check the rest.')
 _BEFORE_REPORTING = (
     'Before reporting: a loss_reduction passed to replicate_model_fn that '
-    'the loss does not have, or a loss that uses the batch size '
-    '(tf.shape(x)[0]), also makes towers differ; see '
-    'docs/writing_model_fns.md, rule 1.')
+    'the loss does not have, a loss that uses the batch size '
+    '(tf.shape(x)[0]) or a model changed by tower_context() also make '
+    'towers differ; see docs/writing_model_fns.md, "Check your model_fn".')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +77,7 @@ class Difference:
       the elements where that is not zero; inf where only it is zero).
     ratio: The largest |towers - one device| / (atol + rtol |one device|):
       above 1 is beyond the tolerance. inf for a NaN on one side only, a
-      shape or dtype mismatch, or unequal non-numeric values.
+      shape mismatch, or unequal non-numeric values.
   """
   name: str
   shape: Tuple[int, ...]
@@ -241,10 +242,10 @@ def compare(model_fn: Callable[..., Any],
   """Trains `model_fn` on one device and on towers and compares them.
 
   Both runs start from one checkpoint of `model_fn` (its initial values,
-  optimizer slots included), written once and copied, and read the same
-  batches: `input_fn` must yield the same batches each time it is called
-  in a graph with the same seed (a seeded shuffle does; see
-  `tf_random_seed`).
+  optimizer slots included), written once and copied, and must read the
+  same batches: `input_fn` must yield the same batches each time it is
+  called in a graph with the same seed (a seeded shuffle does; see
+  `tf_random_seed`). A fingerprint of every training batch checks it.
 
   Args:
     model_fn: A one-device model_fn, as for `tf.estimator.Estimator`.
@@ -279,8 +280,9 @@ def compare(model_fn: Callable[..., Any],
     TypeError: model_fn or an input_fn is not callable, or a number is of
       the wrong type.
     ValueError: a number is out of range, `device_type` is unknown or asks
-      for GPUs the machine lacks, `model_dir` already holds a run, or
-      `replicate_kwargs` sets `devices`. What replicate_model_fn or the
+      for GPUs the machine lacks, `model_dir` already holds a run,
+      `replicate_kwargs` sets `devices`, or the runs read different
+      batches (then nothing is compared). What replicate_model_fn or the
       Estimator raise for the model_fn passes through.
   """
   _check_arguments(model_fn, input_fn, eval_input_fn, predict_input_fn,
