@@ -198,7 +198,8 @@ def test_differences_count_nan_on_one_side_and_shapes_as_beyond():
 @pytest.mark.cli
 def test_check_cli_on_the_embedded_digits_exits_0_with_table_and_verdict():
   result = run_module('trainer.check', '--cpu-towers=2', '--check-steps=2',
-                      '--eval-steps=1', '--max-rows=3', timeout=180)
+                      '--eval-steps=1', '--hidden-units=16', '--max-rows=3',
+                      timeout=180)
   lines = result.stdout.splitlines()
   assert lines[0] == ('training: 2 identical batches per run, from one '
                       'start checkpoint')
