@@ -55,6 +55,11 @@ _DEVICE_TYPES = ('CPU', 'GPU')
 # Set by compare, never by the user: the comparison chooses the devices.
 _OWN_ARGUMENTS = ('devices',)
 _LOW_PRECISION = (tf.float16, tf.bfloat16)
+# How much more than one device's own rounding noise (the same batches in
+# another order) a difference may be and still count as rounding: the two
+# noises are draws of one kind (up to 9x apart on a model of pure noise),
+# while the bugs seen differ by 1e3x and more.
+_ROUNDING_FACTOR = 20
 _EXPLAINED_WARNING = (
     'warning: the towers differ from one device, as the expected sources '
     'above explain; rule them out (the options named) to check the rest.')
@@ -148,12 +153,9 @@ class Report:
   @property
   def beyond_tolerance(self) -> List[str]:
     """Names of what differs beyond the tolerance (or exists once only)."""
-    return ([d.name for d in self.variables if not d.within] +
-            list(self.unmatched) +
-            [f'metric {m.name}' for m in self.metrics
-             if not m.difference.within] +
-            [f'prediction {d.name}' for d in self.predictions
-             if not d.within])
+    keyed = _keyed(self.variables, self.metrics, self.predictions)
+    return ([k for k, d in keyed.items() if not d.within] +
+            list(self.unmatched))
 
   @property
   def verdict(self) -> str:
@@ -293,45 +295,50 @@ def compare(model_fn: Callable[..., Any],
   runs = {'one_device': _Observed(replicate_model_fn(model_fn)),
           'towers': _Observed(replicate_model_fn(model_fn,
                                                  **replicate_kwargs))}
+  plan = _Plan(input_fn, steps, params, eval_input_fn, eval_steps,
+               predict_input_fn or eval_input_fn or input_fn)
+  tolerance = (rtol, atol)
   temporary = model_dir is None
   root = tempfile.mkdtemp(prefix='compare-') if temporary else model_dir
   try:
     dirs = _run_dirs(root)
-    configs = {name: _run_config(dirs[name], towers, device_type,
-                                 tf_random_seed)
-               for name, towers in (('start', 1), ('one_device', 1),
-                                    ('towers', num_towers))}
+    configs = {name: _run_config(dirs[name], num_towers if name == 'towers'
+                                 else 1, device_type, tf_random_seed)
+               for name in dirs}
     # On a one-device session replicate_model_fn calls the model_fn as it
     # is (a TPUEstimatorSpec becomes an EstimatorSpec).
-    _write_start(runs['one_device'].model_fn(), input_fn, params,
-                 configs['start'], [dirs['one_device'], dirs['towers']])
-    estimators = {
-        name: tf.estimator.Estimator(run.model_fn(), config=configs[name],
-                                     params=params)
-        for name, run in runs.items()}
-    for estimator in estimators.values():
-      estimator.train(input_fn, steps=steps)
+    start = _write_start(runs['one_device'].model_fn(), input_fn, params,
+                         configs['start'])
+    outputs = {name: _trained(runs[name], plan, configs[name], start)
+               for name in runs}
     _check_same_batches(runs['one_device'].batches, runs['towers'].batches)
-    tolerance = (rtol, atol)
-    variables, unmatched = _compare_checkpoints(
-        dirs['one_device'], dirs['towers'], tolerance)
-    metrics = ()
-    if eval_input_fn is not None:
-      results = [estimators[name].evaluate(eval_input_fn, steps=eval_steps)
-                 for name in ('one_device', 'towers')]
-      metrics = _compare_metrics(*results, tolerance)
-    predictions = _compare_predictions(
-        [estimators[name] for name in ('one_device', 'towers')],
-        predict_input_fn or eval_input_fn or input_fn, tolerance)
+    found = _Differences.between(outputs['one_device'], outputs['towers'],
+                                 tolerance)
     sources = runs['towers'].sources(device_type, replicate_kwargs,
                                      tolerance)
+    if (found.beyond() and not found.unmatched and
+        not any(s.explains for s in sources)):
+      # Nothing in the graph explains it: is it rounding the model
+      # amplifies? One device again, on every batch reversed.
+      runs['rounding'] = _Observed(replicate_model_fn(model_fn),
+                                   reverse_batches=True)
+      noise = _Differences.between(
+          outputs['one_device'],
+          _trained(runs['rounding'], plan, configs['rounding'], start),
+          tolerance)
+      _check_same_batches(runs['one_device'].batches,
+                          runs['rounding'].batches)
+      sources = (*sources[:-1],
+                 _rounding_source(found, noise,
+                                  runs['rounding'].reversed_all),
+                 sources[-1])
   finally:
     if temporary:
       shutil.rmtree(root, ignore_errors=True)
   return Report(num_towers=num_towers, devices=device_type, steps=steps,
-                rtol=rtol, atol=atol, variables=variables,
-                unmatched=unmatched, metrics=metrics,
-                predictions=predictions, sources=sources,
+                rtol=rtol, atol=atol, variables=found.variables,
+                unmatched=found.unmatched, metrics=found.metrics,
+                predictions=found.predictions, sources=tuple(sources),
                 batches=len(runs['towers'].batches))
 
 
@@ -391,7 +398,7 @@ def _device_type(device_type: Optional[str], num_towers: int) -> str:
 def _run_dirs(root: str) -> Dict[str, str]:
   """The runs' folders under `root`, refused when one is there already."""
   dirs = {name: os.path.join(root, name)
-          for name in ('start', 'one_device', 'towers')}
+          for name in ('start', 'one_device', 'towers', 'rounding')}
   taken = [d for d in dirs.values() if tf.io.gfile.exists(d)]
   if taken:
     raise ValueError(f'model_dir={root!r} already holds {taken}; a comparison '
@@ -434,15 +441,13 @@ class _StopAtStart(tf1.train.SessionRunHook):
     coord.request_stop()
 
 
-def _write_start(model_fn, input_fn, params, config,
-                 model_dirs: Sequence[str]) -> None:
-  """Writes ONE step-0 checkpoint of `model_fn` and copies it into each of
-  `model_dirs`.
+def _write_start(model_fn, input_fn, params, config) -> str:
+  """Writes ONE step-0 checkpoint of `model_fn`; returns its path.
 
   Initializers without an op-level seed do not draw the same values in
-  the one-device and the towered graph, so both resume from these values.
-  A one-device Estimator writes it, as it would start training: its
-  Saver, scaffold and input_fn conventions apply.
+  the one-device and the towered graph, so every run resumes from these
+  values. A one-device Estimator writes it, as it would start training:
+  its Saver, scaffold and input_fn conventions apply.
   """
   estimator = tf.estimator.Estimator(model_fn, config=config, params=params)
   with _filtered(tf.get_logger(), _NO_STEPS):
@@ -451,12 +456,51 @@ def _write_start(model_fn, input_fn, params, config,
   if checkpoint is None:
     raise ValueError(f'The start checkpoint was not written in '
                      f'{config.model_dir}; does input_fn yield a batch?')
-  for model_dir in model_dirs:
-    tf.io.gfile.makedirs(model_dir)
-    for path in tf.io.gfile.glob(checkpoint + '.*'):
-      tf.io.gfile.copy(path, os.path.join(model_dir, os.path.basename(path)))
-    tf1.train.update_checkpoint_state(
-        model_dir, os.path.join(model_dir, os.path.basename(checkpoint)))
+  return checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """What every run of a comparison trains on, evaluates and predicts."""
+  input_fn: Callable[..., Any]
+  steps: int
+  params: Optional[Dict[str, Any]]
+  eval_input_fn: Optional[Callable[..., Any]]
+  eval_steps: Optional[int]
+  predict_input_fn: Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outputs:
+  """What one trained run gives the comparison."""
+  model_dir: str
+  metrics: Optional[Dict[str, Any]]
+  predictions: Dict[str, np.ndarray]
+
+
+def _trained(run: '_Observed', plan: _Plan, config: tf.estimator.RunConfig,
+             start: str) -> _Outputs:
+  """Trains `run` from a copy of the `start` checkpoint; its outputs."""
+  model_dir = config.model_dir
+  tf.io.gfile.makedirs(model_dir)
+  for path in tf.io.gfile.glob(start + '.*'):
+    tf.io.gfile.copy(path, os.path.join(model_dir, os.path.basename(path)))
+  tf1.train.update_checkpoint_state(
+      model_dir, os.path.join(model_dir, os.path.basename(start)))
+  estimator = tf.estimator.Estimator(run.model_fn(), config=config,
+                                     params=plan.params)
+  estimator.train(plan.input_fn, steps=plan.steps)
+  metrics = None
+  if plan.eval_input_fn is not None:
+    metrics = estimator.evaluate(plan.eval_input_fn, steps=plan.eval_steps)
+  outputs = estimator.predict(plan.predict_input_fn,
+                              yield_single_examples=False)
+  try:
+    batch = next(outputs)
+  finally:
+    outputs.close()  # Ends the prediction session.
+  return _Outputs(model_dir, metrics,
+                  batch if isinstance(batch, dict) else {'': batch})
 
 
 # ----------------------------------------------------------------------------
@@ -489,6 +533,40 @@ def _difference(name: str, one, towers, tolerance) -> Difference:
     ratio = np.where(error == 0, 0.0, error / bound)
   return Difference(name, shape, float(error.max()), float(relative.max()),
                     float(ratio.max()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Differences:
+  """How far one run's outputs are from one device's."""
+  variables: Tuple[Difference, ...]
+  unmatched: Tuple[str, ...]
+  metrics: Tuple[MetricPair, ...]
+  predictions: Tuple[Difference, ...]
+
+  @classmethod
+  def between(cls, one: _Outputs, other: _Outputs,
+              tolerance) -> '_Differences':
+    variables, unmatched = _compare_checkpoints(one.model_dir,
+                                                other.model_dir, tolerance)
+    metrics = ()
+    if one.metrics is not None:
+      metrics = _compare_metrics(one.metrics, other.metrics, tolerance)
+    return cls(variables, unmatched, metrics, _compare_predictions(
+        one.predictions, other.predictions, tolerance))
+
+  def keyed(self) -> Dict[str, Difference]:
+    """Every difference by the name the report gives it."""
+    return _keyed(self.variables, self.metrics, self.predictions)
+
+  def beyond(self) -> List[str]:
+    """What differs beyond the tolerance, by name."""
+    return [k for k, d in self.keyed().items() if not d.within]
+
+
+def _keyed(variables, metrics, predictions) -> Dict[str, Difference]:
+  return {**{d.name: d for d in variables},
+          **{f'metric {m.name}': m.difference for m in metrics},
+          **{f'prediction {d.name}': d for d in predictions}}
 
 
 def _compare_checkpoints(one_dir: str, towers_dir: str, tolerance
@@ -525,23 +603,52 @@ def _compare_metrics(one: Dict[str, Any], towers: Dict[str, Any],
   return tuple(pairs)
 
 
-def _compare_predictions(estimators, input_fn, tolerance
-                         ) -> Tuple[Difference, ...]:
-  """Each prediction key's difference on the first batch of `input_fn`."""
-  batches = []
-  for estimator in estimators:
-    outputs = estimator.predict(input_fn, yield_single_examples=False)
-    try:
-      batch = next(outputs)
-    finally:
-      outputs.close()  # Ends the prediction session.
-    batches.append(batch if isinstance(batch, dict) else {'': batch})
-  one, towers = batches
+def _compare_predictions(one: Dict[str, np.ndarray],
+                         towers: Dict[str, np.ndarray],
+                         tolerance) -> Tuple[Difference, ...]:
+  """Each prediction key's difference on the first batch."""
   differences = [_difference(key, one[key], towers[key], tolerance)
                  for key in sorted(set(one) & set(towers))]
   differences += [Difference(key, (), math.inf, math.inf, math.inf)
                   for key in sorted(set(one) ^ set(towers))]
   return _worst_first(differences)
+
+
+def _rounding_source(found: _Differences, noise: _Differences,
+                     measured: bool) -> Source:
+  """Whether rounding explains every difference beyond the tolerance.
+
+  `noise` is how far one device trained on every batch reversed is from
+  one device: the same computation, summed in another order, which is
+  all the towers should change. A model that amplifies rounding (an
+  Adam-like optimizer on gradients that nearly cancel) differs there as
+  it does on towers; a bug makes towers differ far more.
+  """
+  if not measured:
+    return Source('rounding', 'not measured: the batches hold sparse or '
+                  'ragged tensors, which the check does not reverse.',
+                  explains=False)
+  baseline = noise.keyed()
+  worst = max(baseline, key=lambda k: baseline[k].max_abs)
+  said = (f'one device trained again on every batch reversed (another '
+          f'summation order, as towers add in) differs from one device by '
+          f'up to {baseline[worst].max_abs:.3g} ({worst})')
+  excess = {}
+  for key in found.beyond():
+    floor = baseline[key].max_abs if key in baseline else 0.0
+    difference = found.keyed()[key].max_abs
+    excess[key] = difference / floor if floor > 0 else math.inf
+  over = sorted((k for k in excess if excess[k] > _ROUNDING_FACTOR),
+                key=lambda k: -excess[k])
+  if over:
+    return Source('rounding', f'{said}; but {over[0]} differs '
+                  f'{excess[over[0]]:.3g}x more on towers than there: not '
+                  'rounding.', explains=False)
+  return Source('rounding', f'{said}; every difference beyond tolerance is '
+                f'within {_ROUNDING_FACTOR}x of that run\'s in the same '
+                'value: the model amplifies float32 rounding (as Adam does '
+                'on gradients that nearly cancel). Train with SGD to see '
+                'exact numbers, or raise the tolerance.', explains=True)
 
 
 # ----------------------------------------------------------------------------
@@ -557,8 +664,11 @@ class _Observed:
     fn: The run's model_fn (replicated, as Estimator calls it).
   """
 
-  def __init__(self, fn):
+  def __init__(self, fn, reverse_batches: bool = False):
     self._fn = fn
+    self._reverse = reverse_batches
+    # Whether every batch could be reversed (dense tensors only).
+    self.reversed_all = reverse_batches
     self.batches: List[np.ndarray] = []
     self._random: List[str] = []
     self._batch_norm: List[str] = []
@@ -570,18 +680,33 @@ class _Observed:
 
     def observed_model_fn(features, labels=None, mode=None, params=None,
                           config=None):
-      spec = self._fn(features, labels, mode, params, config)
       if mode != ModeKeys.TRAIN:
-        return spec
+        return self._fn(features, labels, mode, params, config)
+      given = self._reversed(features, labels) if self._reverse else (
+          features, labels)
+      spec = self._fn(*given, mode, params, config)
       self._inspect(spec)
+      # Of the batch as read; made after the model, so that the model's ops
+      # (and the op seeds drawn from their ids) are as without the check.
+      fingerprint = _fingerprint(features, labels)
       return spec._replace(training_hooks=[
-          *spec.training_hooks,
-          _Fingerprints(_fingerprint(features, labels), self.batches)])
+          *spec.training_hooks, _Fingerprints(fingerprint, self.batches)])
 
     # Estimator passes the arguments the wrapped model_fn presents (the
     # user's model_fn's own), and checks them as for that model_fn.
     observed_model_fn.__signature__ = inspect.signature(self._fn)
     return observed_model_fn
+
+  def _reversed(self, features, labels):
+    """The batch in reversed order, if it holds only dense tensors."""
+    leaves = tf.nest.flatten((features, labels))
+    if not all(leaf is None or isinstance(leaf, tf.Tensor)
+               for leaf in leaves):
+      self.reversed_all = False
+      return features, labels
+    return tf.nest.map_structure(
+        lambda t: t if t is None or t.shape.rank == 0 else tf.reverse(t, [0]),
+        (features, labels))
 
   def _inspect(self, spec) -> None:
     graph = tf1.get_default_graph()

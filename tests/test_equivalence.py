@@ -53,7 +53,6 @@ def _small_model_fn(features, labels, mode, params):
 
 def _compare(data, model_fn=_small_model_fn, **kwargs):
   x, y = data
-  kwargs.setdefault('params', {})
   return equivalence.compare(
       model_fn, dataset_input_fn({'x': x}, y), num_towers=2, steps=3,
       **kwargs)
@@ -108,9 +107,41 @@ def test_a_difference_nothing_explains_is_a_failure(data):
   assert report.verdict == equivalence.FAILURE, report.format()
   assert not report.variables[0].within
   assert _explaining(report) == []
+  # One device on reversed batches measured the rounding: far smaller.
+  rounding = [s for s in report.sources if s.name == 'rounding']
+  assert len(rounding) == 1 and 'x more on towers than there: not ' \
+      'rounding' in rounding[0].detail
   last = report.format().splitlines()[-1]
   assert last.startswith('verdict: FAILURE')
   assert 'this looks like a bug: please report it with this output' in last
+
+
+def _cancelling_model_fn(features, labels, mode):
+  """Adam on a weight whose gradient is zero but for rounding."""
+  logits = tf1.layers.dense(features['x'], 2, kernel_initializer=seeded(2))
+  if mode == tf.estimator.ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={'logits': logits})
+  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+  weight = tf1.get_variable('w', [], initializer=tf1.zeros_initializer())
+  p = tf.nn.softmax(logits)[:, 0]
+  # The sum of p - mean(p) is zero up to rounding, which the summation
+  # order decides; Adam divides it by its own size: steps of ~1e-2.
+  loss += weight * tf.reduce_mean(p - tf.reduce_mean(p))
+  train_op = tf1.train.AdamOptimizer(0.1).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.training
+def test_rounding_a_model_amplifies_is_explained_by_a_reversed_batch_run(
+    data):
+  report = _compare(data, _cancelling_model_fn)
+  assert report.verdict == equivalence.EXPLAINED, report.format()
+  assert report.variables[0].name == 'w' and not report.variables[0].within
+  assert _explaining(report) == ['rounding']
+  rounding = report.sources[0].detail
+  assert 'one device trained again on every batch reversed' in rounding
+  assert '(w); every difference beyond tolerance is within 20x' in rounding
 
 
 @pytest.mark.training

@@ -37,6 +37,7 @@ if __name__ == '__main__':
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
 from absl import logging
+import tensorflow as tf
 
 import model_fns
 from estimator_towers import equivalence
@@ -67,6 +68,11 @@ def main(argv):
   environment.quiet_python_logs(flags.FLAGS['verbosity'].present,
                                 logging.get_verbosity())
   options = options_lib.from_flags()
+  seed = options.tf_random_seed or 0
+  # Keras initializers without a seed draw from Python's and numpy's
+  # generators, which the graph-level seed does not reach: seeded, the
+  # same command checks the same start (as trainer.train seeds them).
+  tf.keras.utils.set_random_seed(seed)
   with faults.handled('check'):
     num_towers, device_type = towers(options)
     data = assembly.build_data(options, model_fns.model_kind(options.model))
@@ -76,7 +82,7 @@ def main(argv):
                             seed=options.tf_random_seed or 0),
         num_towers=num_towers, steps=cli.value('check-steps'),
         params=assembly.model_params(options, data),
-        model_dir=options.job_dir, tf_random_seed=options.tf_random_seed or 0,
+        model_dir=options.job_dir, tf_random_seed=seed,
         rtol=cli.value('rtol'), atol=cli.value('atol'),
         eval_input_fn=data.eval_input_fn(options.eval_batch_size),
         eval_steps=options.eval_steps, device_type=device_type,
