@@ -18,7 +18,10 @@ the towered graph explains a difference (the EXPECTED sources):
     statistics, unless `replicate_kwargs['batch_norm'] == 'global'`;
   * float16 / bfloat16 tensors: rounding depends on how the batch is cut;
   * GPU towers without op determinism (`TF_DETERMINISTIC_OPS`): scatter
-    and segment sums and cuDNN gradients add in a varying order.
+    and segment sums and cuDNN gradients add in a varying order;
+  * rounding the model amplifies (Adam on gradients that nearly cancel):
+    measured, when nothing above is found, by one more one-device run on
+    every batch reversed, which adds in another order as towers do.
 A difference beyond the tolerance that none of these explains is a failure:
 a bug of the library, or of the model_fn in a way the library did not catch
 (a loss that uses the batch size, a model changed by `tower_context()`).
