@@ -259,9 +259,10 @@ def compare(model_fn: Callable[..., Any],
     steps: Training steps of each run, >= 1. A few are enough to show a
       difference; rounding differences grow with more.
     params: The Estimators' params.
-    model_dir: Where the start checkpoint and the two runs go (subfolders
-      `start`, `one_device`, `towers`, which must not exist yet); None
-      uses a temporary folder, removed afterwards.
+    model_dir: Where the start checkpoint and the runs go (subfolders
+      `start`, `one_device`, `towers` and, when measured, `rounding`,
+      which must not exist yet); None uses a temporary folder, removed
+      afterwards.
     tf_random_seed: The graph-level seed of every run, so that seeded
       shuffles and random ops repeat.
     rtol: Relative tolerance, as numpy.isclose's.
