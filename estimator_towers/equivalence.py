@@ -9,22 +9,15 @@ difference (optimizer slots and batch-norm moving statistics included),
 the eval metrics of both runs side by side and the largest difference of
 their predictions on one batch.
 
-Some models are not meant to train identically; the report names what in
-the towered graph explains a difference (the EXPECTED sources):
-  * stateful random ops upstream of the loss (dropout): each tower draws
-    its own numbers for its shard, unless
-    `replicate_kwargs['random_ops'] == 'one_device'`;
-  * batch-norm layers: each tower normalises its shard with the shard's
-    statistics, unless `replicate_kwargs['batch_norm'] == 'global'`;
-  * float16 / bfloat16 tensors: rounding depends on how the batch is cut;
-  * GPU towers without op determinism (`TF_DETERMINISTIC_OPS`): scatter
-    and segment sums and cuDNN gradients add in a varying order;
-  * rounding the model amplifies (Adam on gradients that nearly cancel):
-    measured, when nothing above is found, by one more one-device run on
-    every batch reversed, which adds in another order as towers do.
-A difference beyond the tolerance that none of these explains is a failure:
-a bug of the library, or of the model_fn in a way the library did not catch
-(a loss that uses the batch size, a model changed by `tower_context()`).
+Some models are not meant to train identically. The report names what in
+the towered graph explains a difference (difference_sources: random ops,
+batch norm, reduced precision, GPU kernels without determinism) and, when
+none is there, measures the rounding the model amplifies (Adam on
+gradients that nearly cancel) with one more one-device run on every batch
+reversed, which adds in another order as towers do. A difference beyond
+the tolerance that none of these explains is a failure: a bug of the
+library, or of the model_fn in a way the library did not catch (a loss
+that uses the batch size, a model changed by `tower_context()`).
 """
 
 import contextlib
@@ -34,18 +27,14 @@ import logging
 import math
 import numbers
 import os
-import re
 import shutil
 import tempfile
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import config as tf_framework_config  # pylint: disable=g-direct-tensorflow-import
 
-from estimator_towers import moving_statistics
-from estimator_towers import tower_effects
-from estimator_towers import write_order
+from estimator_towers import difference_sources
 from estimator_towers.replicate import replicate_model_fn
 from estimator_towers.run_config import available_gpu_count
 from estimator_towers.run_config import make_run_config
@@ -54,10 +43,10 @@ tf1 = tf.compat.v1
 ModeKeys = tf.estimator.ModeKeys
 
 EQUAL, EXPLAINED, FAILURE = 'equal', 'explained', 'failure'
+Source = difference_sources.Source
 _DEVICE_TYPES = ('CPU', 'GPU')
 # Set by compare, never by the user: the comparison chooses the devices.
 _OWN_ARGUMENTS = ('devices',)
-_LOW_PRECISION = (tf.float16, tf.bfloat16)
 # How much more than one device's own rounding noise (the same batches in
 # another order) a difference may be and still count as rounding: the two
 # noises are draws of one kind (up to 9x apart on a model of pure noise),
@@ -106,21 +95,6 @@ class MetricPair:
   one_device: Any
   towers: Any
   difference: Difference
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-  """A known reason for towers to differ from one device.
-
-  Attributes:
-    name: Short name, e.g. 'random ops'.
-    detail: What was found in the towered graph and what to do about it.
-    explains: Whether it explains a difference beyond the tolerance (the
-      tolerance itself is listed too, but explains nothing).
-  """
-  name: str
-  detail: str
-  explains: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,8 +292,8 @@ def compare(model_fn: Callable[..., Any],
     _check_same_batches(runs['one_device'].batches, runs['towers'].batches)
     found = _Differences.between(outputs['one_device'], outputs['towers'],
                                  tolerance)
-    sources = runs['towers'].sources(device_type, replicate_kwargs,
-                                     tolerance)
+    sources = runs['towers'].graph.sources(device_type, replicate_kwargs,
+                                           tolerance)
     if (found.beyond() and not found.unmatched and
         not any(s.explains for s in sources)):
       # Nothing in the graph explains it: is it rounding the model
@@ -656,16 +630,18 @@ def _rounding_source(found: _Differences, noise: _Differences,
 
 
 # ----------------------------------------------------------------------------
-# Expected sources, read off the towered TRAIN graph.
+# The runs' model_fns.
 
 
 class _Observed:
   """A model_fn of one run: records a fingerprint of each training batch,
   and what its TRAIN graph holds that can make towers differ from one
-  device.
+  device (`graph`).
 
   Args:
     fn: The run's model_fn (replicated, as Estimator calls it).
+    reverse_batches: Train on every batch in reversed order (the rounding
+      run).
   """
 
   def __init__(self, fn, reverse_batches: bool = False):
@@ -674,10 +650,7 @@ class _Observed:
     # Whether every batch could be reversed (dense tensors only).
     self.reversed_all = reverse_batches
     self.batches: List[np.ndarray] = []
-    self._random: List[str] = []
-    self._batch_norm: List[str] = []
-    self._low_precision: List[str] = []
-    self._non_deterministic: List[str] = []
+    self.graph = difference_sources.GraphSources()
 
   def model_fn(self):
     """The model_fn to give the run's Estimator."""
@@ -689,7 +662,7 @@ class _Observed:
       given = self._reversed(features, labels) if self._reverse else (
           features, labels)
       spec = self._fn(*given, mode, params, config)
-      self._inspect(spec)
+      self.graph.read(spec)
       # Of the batch as read; made after the model, so that the model's ops
       # (and the op seeds drawn from their ids) are as without the check.
       fingerprint = _fingerprint(features, labels)
@@ -711,68 +684,6 @@ class _Observed:
     return tf.nest.map_structure(
         lambda t: t if t is None or t.shape.rank == 0 else tf.reverse(t, [0]),
         (features, labels))
-
-  def _inspect(self, spec) -> None:
-    graph = tf1.get_default_graph()
-    used = write_order.ancestors(
-        getattr(t, 'op', t) for t in (spec.train_op, spec.loss)
-        if t is not None)
-    self._random = sorted({_one_device_name(op) for op in used
-                           if op.type in tower_effects.RANDOM})
-    self._batch_norm = moving_statistics.per_tower_layers(graph)
-    self._low_precision = sorted({
-        _one_device_name(op) for op in used
-        if any(t.dtype in _LOW_PRECISION for t in op.outputs)})
-    self._non_deterministic = sorted({
-        op.type for op in used if _accumulates_in_any_order(op.type)})
-
-  def sources(self, device_type: str, replicate_kwargs: Dict[str, Any],
-              tolerance) -> Tuple[Source, ...]:
-    """The expected sources of difference found, then the tolerance."""
-    found = []
-    for name, ops, option, found_as, when_set, otherwise in (
-        ('random ops', self._random, ('random_ops', 'one_device'),
-         'stateful random op(s) feed the loss ({}), e.g. dropout.',
-         "the towers draw one device's numbers",
-         'Each tower draws its own numbers for its shard; pass '
-         "random_ops='one_device' to replicate_model_fn to draw one "
-         "device's, or compare without dropout."),
-        ('batch norm', self._batch_norm, ('batch_norm', 'global'),
-         'batch-norm layer(s) ({}).',
-         "they normalise with the global batch's statistics",
-         "Each tower normalises its shard with the shard's own statistics "
-         "(the moving statistics are exact); pass batch_norm='global' to "
-         "replicate_model_fn for one device's.")):
-      if ops:
-        found.append(_unless_option(
-            name, replicate_kwargs, option,
-            f'{len(ops)} {found_as.format(_some(ops))}', when_set,
-            otherwise))
-    if self._low_precision:
-      found.append(Source(
-          'reduced precision',
-          f'{len(self._low_precision)} op(s) compute in float16/bfloat16 '
-          f'({_some(self._low_precision)}): their rounding depends on how '
-          'the batch is cut; compare in float32, or raise rtol and atol to '
-          "that precision's.", explains=True))
-    if device_type == 'GPU' and not _deterministic():
-      kinds = (f' (here: {", ".join(self._non_deterministic)})'
-               if self._non_deterministic else '')
-      found.append(Source(
-          'non-deterministic kernels',
-          'GPU kernels such as scatter and segment sums and cuDNN '
-          f'gradients add in a varying order{kinds}; set '
-          'TF_DETERMINISTIC_OPS=1 (or tf.config.experimental.'
-          'enable_op_determinism()) to rule them out.', explains=True))
-    rtol, atol = tolerance
-    found.append(Source(
-        'tolerance',
-        f'rtol={rtol:g}, atol={atol:g}: towers add the shards\' gradients in '
-        'another order than one device adds the batch, so float32 results '
-        'differ in the last bits; a few steps stay well within 1e-4.',
-        explains=False))
-    return tuple(found)
-
 
 class _Fingerprints(tf1.train.SessionRunHook):
   """Appends each step's batch fingerprint to a list."""
@@ -833,43 +744,6 @@ def _check_same_batches(one: Sequence[np.ndarray],
         f'The input_fn gave the one-device run {len(one)} batches and the '
         f'towered run {len(towers)}; it must yield the same batches on '
         'every call.')
-
-
-def _unless_option(name: str, replicate_kwargs: Dict[str, Any],
-                   option: Tuple[str, str], found: str, when_set: str,
-                   otherwise: str) -> Source:
-  """A source that a replicate_model_fn option (name, value) rules out."""
-  key, value = option
-  if replicate_kwargs.get(key) == value:
-    return Source(name, f'{found} With {key}={value!r} {when_set}, so they '
-                  'explain no difference.', explains=False)
-  return Source(name, f'{found} {otherwise}', explains=True)
-
-
-def _one_device_name(op: tf.Operation) -> str:
-  """The op's name without its tower's name scope (tower_1/...)."""
-  return re.sub(r'^tower_\d+/', '', op.name)
-
-
-def _accumulates_in_any_order(op_type: str) -> bool:
-  """Op types whose GPU kernels add with atomics (no fixed order)."""
-  return 'Segment' in op_type or op_type.startswith(
-      ('ScatterAdd', 'ResourceScatterAdd', 'ScatterNdAdd',
-       'ResourceScatterNdAdd', 'TensorScatterAdd', 'Conv2DBackprop',
-       'BiasAddGrad'))
-
-
-def _deterministic() -> bool:
-  if os.environ.get('TF_DETERMINISTIC_OPS', '').lower() in ('1', 'true'):
-    return True
-  # Private, but the only reader of enable_op_determinism's switch.
-  return tf_framework_config.is_op_determinism_enabled()
-
-
-def _some(names: Sequence[str], most: int = 3) -> str:
-  shown = ', '.join(names[:most])
-  return shown + (f' and {len(names) - most} more' if len(names) > most
-                  else '')
 
 
 # ----------------------------------------------------------------------------

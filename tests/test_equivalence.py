@@ -18,6 +18,7 @@ from helpers import OPTIMIZERS
 from helpers import classifier_model_fn
 from helpers import dataset_input_fn
 from helpers import seeded
+from estimator_towers import difference_sources
 from estimator_towers import equivalence
 from estimator_towers import make_run_config
 from estimator_towers import replicate_model_fn
@@ -184,26 +185,26 @@ def test_bad_arguments_are_refused_before_training(data, kwargs, error,
 @pytest.mark.fast
 def test_sources_are_read_off_the_towered_graph_and_options_rule_them_out(
     data):
-  observed = equivalence._Observed(  # pylint: disable=protected-access
-      replicate_model_fn(_small_model_fn))
+  graph_sources = difference_sources.GraphSources()
   with tf.Graph().as_default():
     features, labels = tf1.data.make_one_shot_iterator(
         dataset_input_fn({'x': data[0]}, data[1])()).get_next()
-    observed.model_fn()(features, labels, tf.estimator.ModeKeys.TRAIN,
-                        {'dropout': True, 'batch_norm': True},
-                        make_run_config(cpu_devices=2))
+    graph_sources.read(replicate_model_fn(_small_model_fn)(
+        features, labels, tf.estimator.ModeKeys.TRAIN,
+        {'dropout': True, 'batch_norm': True},
+        make_run_config(cpu_devices=2)))
   tolerance = (1e-4, 1e-5)
-  found = {s.name: s for s in observed.sources('CPU', {}, tolerance)}
+  found = {s.name: s for s in graph_sources.sources('CPU', {}, tolerance)}
   assert list(found) == ['random ops', 'batch norm', 'tolerance']
   assert 'dropout/' in found['random ops'].detail  # Tower 0's op name.
   assert '(batch_normalization)' in found['batch norm'].detail
   assert [s.explains for s in found.values()] == [True, True, False]
-  ruled_out = observed.sources(
+  ruled_out = graph_sources.sources(
       'CPU', {'random_ops': 'one_device', 'batch_norm': 'global'}, tolerance)
   assert [s.explains for s in ruled_out] == [False, False, False]
   assert "With random_ops='one_device'" in ruled_out[0].detail
   # GPU towers without op determinism add a source of their own.
-  on_gpus = observed.sources('GPU', {}, tolerance)
+  on_gpus = graph_sources.sources('GPU', {}, tolerance)
   assert on_gpus[2].name == 'non-deterministic kernels' and on_gpus[2].explains
 
 
