@@ -289,7 +289,8 @@ def compare(model_fn: Callable[..., Any],
                          configs['start'])
     outputs = {name: _trained(runs[name], plan, configs[name], start)
                for name in runs}
-    _check_same_batches(runs['one_device'].batches, runs['towers'].batches)
+    _check_same_batches(runs['one_device'].batches, runs['towers'].batches,
+                        'towered')
     found = _Differences.between(outputs['one_device'], outputs['towers'],
                                  tolerance)
     sources = runs['towers'].graph.sources(device_type, replicate_kwargs,
@@ -305,7 +306,7 @@ def compare(model_fn: Callable[..., Any],
           _trained(runs['rounding'], plan, configs['rounding'], start),
           tolerance)
       _check_same_batches(runs['one_device'].batches,
-                          runs['rounding'].batches)
+                          runs['rounding'].batches, 'rounding')
       sources = (*sources[:-1],
                  _rounding_source(found, noise,
                                   runs['rounding'].reversed_all),
@@ -722,27 +723,32 @@ def _fingerprint(features, labels) -> tf.Tensor:
 
 
 def _check_same_batches(one: Sequence[np.ndarray],
-                        towers: Sequence[np.ndarray]) -> None:
+                        other: Sequence[np.ndarray], other_name: str) -> None:
   """Refuses a comparison whose runs read different batches.
+
+  Args:
+    one: The one-device run's batch fingerprints.
+    other: Those of the run compared with it.
+    other_name: That run, e.g. 'towered'.
 
   Raises:
     ValueError: a step's batch, or the number of steps, differs.
   """
-  for step, (a, b) in enumerate(zip(one, towers)):
+  for step, (a, b) in enumerate(zip(one, other)):
     # float64 sums of the same values in the same order: equal, unless
     # the batches differ (rtol leaves room for another summation order).
     if a.shape != b.shape or not np.allclose(a, b, rtol=1e-9, atol=0,
                                              equal_nan=True):
       raise ValueError(
-          f'The input_fn gave the one-device and the towered run different '
-          f'batches (first at step {step + 1}), so their weights cannot be '
-          'compared. Make it yield the same batches on every call: shuffle '
-          'with a seed, and no parallel map or interleave with '
-          'deterministic=False.')
-  if len(one) != len(towers):
+          f'The input_fn gave the one-device and the {other_name} run '
+          f'different batches (first at step {step + 1}), so their weights '
+          'cannot be compared. Make it yield the same batches on every '
+          'call: shuffle with a seed, and no parallel map or interleave '
+          'with deterministic=False.')
+  if len(one) != len(other):
     raise ValueError(
         f'The input_fn gave the one-device run {len(one)} batches and the '
-        f'towered run {len(towers)}; it must yield the same batches on '
+        f'{other_name} run {len(other)}; it must yield the same batches on '
         'every call.')
 
 

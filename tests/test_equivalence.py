@@ -156,8 +156,9 @@ def test_an_input_fn_giving_the_runs_other_batches_is_refused(data):
     examples = tf.data.Dataset.from_tensor_slices(({'x': x}, y))
     return examples.skip(len(calls)).batch(12).repeat()
 
-  with pytest.raises(ValueError, match=r'different batches \(first at step '
-                     r'1\).*shuffle with a seed'):
+  with pytest.raises(ValueError, match=r'the one-device and the towered run '
+                     r'different batches \(first at step 1\).*shuffle with '
+                     r'a seed'):
     equivalence.compare(_small_model_fn, input_fn, num_towers=2, steps=2,
                         params={})
 
