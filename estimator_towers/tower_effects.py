@@ -64,8 +64,9 @@ _OTHER_WRITES = frozenset([
     'ResourceScatterNdSub', 'ScatterNdMax', 'ScatterNdMin',
     'ResourceScatterNdMax', 'ResourceScatterNdMin'])
 WRITES = _SHARED | _OTHER_WRITES | frozenset(_ADDS)
-# Stateful random ops: each task of a synchronous cluster draws its own.
-_RANDOM = frozenset([
+# Stateful random ops: each task of a synchronous cluster draws its own, and
+# each tower draws its own for its shard (equivalence names them).
+RANDOM = frozenset([
     'RandomUniform', 'RandomUniformInt', 'RandomStandardNormal',
     'TruncatedNormal', 'ParameterizedTruncatedNormal', 'RandomShuffle',
     'Multinomial', 'RandomGamma', 'RandomPoisson', 'RandomPoissonV2'])
@@ -174,7 +175,7 @@ def random_draws(graph: tf.Graph, tower: op_ledger.Region
     whether a tensor depends on them.
   """
   return [op.outputs[0] for op in graph.get_operations()
-          if op.type in _RANDOM and tower.contains(op)]
+          if op.type in RANDOM and tower.contains(op)]
 
 
 def _check_adds_up(op: tf.Operation, depends_on_shard) -> None:
