@@ -15,12 +15,11 @@ must reuse them. Two mechanisms cover the ways variables get made:
   every tower's update accumulates into one state and the metric equals the
   one-device value.
 
-Later towers also see the graph's variable collections as tower 0 saw
-them at the same point of its model_fn: a variable tower 0 made is listed
-(in `tf.compat.v1.global_variables()`, a layer's `moving_vars`...) only
-once the later tower has asked for it. A model_fn that collects variables
-by listing them (EfficientNet's EMA over every `moving_mean`) would
-otherwise find tower 0's EMA shadows too, and shadow them again.
+Keras names a layer made without a name after a per-graph counter
+(`dense`, `dense_1`, ...): later towers start from the counts tower 0
+started from, so that their layers get tower 0's names. Layers that make
+their weights through `get_variable` under their name (feature columns'
+`SequenceFeatures` in the canned RNN estimators) then find tower 0's.
 
 With the 'all_reduce' aggregation, later towers get their own copy of each
 trainable variable instead of tower 0's (see replicas.py): the sharing above
@@ -34,8 +33,8 @@ import contextlib
 import threading
 from typing import Dict, Iterator, List
 
+from keras.src import backend as keras_backend
 import tensorflow as tf
-from tensorflow.python.ops import variables as variables_lib  # pylint: disable=g-direct-tensorflow-import
 
 tf1 = tf.compat.v1
 
@@ -45,7 +44,7 @@ class VariableSharing:
 
   def __init__(self):
     self._created: List[tf.Variable] = []
-    self._collections = _CollectionView()
+    self._keras_counts: Dict[str, int] = {}
     self._local = threading.local()
     # The all_reduce aggregation's replicas.Replicas: `tower_variable`
     # (primary, tower index) -> what that tower uses, `primary_name`.
@@ -78,8 +77,6 @@ class VariableSharing:
       variable = getter(name, *args, **kwargs)
     finally:
       self._local.depth -= 1
-    if index and not unshared:
-      self._collections.show(variable)
     if self._get_variable_depth or unshared:
       return variable
     return self._for_tower(variable, index)
@@ -107,14 +104,23 @@ class VariableSharing:
     creator = self._record if index == 0 else self._reuser(index)
     self._local.index = index
     root = tf1.get_variable_scope()
-    view = self._collections.tower(index)
+    self._keras_names(index)
     with tf1.variable_scope(root, reuse=tf1.AUTO_REUSE if index else None,
                             custom_getter=self._counting_getter,
                             auxiliary_name_scope=False):
-      with tf1.variable_creator_scope(creator), view:
+      with tf1.variable_creator_scope(creator):
         yield
     if index:
       self._check_all_reused(index)
+
+  def _keras_names(self, index: int) -> None:
+    """Starts Keras' layer-name counters where tower 0's started."""
+    counts = keras_backend.get_default_graph_uid_map()
+    if index == 0:
+      self._keras_counts = dict(counts)
+    else:
+      counts.clear()
+      counts.update(self._keras_counts)
 
   def _record(self, next_creator, **kwargs):
     variable = next_creator(**kwargs)
@@ -144,7 +150,6 @@ class VariableSharing:
       self._local.cursor = cursor + 1
       variable = self._created[cursor]
       _check_same_kind(index, name, kwargs, variable)
-      self._collections.show(variable)
       return self._for_tower(variable, index)
 
     return reuse
@@ -157,70 +162,6 @@ class VariableSharing:
           f'Tower {index} created {used} variables outside get_variable but '
           f'tower 0 created {len(self._created)}; tower {index} did not ask '
           f'for {missing}. Every tower must build the same model.')
-
-
-class _CollectionView:
-  """Hides tower 0's variables from the collections of a later tower until
-  it asks for them; afterwards the collections are tower 0's again."""
-
-  def __init__(self):
-    self._before: Dict[str, list] = {}
-    # id(variable tower 0 added) -> the collections it was added to.
-    self._homes: Dict[int, List[str]] = {}
-
-  @contextlib.contextmanager
-  def tower(self, index: int) -> Iterator[None]:
-    """Scopes one tower's view of the collections."""
-    graph = tf1.get_default_graph()
-    if index == 0:
-      self._before = {key: list(graph.get_collection(key))
-                      for key in graph.get_all_collection_keys()}
-      yield
-      self._record_homes(graph)
-      return
-    full = {key: list(graph.get_collection(key))
-            for key in graph.get_all_collection_keys()}
-    for key, items in full.items():
-      graph.get_collection_ref(key)[:] = [
-          item for item in items if not self._is_hidden(item, key)]
-    try:
-      yield
-    finally:
-      for key in graph.get_all_collection_keys():
-        ref = graph.get_collection_ref(key)
-        listed = full.get(key, [])
-        seen = {id(item) for item in listed}
-        # What the tower added itself (a copy, a metric) stays, once.
-        ref[:] = listed + [item for item in ref if id(item) not in seen]
-
-  def _record_homes(self, graph) -> None:
-    for key in graph.get_all_collection_keys():
-      if key == tf1.GraphKeys.GLOBAL_STEP:
-        # Looked up, never listed: `get_or_create_global_step` in a later
-        # tower must find tower 0's (its name alone would give the handle).
-        continue
-      before = {id(item) for item in self._before.get(key, [])}
-      for item in graph.get_collection(key):
-        if id(item) not in before and _is_variable(item):
-          self._homes.setdefault(id(item), []).append(key)
-
-  def _is_hidden(self, item, key: str) -> bool:
-    return key in self._homes.get(id(item), ())
-
-  def show(self, variable) -> None:
-    """Lists `variable` (one tower 0 made) where tower 0 listed it."""
-    graph = tf1.get_default_graph()
-    parts = (list(variable) if isinstance(
-        variable, variables_lib.PartitionedVariable) else [variable])
-    for part in parts:
-      for key in self._homes.get(id(part), ()):
-        ref = graph.get_collection_ref(key)
-        if all(item is not part for item in ref):
-          ref.append(part)
-
-
-def _is_variable(item) -> bool:
-  return isinstance(item, (tf.Variable, variables_lib.PartitionedVariable))
 
 
 def _requested_name(kwargs) -> str:

@@ -150,3 +150,28 @@ def test_sum_loss_is_detected_so_gradients_are_not_shrunk(tmp_path, data):
                   loss_reduction='mean')
   with pytest.raises(ValueError, match=r"loss_reduction='mean'.*is a sum"):
     many.train(input_fn, steps=1)
+
+
+def _token_input_fn():
+  """Sequences of 3 token ids, 7 per batch: SparseTensor features."""
+  ids = np.random.RandomState(4).randint(0, 10, size=(7, 3)).astype(np.int64)
+  dense = tf.constant(ids)
+  indices = tf.where(tf.ones_like(dense, tf.bool))
+  tokens = tf.SparseTensor(indices, tf.gather_nd(dense, indices), [7, 3])
+  labels = tf.constant((ids[:, 0] > 4).astype(np.int64)[:, None])
+  return tf.data.Dataset.from_tensors(({'tokens': tokens}, labels)).repeat()
+
+
+def test_canned_rnn_with_sequence_columns_equals_one_device(tmp_path):
+  # Its SequenceFeatures Keras layer makes its embedding through
+  # get_variable under the layer's name; tower 1's layer was named
+  # sequence_features_1 and its embedding refused as a new variable.
+  column = tf.feature_column.embedding_column(
+      tf.feature_column.sequence_categorical_column_with_identity(
+          'tokens', num_buckets=10), dimension=4)
+  model_fn = tf.estimator.experimental.RNNClassifier(
+      sequence_feature_columns=[column], units=[5], cell_type='lstm').model_fn
+  one, many = _pair(tmp_path, model_fn, 2, _token_input_fn)
+  one.train(_token_input_fn, steps=STEPS)
+  many.train(_token_input_fn, steps=STEPS)
+  assert_same_variables(variables_of(one), variables_of(many))
