@@ -45,6 +45,7 @@ class VariableSharing:
   def __init__(self):
     self._created: List[tf.Variable] = []
     self._keras_counts: Dict[str, int] = {}
+    self._named = set()  # What tower 0 asked get_variable for.
     self._local = threading.local()
     # The all_reduce aggregation's replicas.Replicas: `tower_variable`
     # (primary, tower index) -> what that tower uses, `primary_name`.
@@ -64,7 +65,8 @@ class VariableSharing:
     self._local.depth = self._get_variable_depth + 1
     index = getattr(self._local, 'index', 0)
     unshared = getattr(self._local, 'unshared', False)
-    if self.copies is not None and index and not unshared:
+    if (self.copies is not None and index and not unshared and
+        name not in self._named):  # A user's own 'tower_1_replica/x'.
       name = self.copies.primary_name(name, index)
     initializer = kwargs.get('initializer')
     if isinstance(initializer, tf.Tensor):
@@ -77,6 +79,8 @@ class VariableSharing:
       variable = getter(name, *args, **kwargs)
     finally:
       self._local.depth -= 1
+    if not index:
+      self._named.add(name)
     if self._get_variable_depth or unshared:
       return variable
     return self._for_tower(variable, index)

@@ -99,28 +99,36 @@ def keep_whole(ops: Iterable[tf.Operation]) -> None:
   of them orders their reads too (see the module doc).
 
   One that writes nothing passes its reads on only through its outputs,
-  which a lowered op does wait for.
+  which a lowered op does wait for. One that takes variables placed on a
+  device and others left to the placer (a global_step made before the
+  model_fn) stays lowered: as one call it would pin those to its device,
+  which another such op may need elsewhere.
 
   Raises:
     ValueError: Such an op takes variables on several devices: as a
       function call it would have to run on each of them.
   """
   for op in ops:
-    if op.type not in _LOWERED or not tower_effects.calls_write(op):
+    if not _lowered_write(op):
       continue
     devices = sorted({_source(t).device for t in op.inputs
-                      if _takes_variable(t)} - {''})
-    if len(devices) > 1:
+                      if _takes_variable(t)})
+    if len(devices) > 1 and '' not in devices:
       raise ValueError(
           f'{op.name} (a tf.cond, tf.case or tf.while_loop) assigns to '
           f'variables and takes variables on several devices ({devices}), '
           'and the training step must order it before a write of a variable '
           'it reads. TensorFlow runs it as TF1 control flow, whose end does '
-          'not wait for its assignments, so that order cannot be kept. Make '
-          'the value it assigns an output of the tf.cond and assign outside '
-          "it (v.assign(tf.cond(...))), or use aggregation='global_loss'.")
-    op._set_attr('_lower_using_switch_merge',  # pylint: disable=protected-access
-                 tf.compat.v1.AttrValue(b=False))
+          'not wait for its assignments, so that order cannot be kept. Use '
+          "aggregation='global_loss', which keeps the variables on one "
+          'device.')
+    if len(devices) == 1:
+      op._set_attr('_lower_using_switch_merge',  # pylint: disable=protected-access
+                   tf.compat.v1.AttrValue(b=False))
+
+
+def _lowered_write(op: tf.Operation) -> bool:
+  return op.type in _LOWERED and tower_effects.calls_write(op)
 
 
 class _Step:
@@ -150,6 +158,11 @@ class _Step:
                               ) if later else set()
     # What the model_fn ordered after the write stays after it.
     added = [o for o in candidates if o not in after]
+    if any(map(_lowered_write, added)):
+      # One the write already waits for needs no edge (nor keep_whole's
+      # placement constraint).
+      before_op = ancestors([op])
+      added = [o for o in added if o not in before_op]
     if added:
       op._add_control_inputs(added)  # pylint: disable=protected-access
       keep_whole(added)

@@ -137,3 +137,25 @@ def test_an_ema_shadow_read_in_the_forward_pass_is_one_shadow(aggregation):
     actual = _after_steps(_teacher_model_fn, names, 2, aggregation)
     for want, got in zip(expected, actual):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def _replica_named_model_fn(features, labels, mode, ordered=False):
+  """A user's own variable whose name looks like a tower copy's."""
+  del mode, ordered
+  step = tf1.train.get_or_create_global_step()
+  w = tf1.get_variable('w', [5, 1], initializer=tf1.constant_initializer(0.1))
+  scale = tf1.get_variable('scale', initializer=2.0, trainable=False)
+  odd = tf1.get_variable('tower_1_replica/scale', initializer=3.0,
+                         trainable=False)
+  logits = tf.matmul(features['x'], w)[:, 0] * odd / scale
+  loss = tf1.losses.mean_squared_error(tf.cast(labels, tf.float32), logits)
+  update = tf1.train.GradientDescentOptimizer(0.1).minimize(loss, step)
+  return tf.estimator.EstimatorSpec(tf.estimator.ModeKeys.TRAIN, loss=loss,
+                                    train_op=update)
+
+
+def test_a_users_variable_named_like_a_copy_keeps_its_name():
+  # Tower 1's request for it was read as one for 'scale' (silently).
+  expected = _after_steps(_replica_named_model_fn, ['w'], 0)
+  actual = _after_steps(_replica_named_model_fn, ['w'], 2, 'all_reduce')
+  np.testing.assert_allclose(actual[0], expected[0], rtol=1e-5, atol=1e-7)
