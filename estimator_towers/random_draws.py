@@ -1,0 +1,337 @@
+"""Random ops drawn as one device draws them (random_ops='one_device').
+
+With a graph-level seed (`tf_random_seed`), a stateful random op that is
+given no seed of its own takes its op seed from a per-graph counter of such
+ops (`tf.compat.v1.random.get_seed`): the k-th seedless random op of a graph
+gets k. One device's model_fn call starts counting where the graph was when
+the Estimator called it. Towers count on: tower 1's first dropout gets the
+seed after tower 0's last random op, and since towers 1+ reuse tower 0's
+variables they skip the initializers' random ops. Each tower also draws a
+mask of its own shard's shape. So by default ('per_tower') N towers are not
+the computation of one device: dropout differs (BERT with dropout 0.1 by
+about 5e-3 after a few steps).
+
+With 'one_device', `OneDevice`:
+
+* starts every tower's seed counter where the model_fn call began, so tower
+  0 creates exactly one device's random ops with one device's seeds (the
+  split of the batch draws nothing);
+* gives the k-th random op of tower i (variable initializers left out,
+  which only tower 0 builds) the seeds of tower 0's k-th, so every tower's
+  op is one device's op;
+* makes each random op whose shape follows the tower's shard (a dropout
+  mask, per-example noise: its first dimension is the shard's rows) draw
+  the GLOBAL batch's shape and hands the tower's consumers its own rows
+  [start, start + rows) of it. A first dimension of k values per example,
+  laid out example by example (BERT's hidden dropout on [batch * seq_length,
+  hidden]), is cut as rows [start * k, (start + rows) * k). A stateful kernel advances its state by the
+  number of values it draws, so each tower's copy of the op stays in step
+  with one device's over the steps;
+* leaves every other random op (fixed-shape noise, initializers) drawing
+  what one device draws, with one device's seeds.
+
+The cost: each tower draws the global batch's random numbers, not its
+shard's (N times the random numbers of one device), plus a slice and a
+check per op. When the towers' random ops cannot be matched to one
+device's (another number or kind per tower, a shape whose first dimension
+is not the shard's rows, a random op inside a conditional or tf.function),
+building or running the step fails with a message saying to use
+random_ops='per_tower', rather than draw something else silently.
+"""
+
+import contextlib
+from typing import Any, Iterator, List, NamedTuple, Optional, Set
+
+import tensorflow as tf
+from tensorflow.python.framework import random_seed  # pylint: disable=g-direct-tensorflow-import
+
+from estimator_towers import loss_reduction
+from estimator_towers import op_ledger
+from estimator_towers import sharding
+from estimator_towers import tower_effects
+
+tf1 = tf.compat.v1
+
+RANDOM_OPS = ('per_tower', 'one_device')
+# Random ops whose first input is the shape drawn and whose other inputs
+# are per-op scalars: drawing the global shape and slicing is exact.
+_SHAPE_FIRST = frozenset(['RandomUniform', 'RandomUniformInt',
+                          'RandomStandardNormal', 'TruncatedNormal'])
+_FIX = "Use random_ops='per_tower' (each tower draws its own numbers)."
+
+
+def check(random_ops: Any) -> None:
+  """Validates the `random_ops` argument of replicate_model_fn.
+
+  Raises:
+    ValueError: `random_ops` is not one of `RANDOM_OPS`.
+  """
+  if not isinstance(random_ops, str) or random_ops not in RANDOM_OPS:
+    raise ValueError(f'random_ops={random_ops!r}; use one of {RANDOM_OPS}.')
+
+
+def make(random_ops: str, across_tasks: bool):
+  """The random-op policy of one model_fn call.
+
+  Call it when the model_fn call starts, before the wrapper builds
+  anything: `OneDevice` reads the graph's seed counter there.
+
+  Args:
+    random_ops: 'per_tower' or 'one_device' (see `check`).
+    across_tasks: The towers are one task's of a synchronous cluster.
+
+  Returns:
+    `PerTower` or `OneDevice`.
+
+  Raises:
+    ValueError: 'one_device' in a synchronous cluster.
+  """
+  if random_ops == 'per_tower':
+    return PerTower()
+  if across_tasks:
+    # Each task would have to draw the whole cluster's batch and slice its
+    # own towers' rows; that is not built yet.
+    raise ValueError(
+        "random_ops='one_device' is not supported in a synchronous cluster "
+        '(each task would draw its own numbers). Use '
+        "random_ops='per_tower' there, or train on one machine.")
+  return OneDevice()
+
+
+class PerTower:
+  """Each tower draws its own random numbers (the default, faster)."""
+
+  def split(self, sizes: tf.Tensor, padded: bool) -> None:
+    """Nothing to prepare."""
+    del sizes, padded
+
+  def shard(self, structure: Any) -> Any:
+    """A tower's features or labels, as they are."""
+    return structure
+
+  @contextlib.contextmanager
+  def tower(self, index: int, shard: Any,
+            since: op_ledger.Mark) -> Iterator[None]:
+    """Builds the tower as it is."""
+    del index, shard, since
+    yield
+
+  def finish(self) -> None:
+    """Nothing to restore."""
+
+
+class _Draw(NamedTuple):
+  """What tower 0 drew with a random op: one device's op."""
+  name: str
+  type: str
+  seed: int
+  seed2: int
+  batch_shaped: bool
+
+
+class OneDevice:
+  """Makes every tower's random ops draw what one device's draw.
+
+  Made when the model_fn call starts (it reads the graph's seed counter
+  then); `split` once the batch is split, `tower` around each tower's
+  build in order, `finish` after the last tower.
+  """
+
+  def __init__(self):
+    self._graph = tf1.get_default_graph()
+    self._entry_seed = _seed_counter(self._graph)
+    self._after_first: Optional[int] = None
+    self._first: List[_Draw] = []
+    self._batch = self._starts = self._rows = None
+
+  def split(self, sizes: tf.Tensor, padded: bool) -> None:
+    """Takes the towers' shard sizes (`sharding.shard_sizes`).
+
+    Args:
+      sizes: Each tower's real examples.
+      padded: Whether an idle tower trains on a copy of row 0.
+    """
+    with tf.name_scope('one_device_draws'):
+      self._batch = tf.reduce_sum(sizes)
+      self._starts, self._rows = sharding.shard_rows(sizes, padded)
+
+  def shard(self, structure: Any) -> Any:
+    """A tower's features or labels, their batch dimension made unknown
+    while the graph is built.
+
+    A batch of static size gives static shards, and then `tf.shape(x)` of
+    a shard is a constant: a dropout mask's shape would look like a fixed
+    shape and could not be told from one. Unknown, it depends on the shard.
+    """
+    return sharding.map_leaves(_unknown_rows, structure)
+
+  @contextlib.contextmanager
+  def tower(self, index: int, shard: Any,
+            since: op_ledger.Mark) -> Iterator[None]:
+    """Around tower `index`'s build: its random ops become one device's.
+
+    Args:
+      index: The tower, in build order.
+      shard: The tower's features and labels.
+      since: The mark taken before the tower's build.
+
+    Raises:
+      ValueError: the tower's random ops do not match tower 0's one to
+        one, or one cannot be drawn globally.
+    """
+    _set_seed_counter(self._graph, self._entry_seed)
+    with op_ledger.region(self._graph) as built:
+      yield
+    if index == 0:
+      self._after_first = _seed_counter(self._graph)
+    self._match(index, built, loss_reduction.ExampleDependence(shard, since))
+
+  def finish(self) -> None:
+    """Leaves the seed counter where one device's model_fn would."""
+    if self._after_first is not None:
+      _set_seed_counter(self._graph, self._after_first)
+
+  def _match(self, index: int, built: op_ledger.Region,
+             on_shard: loss_reduction.ExampleDependence) -> None:
+    _refuse_draws_in_functions(self._graph, built, index)
+    initializers = _initializer_ops(self._graph, built)
+    draws = [t.op for t in tower_effects.random_draws(self._graph, built)
+             if t.op.name not in initializers]
+    shaped = [_batch_shaped(op, on_shard, index) for op in draws]
+    if index == 0:
+      self._first = [
+          _Draw(op.name, op.type, op.get_attr('seed'), op.get_attr('seed2'),
+                s) for op, s in zip(draws, shaped)]
+    else:
+      self._check_same_draws(index, draws, shaped)
+      for op, first in zip(draws, self._first):
+        # Tower 0's seeds are one device's (see the module docstring).
+        op._set_attr('seed', tf1.AttrValue(i=first.seed))  # pylint: disable=protected-access
+        op._set_attr('seed2', tf1.AttrValue(i=first.seed2))  # pylint: disable=protected-access
+    for op, s in zip(draws, shaped):
+      if s:
+        self._draw_global(op, index)
+
+  def _check_same_draws(self, index: int, draws: List[tf.Operation],
+                        shaped: List[bool]) -> None:
+    mine = [(op.type, s) for op, s in zip(draws, shaped)]
+    first = [(d.type, d.batch_shaped) for d in self._first]
+    if mine == first:
+      return
+    raise ValueError(
+        f"random_ops='one_device': tower {index} creates random ops "
+        f'{_describe(draws, shaped)}, but tower 0 (one device) creates '
+        f'{[f"{d.name} ({d.type})" for d in self._first]}; they must match '
+        'one to one, in order, to draw what one device draws (does the '
+        'model_fn draw depending on tower_context()?). ' + _FIX)
+
+  def _draw_global(self, op: tf.Operation, index: int) -> None:
+    """Makes `op` draw the global batch's shape; its consumers get the
+    tower's rows."""
+    out = op.outputs[0]
+    consumers = [(c, i) for c in out.consumers()
+                 for i, t in enumerate(c.inputs) if t.name == out.name]
+    shape = op.inputs[0]
+    graph = op.graph
+    with graph.name_scope(None), graph.control_dependencies(None), (
+        graph.device(op.device)), graph.name_scope(
+            f'{op.name}/one_device_rows'):
+      rows = tf.cast(self._rows[index], shape.dtype)
+      start = tf.cast(self._starts[index], shape.dtype)
+      # Values per example along the first dimension: 1 for [rows, ...],
+      # the sequence length for BERT's [rows * seq_length, hidden].
+      per_row = shape[0] // tf.maximum(rows, 1)
+      matches = tf.debugging.assert_equal(
+          shape[0], per_row * rows, message=(
+              f"random_ops='one_device': random op {op.name} of tower "
+              f"{index} has a first dimension that is not a multiple of the "
+              "tower's rows of the batch, so its draw cannot be cut from "
+              "one device's. " + _FIX))
+      # An empty batch draws one row: an idle tower trains on a copy of
+      # row 0 (weighted by zero).
+      drawn_rows = tf.maximum(tf.cast(self._batch, shape.dtype),
+                              start + rows)
+      op._update_input(0, tf.concat([[drawn_rows * per_row], shape[1:]], 0))  # pylint: disable=protected-access
+      with tf.control_dependencies([matches]):
+        own = tf.identity(out[start * per_row:(start + rows) * per_row],
+                          name='own_rows')
+    for consumer, position in consumers:
+      consumer._update_input(position, own)  # pylint: disable=protected-access
+
+
+def _unknown_rows(leaf: Any) -> Any:
+  if (not isinstance(leaf, tf.Tensor) or leaf.shape.rank is None or
+      sharding.is_per_batch(leaf)):
+    return leaf
+  return tf1.placeholder_with_default(leaf, [None, *leaf.shape[1:]])
+
+
+def _batch_shaped(op: tf.Operation, on_shard, index: int) -> bool:
+  """Whether the random op's shape follows the tower's shard.
+
+  Raises:
+    ValueError: it depends on the shard in a way no global draw gives.
+  """
+  depends = [on_shard(t) for t in op.inputs]
+  if not any(depends):
+    return False
+  if op.type in _SHAPE_FIRST and not any(depends[1:]):
+    if op._get_control_flow_context() is not None:  # pylint: disable=protected-access
+      raise ValueError(
+          f"random_ops='one_device': random op {op.name} of tower {index} "
+          'is inside a tf.compat.v1 while loop or conditional, where its '
+          'draws cannot be cut from one device\'s. ' + _FIX)
+    return True
+  raise ValueError(
+      f"random_ops='one_device': random op {op.name} ({op.type}) of tower "
+      f"{index} takes the tower's shard as an input other than its shape "
+      '(e.g. logits to sample from, values to shuffle), so its draws '
+      'cannot be cut from one device\'s. ' + _FIX)
+
+
+def _refuse_draws_in_functions(graph: tf.Graph, built: op_ledger.Region,
+                               index: int) -> None:
+  """Refuses random ops inside a tower's conditionals and tf.functions,
+  which the rewrite cannot reach."""
+  for op in graph.get_operations():
+    if op.type in tower_effects.CALLS and built.contains(op):
+      inside = tower_effects.draws_in_functions(op)
+      if inside:
+        raise ValueError(
+            f"random_ops='one_device': {op.type} {op.name} of tower "
+            f'{index} draws random numbers inside its function '
+            f'({", ".join(inside)}), where they cannot be made one '
+            "device's. " + _FIX)
+
+
+def _initializer_ops(graph: tf.Graph, built: op_ledger.Region) -> Set[str]:
+  """Names of the ops `built` made to compute variables' initial values
+  (only the tower that creates a variable builds them)."""
+  variables = (graph.get_collection(tf1.GraphKeys.GLOBAL_VARIABLES) +
+               graph.get_collection(tf1.GraphKeys.LOCAL_VARIABLES))
+  pending = [v.initial_value.op for v in variables
+             if built.contains(v.op)]
+  found = set()
+  while pending:
+    op = pending.pop()
+    if op.name in found or not built.contains(op):
+      continue
+    found.add(op.name)
+    pending.extend(t.op for t in op.inputs)
+  return found
+
+
+def _describe(draws: List[tf.Operation], shaped: List[bool]) -> List[str]:
+  return [f'{op.name} ({op.type}{", batch-shaped" if s else ""})'
+          for op, s in zip(draws, shaped)]
+
+
+def _seed_counter(graph: tf.Graph) -> int:
+  """How many seedless random ops the graph has seeded (get_seed's next
+  op seed)."""
+  # Private, but the only record of get_seed's count (TF 2.15).
+  return random_seed._graph_to_seed_dict.get(graph, 0)  # pylint: disable=protected-access
+
+
+def _set_seed_counter(graph: tf.Graph, value: int) -> None:
+  random_seed._graph_to_seed_dict[graph] = value  # pylint: disable=protected-access

@@ -1,0 +1,167 @@
+"""random_ops='one_device': towers draw the random numbers one device draws.
+
+With the same `tf_random_seed`, a model with random initial weights and
+dropout (BERT's tf.nn.dropout with keep_prob, tf.compat.v1.layers and
+tf.keras Dropout, per-example Gaussian noise) computes on towers what one
+device computes: predictions with dropout on over several runs (fast), and
+the weights after a few training steps (training). The same checks fail
+with random_ops='per_tower' (each tower draws its own numbers), which the
+fast test asserts.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import trainer
+from helpers import (assert_same_variables, dataset_input_fn,
+                     make_estimator, seeded, variables_of)
+
+tf1 = tf.compat.v1
+ModeKeys = tf.estimator.ModeKeys
+
+VOCAB, SEQ, HIDDEN, HEADS = 11, 3, 8, 2
+DROPOUT = 0.3  # Large, so that a wrong mask shows in a few values.
+SEED = 7
+
+
+def _dropout(x, prob):
+  """google-research/bert modeling.dropout: keep_prob, positionally."""
+  return tf1.nn.dropout(x, 1.0 - prob)
+
+
+def _dense(x, units, name, activation=None):
+  # BERT's create_initializer: a truncated normal without an op seed, so
+  # its value follows tf_random_seed and the op's place in the graph.
+  return tf1.layers.dense(
+      x, units, activation=activation, name=name,
+      kernel_initializer=tf1.truncated_normal_initializer(stddev=0.5))
+
+
+def _layer_norm(x, name):
+  with tf1.variable_scope(name):
+    gamma = tf1.get_variable('gamma', [HIDDEN],
+                             initializer=tf1.ones_initializer())
+    mean, variance = tf.nn.moments(x, [-1], keepdims=True)
+    return (x - mean) * tf.math.rsqrt(variance + 1e-6) * gamma
+
+
+def bert_model_fn(features, labels, mode, params):
+  """One BERT layer: embeddings, self-attention, feed-forward, pooler and
+  classifier, with dropout where modeling.py and run_classifier.py put it:
+  the embeddings ([batch, seq, hidden]), the attention probabilities
+  ([batch, heads, seq, seq]), each sublayer's output on the flattened
+  [batch * seq, hidden] matrix, and the pooled output (keep_prob 0.9)."""
+  prob = params['dropout']
+  ids = features['ids']
+  table = tf1.get_variable('word_embeddings', [VOCAB, HIDDEN],
+                           initializer=tf1.truncated_normal_initializer())
+  positions = tf1.get_variable('position_embeddings', [SEQ, HIDDEN],
+                               initializer=tf1.truncated_normal_initializer())
+  embedded = tf.gather(table, ids) + positions
+  embedded = _dropout(_layer_norm(embedded, 'embeddings'), prob)
+  matrix = tf.reshape(embedded, [-1, HIDDEN])  # reshape_to_matrix
+
+  def heads(x):
+    x = tf.reshape(x, [-1, SEQ, HEADS, HIDDEN // HEADS])
+    return tf.transpose(x, [0, 2, 1, 3])
+
+  query = heads(_dense(matrix, HIDDEN, 'query'))
+  key = heads(_dense(matrix, HIDDEN, 'key'))
+  value = heads(_dense(matrix, HIDDEN, 'value'))
+  scores = tf.matmul(query, key, transpose_b=True) / np.sqrt(HIDDEN / HEADS)
+  probs = _dropout(tf.nn.softmax(scores), prob)
+  context = tf.reshape(tf.transpose(tf.matmul(probs, value), [0, 2, 1, 3]),
+                       [-1, HIDDEN])
+  attended = _dropout(_dense(context, HIDDEN, 'attention_output'), prob)
+  attended = _layer_norm(attended + matrix, 'attention_norm')
+  inner = _dense(attended, 2 * HIDDEN, 'intermediate', tf.nn.gelu)
+  output = _dropout(_dense(inner, HIDDEN, 'output'), prob)
+  output = _layer_norm(output + attended, 'output_norm')
+  first = tf.reshape(output, [-1, SEQ, HIDDEN])[:, 0]
+  pooled = _dense(first, HIDDEN, 'pooler', tf.tanh)
+  pooled = tf1.nn.dropout(pooled, keep_prob=0.9)  # run_classifier.py
+  logits = _dense(pooled, 2, 'classifier')
+  return _spec(mode, logits, labels, params)
+
+
+def keras_model_fn(features, labels, mode, params):
+  """tf.keras and tf.compat.v1.layers dropout in a graph-mode model_fn.
+
+  Keras initializers without a seed draw a new one in Python on each
+  build (not from tf_random_seed), so one device would not repeat itself:
+  the Dense layers get seeds."""
+  x = tf.cast(features['ids'], tf.float32)
+  hidden = tf.keras.layers.Dense(
+      HIDDEN, activation='tanh',
+      kernel_initializer=tf.keras.initializers.GlorotUniform(seed=1))(x)
+  hidden = tf.keras.layers.Dropout(params['dropout'])(hidden, training=True)
+  hidden = tf1.layers.dropout(hidden, params['dropout'], training=True)
+  logits = tf.keras.layers.Dense(
+      2, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2))(
+          hidden)
+  return _spec(mode, logits, labels, params)
+
+
+def noise_model_fn(features, labels, mode, params):
+  """Per-example Gaussian and truncated-normal noise, and noise of a fixed
+  shape (one value for every example)."""
+  del params
+  x = tf.cast(features['ids'], tf.float32)
+  x += 0.3 * tf.random.normal(tf.shape(x))
+  x += 0.3 * tf.random.truncated_normal(tf.shape(x))
+  x *= tf.random.uniform([SEQ], 0.5, 1.5)
+  # tf.compat.v1.layers' default initializer is Keras's, seeded in Python.
+  logits = tf1.layers.dense(x, 2, name='logits', kernel_initializer=seeded(3))
+  return _spec(mode, logits, labels, {})
+
+
+def _spec(mode, logits, labels, params):
+  if mode == ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={'logits': logits})
+  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+  optimizer = tf1.train.GradientDescentOptimizer(params.get('rate', 0.5))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=(
+      optimizer.minimize(loss, tf1.train.get_or_create_global_step())))
+
+
+MODEL_FNS = {'bert': bert_model_fn, 'keras': keras_model_fn,
+             'noise': noise_model_fn}
+
+
+def _data(rows):
+  ids = np.random.RandomState(0).randint(0, VOCAB, (rows, SEQ))
+  return ids.astype(np.int32), (ids[:, 0] % 2).astype(np.int32)
+
+
+def _predictions(model_fn, towers, rows, runs=3, **wrapper_kwargs):
+  """Logits of `runs` PREDICT runs of one graph seeded with SEED (dropout
+  on), initial weights included, on `towers` (1: the model_fn itself)."""
+  config = trainer.make_run_config(cpu_devices=max(towers, 1))
+  fn = (trainer.replicate_model_fn(model_fn, **wrapper_kwargs)
+        if towers > 1 else model_fn)
+  with tf.Graph().as_default() as graph:
+    graph.seed = SEED
+    ids, _ = _data(rows)
+    features = tf1.data.make_one_shot_iterator(
+        tf.data.Dataset.from_tensors({'ids': ids}).repeat()).get_next()
+    kwargs = {'config': config} if towers > 1 else {}
+    spec = fn(features=features, labels=None, mode=ModeKeys.PREDICT,
+              params={'dropout': DROPOUT}, **kwargs)
+    with tf1.Session(config=config.session_config) as session:
+      session.run(tf1.global_variables_initializer())
+      return np.stack([session.run(spec.predictions['logits'])
+                       for _ in range(runs)])
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('kind', sorted(MODEL_FNS))
+@pytest.mark.parametrize('towers,rows', [(2, 6), (3, 7), (3, 2)])
+def test_predictions_with_dropout_are_one_devices(kind, towers, rows):
+  expected = _predictions(MODEL_FNS[kind], 1, rows)
+  actual = _predictions(MODEL_FNS[kind], towers, rows,
+                        random_ops='one_device')
+  np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6)
+  # Proof that the comparison can fail: each tower drawing its own.
+  per_tower = _predictions(MODEL_FNS[kind], towers, rows)
+  assert not np.allclose(per_tower, expected, rtol=1e-4, atol=1e-6)
