@@ -1,32 +1,30 @@
 """Random ops drawn as one device draws them (random_ops='one_device').
 
-With a graph-level seed (`tf_random_seed`), a stateful random op that is
-given no seed of its own takes its op seed from a per-graph counter of such
-ops (`tf.compat.v1.random.get_seed`): the k-th seedless random op of a graph
-gets k. One device's model_fn call starts counting where the graph was when
-the Estimator called it. Towers count on: tower 1's first dropout gets the
-seed after tower 0's last random op, and since towers 1+ reuse tower 0's
-variables they skip the initializers' random ops. Each tower also draws a
-mask of its own shard's shape. So by default ('per_tower') N towers are not
-the computation of one device: dropout differs (BERT with dropout 0.1 by
-about 5e-3 after a few steps).
+With a graph-level seed (`tf_random_seed`), a stateful random op given no
+seed of its own takes its op seed from a per-graph count of such ops
+(`tf.compat.v1.random.get_seed` in TF 2.15; not the graph's op id): the
+k-th seedless random op of a graph gets k. Tower 0 is built first, with
+nothing random before it that one device lacks, so its random ops are one
+device's ops with one device's seeds. Towers 1+ count on after tower 0's
+and skip the initializers' random ops (they reuse tower 0's variables), so
+their dropout gets other seeds; and every tower draws a mask of its own
+shard's shape. So by default ('per_tower') N towers are not the
+computation of one device: dropout differs (BERT with dropout 0.1 by about
+5e-3 after a few steps).
 
 With 'one_device', `OneDevice`:
 
-* starts every tower's seed counter where the model_fn call began, so tower
-  0 creates exactly one device's random ops with one device's seeds (the
-  split of the batch draws nothing);
-* gives the k-th random op of tower i (variable initializers left out,
-  which only tower 0 builds) the seeds of tower 0's k-th, so every tower's
-  op is one device's op;
+* gives the k-th random op of tower i (initializers left out, which only
+  tower 0 builds) the seeds of tower 0's k-th, so every tower's op is one
+  device's op;
 * makes each random op whose shape follows the tower's shard (a dropout
   mask, per-example noise: its first dimension is the shard's rows) draw
   the GLOBAL batch's shape and hands the tower's consumers its own rows
   [start, start + rows) of it. A first dimension of k values per example,
   laid out example by example (BERT's hidden dropout on [batch * seq_length,
-  hidden]), is cut as rows [start * k, (start + rows) * k). A stateful kernel advances its state by the
-  number of values it draws, so each tower's copy of the op stays in step
-  with one device's over the steps;
+  hidden]), is cut as rows [start * k, (start + rows) * k). A stateful
+  kernel advances its state by the number of values it draws, so each
+  tower's copy of the op stays in step with one device's over the steps;
 * leaves every other random op (fixed-shape noise, initializers) drawing
   what one device draws, with one device's seeds.
 
@@ -34,16 +32,16 @@ The cost: each tower draws the global batch's random numbers, not its
 shard's (N times the random numbers of one device), plus a slice and a
 check per op. When the towers' random ops cannot be matched to one
 device's (another number or kind per tower, a shape whose first dimension
-is not the shard's rows, a random op inside a conditional or tf.function),
-building or running the step fails with a message saying to use
-random_ops='per_tower', rather than draw something else silently.
+is not a multiple of the shard's rows, a random op inside a conditional or
+tf.function, one that samples from the shard), building or running the
+step fails with a message saying to use random_ops='per_tower', rather
+than draw something else silently.
 """
 
 import contextlib
-from typing import Any, Iterator, List, NamedTuple, Optional, Set
+from typing import Any, Iterator, List, NamedTuple, Set
 
 import tensorflow as tf
-from tensorflow.python.framework import random_seed  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers import loss_reduction
 from estimator_towers import op_ledger
@@ -72,9 +70,6 @@ def check(random_ops: Any) -> None:
 
 def make(random_ops: str, across_tasks: bool):
   """The random-op policy of one model_fn call.
-
-  Call it when the model_fn call starts, before the wrapper builds
-  anything: `OneDevice` reads the graph's seed counter there.
 
   Args:
     random_ops: 'per_tower' or 'one_device' (see `check`).
@@ -116,9 +111,6 @@ class PerTower:
     del index, shard, since
     yield
 
-  def finish(self) -> None:
-    """Nothing to restore."""
-
 
 class _Draw(NamedTuple):
   """What tower 0 drew with a random op: one device's op."""
@@ -132,15 +124,12 @@ class _Draw(NamedTuple):
 class OneDevice:
   """Makes every tower's random ops draw what one device's draw.
 
-  Made when the model_fn call starts (it reads the graph's seed counter
-  then); `split` once the batch is split, `tower` around each tower's
-  build in order, `finish` after the last tower.
+  `split` once the batch is split (`shard` on each shard), then `tower`
+  around each tower's build, in order.
   """
 
   def __init__(self):
     self._graph = tf1.get_default_graph()
-    self._entry_seed = _seed_counter(self._graph)
-    self._after_first: Optional[int] = None
     self._first: List[_Draw] = []
     self._batch = self._starts = self._rows = None
 
@@ -179,17 +168,9 @@ class OneDevice:
       ValueError: the tower's random ops do not match tower 0's one to
         one, or one cannot be drawn globally.
     """
-    _set_seed_counter(self._graph, self._entry_seed)
     with op_ledger.region(self._graph) as built:
       yield
-    if index == 0:
-      self._after_first = _seed_counter(self._graph)
     self._match(index, built, loss_reduction.ExampleDependence(shard, since))
-
-  def finish(self) -> None:
-    """Leaves the seed counter where one device's model_fn would."""
-    if self._after_first is not None:
-      _set_seed_counter(self._graph, self._after_first)
 
   def _match(self, index: int, built: op_ledger.Region,
              on_shard: loss_reduction.ExampleDependence) -> None:
@@ -325,13 +306,3 @@ def _describe(draws: List[tf.Operation], shaped: List[bool]) -> List[str]:
   return [f'{op.name} ({op.type}{", batch-shaped" if s else ""})'
           for op, s in zip(draws, shaped)]
 
-
-def _seed_counter(graph: tf.Graph) -> int:
-  """How many seedless random ops the graph has seeded (get_seed's next
-  op seed)."""
-  # Private, but the only record of get_seed's count (TF 2.15).
-  return random_seed._graph_to_seed_dict.get(graph, 0)  # pylint: disable=protected-access
-
-
-def _set_seed_counter(graph: tf.Graph, value: int) -> None:
-  random_seed._graph_to_seed_dict[graph] = value  # pylint: disable=protected-access

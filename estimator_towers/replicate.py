@@ -315,8 +315,7 @@ class _TowerBuilder:
     loss_reduction: 'auto', 'mean' or 'sum' (see loss_reduction).
     mode: The Estimator's mode.
     automatic_loss_scale: Whether the float16 rewrite asks for a loss scale.
-    draws: How the towers draw random numbers (random_draws.make, made
-      before anything else of the model_fn call).
+    draws: How the towers draw random numbers (random_draws.make).
   """
 
   def __init__(self, model_fn, devices: Sequence[str],
@@ -414,7 +413,6 @@ class _TowerBuilder:
           spec, added = self._build_tower(step, i, kwargs)
         specs.append(spec)
         update_ops.append(added[tf1.GraphKeys.UPDATE_OPS])
-    self._draws.finish()
     return specs, update_ops
 
   def _check_tables(self, tables: table_sharing.TableSharing) -> None:

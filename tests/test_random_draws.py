@@ -165,3 +165,46 @@ def test_predictions_with_dropout_are_one_devices(kind, towers, rows):
   # Proof that the comparison can fail: each tower drawing its own.
   per_tower = _predictions(MODEL_FNS[kind], towers, rows)
   assert not np.allclose(per_tower, expected, rtol=1e-4, atol=1e-6)
+
+
+STEPS = 3
+
+
+@pytest.fixture(scope='module')
+def one_device(tmp_path_factory):
+  """`one_device(kind, batch_size)`: variables after STEPS steps on one
+  device, from tf_random_seed's initial weights (computed once each)."""
+  runs = {}
+
+  def get(kind, batch_size):
+    if (kind, batch_size) not in runs:
+      runs[kind, batch_size] = _train(
+          tmp_path_factory.mktemp('one_device'), kind, 1, batch_size)
+    return runs[kind, batch_size]
+
+  return get
+
+
+def _train(model_dir, kind, towers, batch_size, **wrapper_kwargs):
+  ids, labels = _data(4 * batch_size)
+  estimator = make_estimator(MODEL_FNS[kind], model_dir, towers,
+                             {'dropout': DROPOUT}, **wrapper_kwargs)
+  estimator.train(dataset_input_fn({'ids': ids}, labels, batch_size),
+                  steps=STEPS)
+  return variables_of(estimator)
+
+
+@pytest.mark.training
+@pytest.mark.parametrize('kind,towers,batch_size,aggregation', [
+    ('bert', 2, 6, 'global_loss'),
+    ('bert', 3, 7, 'all_reduce'),   # shards of 3, 2, 2
+    ('bert', 3, 2, 'global_loss'),  # an idle tower (a padding copy)
+    ('keras', 3, 7, 'global_loss'),
+    ('noise', 2, 7, 'all_reduce'),
+])
+def test_training_with_dropout_is_one_devices(tmp_path, one_device, kind,
+                                              towers, batch_size,
+                                              aggregation):
+  actual = _train(tmp_path, kind, towers, batch_size,
+                  random_ops='one_device', aggregation=aggregation)
+  assert_same_variables(one_device(kind, batch_size), actual, rtol=1e-4)
