@@ -14,8 +14,9 @@ import pytest
 import tensorflow as tf
 
 import trainer
-from helpers import (assert_same_variables, dataset_input_fn,
-                     make_estimator, seeded, variables_of)
+from estimator_towers import random_draws
+from helpers import (assert_same_variables, build_replicated,
+                     dataset_input_fn, make_estimator, seeded, variables_of)
 
 tf1 = tf.compat.v1
 ModeKeys = tf.estimator.ModeKeys
@@ -208,3 +209,65 @@ def test_training_with_dropout_is_one_devices(tmp_path, one_device, kind,
   actual = _train(tmp_path, kind, towers, batch_size,
                   random_ops='one_device', aggregation=aggregation)
   assert_same_variables(one_device(kind, batch_size), actual, rtol=1e-4)
+
+
+def _noisy(draw):
+  """A classifier whose features get the noise `draw(x)` adds."""
+
+  def model_fn(features, labels, mode, params):
+    del params
+    x = features['x']
+    logits = tf1.layers.dense(x + draw(x), 2, kernel_initializer=seeded(1))
+    return _spec(mode, logits, labels, {})
+
+  return model_fn
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('value', ['one_devices', None, 1])
+def test_an_unknown_choice_is_refused_naming_it(value):
+  with pytest.raises(ValueError, match=f'random_ops={value!r}'):
+    trainer.replicate_model_fn(noise_model_fn, random_ops=value)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('draw,refusal', [
+    # Noise on tower 0 only: towers draw differently from one another.
+    (lambda x: (tf.random.normal(tf.shape(x)) if
+                trainer.tower_context().index == 0 else 0.0),
+     'tower 1 creates random ops'),
+    # Sampling from the shard's logits: no global draw to cut rows from.
+    (lambda x: tf.cast(tf.random.categorical(x, 1), tf.float32),
+     "takes the tower's shard as an input other than its shape"),
+    # Inside a conditional (a function in TF2 graphs): out of reach.
+    (lambda x: tf.cond(tf.reduce_sum(x) > 0,
+                       lambda: tf.random.normal(tf.shape(x)),
+                       lambda: tf.zeros_like(x)),
+     'inside its function'),
+])
+def test_draws_it_cannot_match_are_refused(draw, refusal):
+  with pytest.raises(ValueError, match=refusal) as raised:
+    build_replicated(_noisy(draw), 2, random_ops='one_device')
+  assert "random_ops='per_tower'" in str(raised.value)
+  build_replicated(_noisy(draw), 2)  # Each tower on its own: built.
+
+
+@pytest.mark.fast
+def test_a_first_dimension_other_than_the_rows_fails_the_step():
+  # [2 * rows + 1, features]: not a multiple of the shard's rows.
+  model_fn = _noisy(lambda x: tf.random.normal(
+      tf.shape(tf.concat([x, x, x[:1]], 0)))[:tf.shape(x)[0]])
+  graph, spec = build_replicated(model_fn, 2, batch_size=4,
+                                 random_ops='one_device')
+  with graph.as_default(), tf1.Session(config=trainer.make_run_config(
+      cpu_devices=2).session_config) as session:
+    session.run(tf1.global_variables_initializer())
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match='not a multiple of the tower.*per_tower'):
+      session.run(spec.train_op)
+
+
+@pytest.mark.fast
+def test_a_synchronous_cluster_refuses_it():
+  with pytest.raises(ValueError, match='synchronous cluster'):
+    random_draws.make('one_device', across_tasks=True)
