@@ -28,6 +28,10 @@ With 'one_device', `OneDevice`:
 * leaves every other random op (fixed-shape noise, initializers) drawing
   what one device draws, with one device's seeds.
 
+Stateless random ops (`tf.random.stateless_normal`) take their seeds as
+inputs, the same on every tower; one whose shape follows the shard is cut
+from the global draw as well.
+
 The cost: each tower draws the global batch's random numbers, not its
 shard's (N times the random numbers of one device), plus a slice and a
 check per op. When the towers' random ops cannot be matched to one
@@ -55,6 +59,14 @@ RANDOM_OPS = ('per_tower', 'one_device')
 # are per-op scalars: drawing the global shape and slicing is exact.
 _SHAPE_FIRST = frozenset(['RandomUniform', 'RandomUniformInt',
                           'RandomStandardNormal', 'TruncatedNormal'])
+# Stateless random ops: their seeds are inputs, the same on every tower,
+# but a shard's shape draws the first rows of one device's numbers.
+_STATELESS = frozenset([
+    'StatelessRandomUniform', 'StatelessRandomNormal',
+    'StatelessTruncatedNormal', 'StatelessRandomUniformInt',
+    'StatelessRandomUniformFullInt', 'StatelessRandomUniformV2',
+    'StatelessRandomNormalV2', 'StatelessTruncatedNormalV2',
+    'StatelessRandomUniformIntV2', 'StatelessRandomUniformFullIntV2'])
 _FIX = "Use random_ops='per_tower' (each tower draws its own numbers)."
 
 
@@ -189,7 +201,10 @@ class OneDevice:
         # Tower 0's seeds are one device's (see the module docstring).
         op._set_attr('seed', tf1.AttrValue(i=first.seed))  # pylint: disable=protected-access
         op._set_attr('seed2', tf1.AttrValue(i=first.seed2))  # pylint: disable=protected-access
-    for op, s in zip(draws, shaped):
+    stateless = [op for op in self._graph.get_operations()
+                 if op.type in _STATELESS and built.contains(op)]
+    shaped += [_batch_shaped(op, on_shard, index) for op in stateless]
+    for op, s in zip(draws + stateless, shaped):
       if s:
         self._draw_global(op, index)
 
@@ -256,7 +271,7 @@ def _batch_shaped(op: tf.Operation, on_shard, index: int) -> bool:
   depends = [on_shard(t) for t in op.inputs]
   if not any(depends):
     return False
-  if op.type in _SHAPE_FIRST and not any(depends[1:]):
+  if op.type in _SHAPE_FIRST | _STATELESS and not any(depends[1:]):
     if op._get_control_flow_context() is not None:  # pylint: disable=protected-access
       raise ValueError(
           f"random_ops='one_device': random op {op.name} of tower {index} "
