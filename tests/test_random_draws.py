@@ -9,12 +9,13 @@ with random_ops='per_tower' (each tower draws its own numbers), which the
 fast test asserts.
 """
 
+import json
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import trainer
-from estimator_towers import random_draws
 from helpers import (assert_same_variables, bert_model_fn, build_replicated,
                      dataset_input_fn, make_estimator, seeded, variables_of)
 
@@ -216,6 +217,13 @@ def test_a_first_dimension_other_than_the_rows_fails_the_step():
 
 
 @pytest.mark.fast
-def test_a_synchronous_cluster_refuses_it():
-  with pytest.raises(ValueError, match='synchronous cluster'):
-    random_draws.make('one_device', across_tasks=True)
+def test_a_synchronous_cluster_refuses_it(monkeypatch):
+  monkeypatch.setenv('TF_CONFIG', json.dumps(
+      {'cluster': {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
+       'task': {'type': 'chief', 'index': 0}}))
+  model_fn = _noisy(lambda x: tf.random.normal(tf.shape(x)))
+  with pytest.raises(ValueError, match="one_device' is not supported in a "
+                     'synchronous cluster.*per_tower'):
+    build_replicated(model_fn, 2, aggregation='all_reduce',
+                     random_ops='one_device')
+  build_replicated(model_fn, 2, aggregation='all_reduce')
