@@ -210,15 +210,19 @@ class OneDevice:
 
   def _check_same_draws(self, index: int, draws: List[tf.Operation],
                         shaped: List[bool]) -> None:
-    mine = [(op.type, s) for op, s in zip(draws, shaped)]
-    first = [(d.type, d.batch_shaped) for d in self._first]
-    if mine == first:
+    mine = [_Draw(op.name, op.type, 0, 0, s) for op, s in zip(draws, shaped)]
+    if [(d.type, d.batch_shaped) for d in mine] == [
+        (d.type, d.batch_shaped) for d in self._first]:
       return
+    at = next((k for k, (a, b) in enumerate(zip(mine, self._first))
+               if (a.type, a.batch_shaped) != (b.type, b.batch_shaped)),
+              min(len(mine), len(self._first)))
     raise ValueError(
-        f"random_ops='one_device': tower {index} creates random ops "
-        f'{_describe(draws, shaped)}, but tower 0 (one device) creates '
-        f'{[f"{d.name} ({d.type})" for d in self._first]}; they must match '
-        'one to one, in order, to draw what one device draws (does the '
+        f"random_ops='one_device': tower {index} creates {len(mine)} random "
+        f'ops, tower 0 (one device) {len(self._first)}; they must match one '
+        'to one, in order, to draw what one device draws. The first that '
+        f'differs, number {at}: {_describe(mine[at:at + 1])} in tower '
+        f'{index}, {_describe(self._first[at:at + 1])} in tower 0 (does the '
         'model_fn draw depending on tower_context()?). ' + _FIX)
 
   def _draw_global(self, op: tf.Operation, index: int) -> None:
@@ -317,7 +321,7 @@ def _initializer_ops(graph: tf.Graph, built: op_ledger.Region) -> Set[str]:
   return found
 
 
-def _describe(draws: List[tf.Operation], shaped: List[bool]) -> List[str]:
-  return [f'{op.name} ({op.type}{", batch-shaped" if s else ""})'
-          for op, s in zip(draws, shaped)]
+def _describe(draws: List[_Draw]) -> str:
+  return ', '.join(f'{d.name} ({d.type}{", batch-shaped" * d.batch_shaped})'
+                   for d in draws) or 'none'
 

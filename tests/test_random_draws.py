@@ -184,7 +184,7 @@ def test_an_unknown_choice_is_refused_naming_it(value):
     # Noise on tower 0 only: towers draw differently from one another.
     (lambda x: (tf.random.normal(tf.shape(x)) if
                 trainer.tower_context().index == 0 else 0.0),
-     'tower 1 creates random ops'),
+     'tower 1 creates 0 random ops, tower 0 \(one device\) 1'),
     # Sampling from the shard's logits: no global draw to cut rows from.
     (lambda x: tf.cast(tf.random.categorical(x, 1), tf.float32),
      "takes the tower's shard as an input other than its shape"),
