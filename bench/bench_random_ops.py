@@ -5,9 +5,10 @@ sequence 32, 4 heads, dropout 0.1 in the places BERT puts it) on 2 virtual
 CPU towers, trained from the same start with each tower drawing its own
 dropout masks ('per_tower', the default) and with every tower drawing one
 device's global masks and keeping its rows ('one_device'). Each round
-builds both graphs and runs both in a shuffled order, seconds apart; the
-medians over rounds and the per-round ratios are printed. Nothing is
-asserted.
+builds both graphs (in a shuffled order), opens both sessions and
+alternates their steps, so that the shared machine's load falls on both
+alike; a round's step time is the median of its steps. The per-round
+ratios and the medians over rounds are printed. Nothing is asserted.
 
   .venv/bin/python bench/bench_random_ops.py            # ~2 minutes
   .venv/bin/python bench/bench_random_ops.py --rounds=1 --steps=3  # smoke
@@ -37,10 +38,10 @@ _PARAMS = dict(vocab=1000, seq=32, hidden=64, heads=4, layers=2,
 _CHOICES = ('per_tower', 'one_device')
 
 
-def _measure(random_ops: str, towers: int, batch: int, steps: int,
-             warmup: int):
-  """(graph build seconds, seconds per step)."""
-  with tf.Graph().as_default():
+def _build(random_ops: str, towers: int, batch: int):
+  """(graph, train_op, session config, graph build seconds)."""
+  graph = tf.Graph()
+  with graph.as_default():
     tf1.set_random_seed(1)
     tf1.train.get_or_create_global_step()
     rng = np.random.RandomState(0)
@@ -54,21 +55,42 @@ def _measure(random_ops: str, towers: int, batch: int, steps: int,
             {'ids': ids}, labels, tf.estimator.ModeKeys.TRAIN, _PARAMS,
             config)
     built = time.perf_counter() - start
-    with tf1.Session(config=config.session_config) as session:
+  return graph, spec.train_op, config.session_config, built
+
+
+def _round(towers: int, batch: int, steps: int, warmup: int):
+  """{choice: (build seconds, median seconds per step)} of one round.
+
+  Both sessions are open at once and their steps alternate, so that the
+  load of the shared machine falls on both alike.
+  """
+  order = list(_CHOICES)
+  random.shuffle(order)
+  built, sessions, times = {}, {}, {choice: [] for choice in _CHOICES}
+  for choice in order:
+    graph, train_op, session_config, built[choice] = _build(
+        choice, towers, batch)
+    with graph.as_default():
+      session = tf1.Session(graph=graph, config=session_config)
       session.run(tf1.global_variables_initializer())
-      for _ in range(warmup):
-        session.run(spec.train_op)
+    sessions[choice] = (session, train_op)
+  for step in range(warmup + steps):
+    for choice in order:
+      session, train_op = sessions[choice]
       start = time.perf_counter()
-      for _ in range(steps):
-        session.run(spec.train_op)
-      per_step = (time.perf_counter() - start) / steps
-  return built, per_step
+      session.run(train_op)
+      if step >= warmup:
+        times[choice].append(time.perf_counter() - start)
+  for session, _ in sessions.values():
+    session.close()
+  return {choice: (built[choice], statistics.median(times[choice]))
+          for choice in _CHOICES}
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--rounds', type=int, default=5)
-  parser.add_argument('--steps', type=int, default=20)
+  parser.add_argument('--steps', type=int, default=40)
   parser.add_argument('--warmup', type=int, default=3)
   parser.add_argument('--towers', type=int, default=2)
   parser.add_argument('--batch', type=int, default=32)
@@ -76,12 +98,10 @@ def main():
   tf.get_logger().setLevel('ERROR')
   results = {choice: [] for choice in _CHOICES}
   for round_ in range(args.rounds):
-    order = list(_CHOICES)
-    random.shuffle(order)
-    for choice in order:
-      results[choice].append(_measure(choice, args.towers, args.batch,
-                                      args.steps, args.warmup))
-    one, per = results['one_device'][-1], results['per_tower'][-1]
+    measured = _round(args.towers, args.batch, args.steps, args.warmup)
+    for choice in _CHOICES:
+      results[choice].append(measured[choice])
+    one, per = measured['one_device'], measured['per_tower']
     print(f'round {round_}: step one_device/per_tower {one[1] / per[1]:.3f}'
           f', build {one[0] / per[0]:.3f}', flush=True)
   for choice in _CHOICES:

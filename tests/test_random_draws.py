@@ -46,14 +46,15 @@ def keras_model_fn(features, labels, mode, params):
 
 
 def noise_model_fn(features, labels, mode, params):
-  """Per-example Gaussian, truncated-normal and stateless noise, and noise
-  of a fixed shape (one value for every example)."""
+  """Per-example Gaussian, truncated-normal and stateless noise, noise of
+  a fixed shape (one value for every example), and tf.nn.dropout's rate."""
   del params
   x = tf.cast(features['ids'], tf.float32)
   x += 0.3 * tf.random.normal(tf.shape(x))
   x += 0.3 * tf.random.truncated_normal(tf.shape(x))
   x += 0.3 * tf.random.stateless_normal(tf.shape(x), seed=[1, 2])
   x *= tf.random.uniform([SEQ], 0.5, 1.5)
+  x = tf.nn.dropout(x, rate=0.2)  # TF2's rate, beside BERT's keep_prob
   # tf.compat.v1.layers' default initializer is Keras's, seeded in Python.
   logits = tf1.layers.dense(x, 2, name='logits', kernel_initializer=seeded(3))
   return _spec(mode, logits, labels, {})
