@@ -32,6 +32,11 @@ Stateless random ops (`tf.random.stateless_normal`) take their seeds as
 inputs, the same on every tower; one whose shape follows the shard is cut
 from the global draw as well.
 
+In a synchronous cluster every task keeps the graph seed (per_tower moves
+a worker's, see task_sync.TaskGroup.own_random_seed) and draws the step's
+global batch, of all tasks, keeping its towers' rows after those of the
+tasks before it; one sum over the tasks per step tells both.
+
 The cost: each tower draws the global batch's random numbers, not its
 shard's (N times the random numbers of one device), plus a slice and a
 check per op. When the towers' random ops cannot be matched to one
@@ -43,7 +48,7 @@ than draw something else silently.
 """
 
 import contextlib
-from typing import Any, Iterator, List, NamedTuple, Set
+from typing import Any, ContextManager, Iterator, List, NamedTuple, Set
 
 import tensorflow as tf
 
@@ -80,33 +85,36 @@ def check(random_ops: Any) -> None:
     raise ValueError(f'random_ops={random_ops!r}; use one of {RANDOM_OPS}.')
 
 
-def make(random_ops: str, across_tasks: bool):
+def make(random_ops: str, task_group):
   """The random-op policy of one model_fn call.
 
   Args:
     random_ops: 'per_tower' or 'one_device' (see `check`).
-    across_tasks: The towers are one task's of a synchronous cluster.
+    task_group: The tasks training together (task_sync.TaskGroup or
+      one_machine.OneMachine).
 
   Returns:
     `PerTower` or `OneDevice`.
-
-  Raises:
-    ValueError: 'one_device' in a synchronous cluster.
   """
   if random_ops == 'per_tower':
-    return PerTower()
-  if across_tasks:
-    # Each task would have to draw the whole cluster's batch and slice its
-    # own towers' rows; that is not built yet.
-    raise ValueError(
-        "random_ops='one_device' is not supported in a synchronous cluster "
-        '(each task would draw its own numbers). Use '
-        "random_ops='per_tower' there, or train on one machine.")
-  return OneDevice()
+    return PerTower(task_group)
+  return OneDevice(task_group)
 
 
 class PerTower:
-  """Each tower draws its own random numbers (the default, faster)."""
+  """Each tower draws its own random numbers (the default, faster).
+
+  Args:
+    task_group: The tasks training together.
+  """
+
+  def __init__(self, task_group):
+    self._task_group = task_group
+
+  def seeds(self) -> ContextManager[None]:
+    """Around the towers' build: in a synchronous cluster each task moves
+    its graph seed, so that the workers do not repeat the chief's draws."""
+    return self._task_group.own_random_seed()
 
   def split(self, sizes: tf.Tensor, padded: bool) -> None:
     """Nothing to prepare."""
@@ -140,21 +148,41 @@ class OneDevice:
   around each tower's build, in order.
   """
 
-  def __init__(self):
+  def __init__(self, task_group):
     self._graph = tf1.get_default_graph()
+    self._task_group = task_group
     self._first: List[_Draw] = []
     self._batch = self._starts = self._rows = None
 
+  def seeds(self) -> ContextManager[None]:
+    """Around the towers' build: every task keeps the graph seed, so that
+    all draw one device's numbers and keep their own rows."""
+    return contextlib.nullcontext()
+
   def split(self, sizes: tf.Tensor, padded: bool) -> None:
     """Takes the towers' shard sizes (`sharding.shard_sizes`).
+
+    In a synchronous cluster the towers' rows are this task's part of the
+    step's global batch, which follows the parts of the tasks before it
+    (the chief's first, then the workers' by index): one sum over the
+    tasks of a vector holding each task's rows at its index tells the
+    global batch and where this task's part starts.
 
     Args:
       sizes: Each tower's real examples.
       padded: Whether an idle tower trains on a copy of row 0.
     """
+    group = self._task_group
     with tf.name_scope('one_device_draws'):
-      self._batch = tf.reduce_sum(sizes)
+      rows = tf.reduce_sum(sizes)
+      # float32: collectives sum floats on every device; counts of rows
+      # stay exact far beyond any batch.
+      each = group.sum([tf.cast(rows, tf.float32) * tf.one_hot(
+          group.index, group.size)])[0]
+      each = tf.cast(tf.round(each), tf.int32)
+      self._batch = tf.reduce_sum(each)
       self._starts, self._rows = sharding.shard_rows(sizes, padded)
+      self._starts += tf.reduce_sum(each[:group.index])
 
   def shard(self, structure: Any) -> Any:
     """A tower's features or labels, their batch dimension made unknown

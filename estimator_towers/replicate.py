@@ -165,8 +165,9 @@ def replicate_model_fn(model_fn: ModelFn,
       shard's rows (a dropout mask, per-example noise) draws the global
       batch's shape and the tower keeps its own rows; any other gets one
       device's seed (see random_draws). Each tower then draws the whole
-      batch's random numbers. Random ops that cannot be matched to one
-      device's are refused; a synchronous cluster refuses 'one_device'.
+      batch's random numbers (in a synchronous cluster, the whole
+      cluster's batch). Random ops that cannot be matched to one device's
+      are refused.
 
   Returns:
     A model_fn that takes `(features, labels, mode, params, config)` and
@@ -253,8 +254,7 @@ def replicate_model_fn(model_fn: ModelFn,
     builder = _TowerBuilder(model_fn, tower_devices, placement, task_group,
                             loss_reduction, mode,
                             loss_scaling.automatic(config),
-                            random_draws.make(random_ops,
-                                              task_group.across_tasks))
+                            random_draws.make(random_ops, task_group))
     spec = builder.build(features, labels, kwargs)
     if task_group.across_tasks:
       # A stuck or dead peer must end this task, not hang it.
@@ -406,7 +406,7 @@ class _TowerBuilder:
     specs, update_ops = [], []
     with step.update.routing(), (
         optimizer_iterations.same_iterations_accepted()), (
-            self._task_group.own_random_seed()):
+            self._draws.seeds()):
       for i in range(len(self._devices)):
         with self._towers.tower(i) as region, self._draws.tower(
             i, step.split.shard(i), region.start):

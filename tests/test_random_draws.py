@@ -9,8 +9,6 @@ with random_ops='per_tower' (each tower draws its own numbers), which the
 fast test asserts.
 """
 
-import json
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -215,16 +213,3 @@ def test_a_first_dimension_other_than_the_rows_fails_the_step():
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match='not a multiple of the tower.*per_tower'):
       session.run(spec.train_op)
-
-
-@pytest.mark.fast
-def test_a_synchronous_cluster_refuses_it(monkeypatch):
-  monkeypatch.setenv('TF_CONFIG', json.dumps(
-      {'cluster': {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
-       'task': {'type': 'chief', 'index': 0}}))
-  model_fn = _noisy(lambda x: tf.random.normal(tf.shape(x)))
-  with pytest.raises(ValueError, match="one_device' is not supported in a "
-                     'synchronous cluster.*per_tower'):
-    build_replicated(model_fn, 2, aggregation='all_reduce',
-                     random_ops='one_device')
-  build_replicated(model_fn, 2, aggregation='all_reduce')

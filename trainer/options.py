@@ -271,7 +271,7 @@ class TaskOptions:
       'noise): per_tower (each tower its own; faster) or one_device (what '
       'one device draws on the global batch with the same --tf-random-seed, '
       'so towers train exactly as one device; each tower draws the whole '
-      'batch\'s numbers). Not in a synchronous cluster. See README, '
+      'batch\'s numbers). See README, '
       '"Things to know".', enum_values=list(RANDOM_OPS))
   sync_timeout_secs: float = _option(
       _FLOAT, 300.0, 'In a synchronous cluster (no ps tasks): how long a '
