@@ -58,6 +58,13 @@ def variables_of(estimator):
           if name != '_CHECKPOINTABLE_OBJECT_GRAPH'}
 
 
+def checkpoint_variables(model_dir):
+  """Every variable of the latest checkpoint in `model_dir`, by name."""
+  reader = tf.train.load_checkpoint(str(model_dir))
+  return {name: reader.get_tensor(name)
+          for name in reader.get_variable_to_shape_map()}
+
+
 def assert_same_variables(expected, actual, rtol=1e-5, atol=1e-6):
   """Same names, same values within float32 tolerance."""
   assert sorted(expected) == sorted(actual)

@@ -148,7 +148,6 @@ def _train(model_dir, kind, towers, batch_size, **wrapper_kwargs):
 @pytest.mark.parametrize('kind,towers,batch_size,aggregation', [
     ('bert', 3, 7, 'all_reduce'),   # shards of 3, 2, 2
     ('bert', 3, 2, 'global_loss'),  # an idle tower (a padding copy)
-    ('keras', 3, 7, 'global_loss'),
     ('noise', 2, 7, 'all_reduce'),
 ])
 def test_training_with_dropout_is_one_devices(tmp_path, one_device, kind,
