@@ -1,12 +1,14 @@
 """random_ops='one_device': towers draw the random numbers one device draws.
 
 With the same `tf_random_seed`, a model with random initial weights and
-dropout (BERT's tf.nn.dropout with keep_prob, tf.compat.v1.layers and
-tf.keras Dropout, per-example Gaussian noise) computes on towers what one
-device computes: predictions with dropout on over several runs (fast), and
-the weights after a few training steps (training). The same checks fail
-with random_ops='per_tower' (each tower draws its own numbers), which the
-fast test asserts.
+dropout (BERT's tf.nn.dropout with keep_prob, TF2's rate,
+tf.compat.v1.layers and tf.keras Dropout, per-example Gaussian,
+truncated-normal and stateless noise) computes on towers what one device
+computes: predictions with dropout on over several runs (fast), and the
+weights after a few training steps (training). The same checks fail with
+random_ops='per_tower' (each tower draws its own numbers), which the fast
+test asserts. Draws that cannot be made one device's are refused. The
+synchronous cluster's case is in test_task_sync.
 """
 
 import numpy as np
