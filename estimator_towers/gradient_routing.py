@@ -313,8 +313,10 @@ def refusal(call: Call) -> Optional[str]:
   if (new_keras is not None and new_keras is not legacy and
       isinstance(optimizer, new_keras)):
     return (
-        f'{name} is one of the new (non-legacy) tf.keras.optimizers, which '
-        'do not run in graph mode as tf.estimator builds it: use '
+        f'{name} is one of the new (non-legacy) tf.keras.optimizers. In a '
+        'graph-mode model_fn its apply_gradients returns only the increment '
+        'of its step counter and never updates the weights: one device '
+        'would run without training. Use '
         f'tf.keras.optimizers.legacy.{name}.')
   if isinstance(optimizer, tf1.train.SyncReplicasOptimizer):
     return (

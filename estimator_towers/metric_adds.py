@@ -194,3 +194,31 @@ def _replace(add: tf.Operation, position: int, value: tf.Tensor,
   with add.graph.name_scope(None), add.graph.device(add.device):
     value = tf.identity(value, name=f'{add.name}/{why}')
   add._update_input(position, value)  # pylint: disable=protected-access
+
+
+def idle_adds_nothing(metric_ops: Sequence[Dict[str, tuple]],
+                      in_tower: Sequence[Callable[[tf.Operation], bool]],
+                      active: Sequence[tf.Tensor]) -> None:
+  """Makes an idle tower's metric adds add zero.
+
+  An idle tower (no example in its shard) evaluates a padding copy of an
+  example, so that no kernel sees an empty batch; none of what it adds may
+  count. Every metric add is covered, also those `count_once` leaves as
+  they are (a vector of per-threshold counts): metric state written other
+  than by an add is refused by `check_overwrites`.
+
+  Args:
+    metric_ops: Each tower's `eval_metric_ops`.
+    in_tower: Per tower, whether an op was created by its model_fn call.
+    active: Per tower, a scalar bool: whether its shard has examples.
+  """
+  done = set()
+  for ops, inside, on in zip(metric_ops, in_tower, active):
+    for _, update in ops.values():
+      for add in _adds(update, inside):
+        if add.name in done:
+          continue  # Shared by two metrics.
+        done.add(add.name)
+        value = add.inputs[_ADDS[add.type]]
+        _replace(add, _ADDS[add.type],
+                 tf.where(on, value, tf.zeros_like(value)), 'idle_adds_zero')

@@ -24,6 +24,7 @@ run once per tower; `check_single_writers` refuses it.
 
 import contextlib
 import dataclasses
+import re
 from typing import Dict, List, Optional, Sequence
 
 from keras.src.layers.normalization import batch_normalization as keras_bn
@@ -34,6 +35,8 @@ from estimator_towers import patching
 tf1 = tf.compat.v1
 _Base = keras_bn.BatchNormalizationBase
 _READS = frozenset(['ReadVariableOp', 'Identity'])
+# The name of the read an earlier tower's layer gets in place of its update.
+_DEFERRED = 'AssignMovingAvgInLastTower'
 
 
 @dataclasses.dataclass
@@ -150,7 +153,7 @@ class MovingStatistics:
     calls.append(shard)
     if self._tower < self._num_towers - 1:
       # Not an update: the last tower applies the step's one update.
-      return tf.identity(variable, name='AssignMovingAvgInLastTower')
+      return tf.identity(variable, name=_DEFERRED)
     shards = self._matching(variable.name, len(calls) - 1)
     if mean is None:
       global_value = self._mean(shards)
@@ -224,6 +227,31 @@ class MovingStatistics:
             'over towers. Call the layer outside tf.function and loops.')
       value = outer
     return value
+
+
+def per_tower_layers(graph: tf.Graph) -> List[str]:
+  """The batch-norm layers of a towered TRAIN graph, by name scope.
+
+  Their moving statistics get one update from the global batch, but their
+  forward pass normalises each tower's shard with the shard's own batch
+  statistics (one device normalises the whole batch): the reason such a
+  model does not train bit-identically on towers. Found by the read an
+  earlier tower's layer gets in place of its update, in the graph and in
+  its functions (a layer called with a `training` tensor updates inside a
+  conditional's branch).
+
+  Args:
+    graph: A graph in which replicate_model_fn built its TRAIN towers.
+
+  Returns:
+    The layers' name scopes, sorted and without repeats.
+  """
+  names = [op.name for op in graph.get_operations()]
+  for function in graph.as_graph_def().library.function:
+    names.extend(node.name for node in function.node_def)
+  pattern = re.compile(rf'(?:(.*)/)?{_DEFERRED}(?:_\d+)?$')
+  return sorted({match.group(1) or '' for match in map(pattern.match, names)
+                 if match})
 
 
 def write_key(op: tf.Operation) -> str:

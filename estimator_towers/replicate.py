@@ -10,8 +10,6 @@ variables whose names are those of the unwrapped model_fn.
 import contextlib
 import dataclasses
 import inspect
-import logging
-import os
 from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 import tensorflow as tf
@@ -29,6 +27,7 @@ from estimator_towers import optimizer_iterations
 from estimator_towers import peer_watch
 from estimator_towers import random_draws
 from estimator_towers import replicas as replicas_lib
+from estimator_towers import scoped_collections
 from estimator_towers import sharding
 from estimator_towers import spec_merge
 from estimator_towers import table_sharing
@@ -39,11 +38,6 @@ from estimator_towers import tpu_spec
 from estimator_towers import variable_sharing
 from estimator_towers import write_order
 from estimator_towers.run_config import session_device_counts
-
-# A named logger, not absl's functions: their first call in a script
-# configures the root logger, after which every TensorFlow record prints
-# twice (through TensorFlow's own handler and the root's).
-_log = logging.getLogger(__name__)
 
 tf1 = tf.compat.v1
 ModeKeys = tf.estimator.ModeKeys
@@ -342,8 +336,6 @@ class _TowerBuilder:
 
   def build(self, features, labels, kwargs) -> tf.estimator.EstimatorSpec:
     """The merged spec of the towers of one model_fn call."""
-    if self._mode == ModeKeys.EVAL:
-      _warn_about_onednn_once(self._devices)
     split, has_rows = self._split_batch(features, labels)
     step = self._step(split, has_rows)
     specs, update_ops = self._build_towers(step, kwargs)
@@ -371,11 +363,12 @@ class _TowerBuilder:
           sharding.named_leaves(features, labels))
       sizes = sharding.shard_sizes(batch, num_towers)
       has_rows = batch > 0
-      # Idle towers get a copy of an example in TRAIN (weighted by zero) and
-      # PREDICT (their rows are sliced off): an empty batch can make a mean
-      # NaN, and oneDNN's CPU convolution mishandles it. EVAL keeps empty
-      # shards, since a copy would count in the metrics.
-      pad = self._mode != ModeKeys.EVAL
+      # Idle towers get a copy of an example, weighted by zero in the loss,
+      # adding nothing to the metrics, sliced off the predictions: an empty
+      # batch can make a mean NaN, and TF 2.15's oneDNN CPU convolution
+      # returns a wrongly shaped result for it (an evaluation batch smaller
+      # than the tower count crashed).
+      pad = True
       feature_shards = [self._draws.shard(s) for s in sharding.split_batch(
           features, sizes, num_towers, pad)]
       label_shards = [self._draws.shard(s) for s in sharding.split_batch(
@@ -497,10 +490,11 @@ class _TowerBuilder:
     metric_ops = [s.eval_metric_ops or {} for s in specs]
     in_tower = [self._towers.region(i).contains for i in range(num_towers)]
     metric_adds.check_overwrites(metric_ops, in_tower, depends)
-    metric_adds.count_once(metric_ops, in_tower, depends,
-                           [split.sizes[i] > 0 for i in range(num_towers)])
+    active = [split.sizes[i] > 0 for i in range(num_towers)]
+    metric_adds.count_once(metric_ops, in_tower, depends, active)
+    metric_adds.idle_adds_nothing(metric_ops, in_tower, active)
     spec = spec._replace(predictions=spec_merge.whole_batch_predictions(
-        specs, split.sizes, False, depends))
+        specs, split.sizes, split.padded, depends))
     return self._finish_tpu_spec(spec, split)
 
   # --------------------------------------------------------------------------
@@ -545,6 +539,7 @@ class _TowerBuilder:
       stack.enter_context(tower_lib._entered(context))  # pylint: disable=protected-access
       if name_scope:
         stack.enter_context(graph.name_scope(name_scope))
+      stack.enter_context(scoped_collections.tower(name_scope))
       stack.enter_context(graph.device(_placer(
           index, device, self._placement, lambda: update.applying)))
       stack.enter_context(self._sharing.tower(index))
@@ -620,33 +615,6 @@ def _per_tower_collections(graph, index):
       added[key] = list(ref)
       keep = added[key] if (index == 0 or key != tf1.GraphKeys.SUMMARIES) else []
       ref[:] = saved[key] + keep
-
-
-_warned_about_onednn = False
-
-
-def _warn_about_onednn_once(devices: Sequence[str]) -> None:
-  """Warns that oneDNN convolutions fail on the empty shards of EVAL.
-
-  An evaluation batch smaller than the tower count leaves towers an empty
-  shard (a copy would count in the metrics). TF 2.15's oneDNN CPU Conv2D
-  returns a wrongly shaped result for an empty batch; the default kernels,
-  and GPU ones, do not.
-  """
-  global _warned_about_onednn
-  on_cpu = all(tf.DeviceSpec.from_string(d).device_type == 'CPU'
-               for d in devices)
-  if (_warned_about_onednn or not on_cpu or
-      os.environ.get('TF_ENABLE_ONEDNN_OPTS') == '0'):
-    return
-  _warned_about_onednn = True
-  _log.warning(
-      'Evaluating on %d CPU towers with oneDNN on: an evaluation batch '
-      'smaller than %d leaves some towers an empty shard, on which '
-      'TensorFlow 2.15\'s oneDNN convolution fails. Models with '
-      'convolutions should set TF_ENABLE_ONEDNN_OPTS=0 before importing '
-      'TensorFlow (the trainer\'s command-line tools do).', len(devices),
-      len(devices))
 
 
 def _canonical_devices(devices) -> List[str]:

@@ -65,7 +65,8 @@ _OTHER_WRITES = frozenset([
     'ResourceScatterNdMax', 'ResourceScatterNdMin'])
 WRITES = _SHARED | _OTHER_WRITES | frozenset(_ADDS)
 # Stateful random ops: each task of a synchronous cluster draws its own, and
-# each tower its own unless random_draws makes them one device's.
+# each tower draws its own for its shard (equivalence names them), unless
+# random_draws makes them one device's.
 RANDOM = frozenset([
     'RandomUniform', 'RandomUniformInt', 'RandomStandardNormal',
     'TruncatedNormal', 'ParameterizedTruncatedNormal', 'RandomShuffle',

@@ -15,6 +15,13 @@ must reuse them. Two mechanisms cover the ways variables get made:
   every tower's update accumulates into one state and the metric equals the
   one-device value.
 
+Later towers also see the graph's variable collections as tower 0 saw
+them at the same point of its model_fn: a variable tower 0 made is listed
+(in `tf.compat.v1.global_variables()`, a layer's `moving_vars`...) only
+once the later tower has asked for it. A model_fn that collects variables
+by listing them (EfficientNet's EMA over every `moving_mean`) would
+otherwise find tower 0's EMA shadows too, and shadow them again.
+
 With the 'all_reduce' aggregation, later towers get their own copy of each
 trainable variable instead of tower 0's (see replicas.py): the sharing above
 decides which of tower 0's variables a request means, and `copies` maps it
@@ -25,9 +32,10 @@ tower's copy, `tower_1_replica/w/ExponentialMovingAverage`) is the one tower
 
 import contextlib
 import threading
-from typing import Iterator, List
+from typing import Dict, Iterator, List
 
 import tensorflow as tf
+from tensorflow.python.ops import variables as variables_lib  # pylint: disable=g-direct-tensorflow-import
 
 tf1 = tf.compat.v1
 
@@ -37,6 +45,7 @@ class VariableSharing:
 
   def __init__(self):
     self._created: List[tf.Variable] = []
+    self._collections = _CollectionView()
     self._local = threading.local()
     # The all_reduce aggregation's replicas.Replicas: `tower_variable`
     # (primary, tower index) -> what that tower uses, `primary_name`.
@@ -69,6 +78,8 @@ class VariableSharing:
       variable = getter(name, *args, **kwargs)
     finally:
       self._local.depth -= 1
+    if index and not unshared:
+      self._collections.show(variable)
     if self._get_variable_depth or unshared:
       return variable
     return self._for_tower(variable, index)
@@ -96,10 +107,11 @@ class VariableSharing:
     creator = self._record if index == 0 else self._reuser(index)
     self._local.index = index
     root = tf1.get_variable_scope()
+    view = self._collections.tower(index)
     with tf1.variable_scope(root, reuse=tf1.AUTO_REUSE if index else None,
                             custom_getter=self._counting_getter,
                             auxiliary_name_scope=False):
-      with tf1.variable_creator_scope(creator):
+      with tf1.variable_creator_scope(creator), view:
         yield
     if index:
       self._check_all_reused(index)
@@ -132,6 +144,7 @@ class VariableSharing:
       self._local.cursor = cursor + 1
       variable = self._created[cursor]
       _check_same_kind(index, name, kwargs, variable)
+      self._collections.show(variable)
       return self._for_tower(variable, index)
 
     return reuse
@@ -144,6 +157,70 @@ class VariableSharing:
           f'Tower {index} created {used} variables outside get_variable but '
           f'tower 0 created {len(self._created)}; tower {index} did not ask '
           f'for {missing}. Every tower must build the same model.')
+
+
+class _CollectionView:
+  """Hides tower 0's variables from the collections of a later tower until
+  it asks for them; afterwards the collections are tower 0's again."""
+
+  def __init__(self):
+    self._before: Dict[str, list] = {}
+    # id(variable tower 0 added) -> the collections it was added to.
+    self._homes: Dict[int, List[str]] = {}
+
+  @contextlib.contextmanager
+  def tower(self, index: int) -> Iterator[None]:
+    """Scopes one tower's view of the collections."""
+    graph = tf1.get_default_graph()
+    if index == 0:
+      self._before = {key: list(graph.get_collection(key))
+                      for key in graph.get_all_collection_keys()}
+      yield
+      self._record_homes(graph)
+      return
+    full = {key: list(graph.get_collection(key))
+            for key in graph.get_all_collection_keys()}
+    for key, items in full.items():
+      graph.get_collection_ref(key)[:] = [
+          item for item in items if not self._is_hidden(item, key)]
+    try:
+      yield
+    finally:
+      for key in graph.get_all_collection_keys():
+        ref = graph.get_collection_ref(key)
+        listed = full.get(key, [])
+        seen = {id(item) for item in listed}
+        # What the tower added itself (a copy, a metric) stays, once.
+        ref[:] = listed + [item for item in ref if id(item) not in seen]
+
+  def _record_homes(self, graph) -> None:
+    for key in graph.get_all_collection_keys():
+      if key == tf1.GraphKeys.GLOBAL_STEP:
+        # Looked up, never listed: `get_or_create_global_step` in a later
+        # tower must find tower 0's (its name alone would give the handle).
+        continue
+      before = {id(item) for item in self._before.get(key, [])}
+      for item in graph.get_collection(key):
+        if id(item) not in before and _is_variable(item):
+          self._homes.setdefault(id(item), []).append(key)
+
+  def _is_hidden(self, item, key: str) -> bool:
+    return key in self._homes.get(id(item), ())
+
+  def show(self, variable) -> None:
+    """Lists `variable` (one tower 0 made) where tower 0 listed it."""
+    graph = tf1.get_default_graph()
+    parts = (list(variable) if isinstance(
+        variable, variables_lib.PartitionedVariable) else [variable])
+    for part in parts:
+      for key in self._homes.get(id(part), ()):
+        ref = graph.get_collection_ref(key)
+        if all(item is not part for item in ref):
+          ref.append(part)
+
+
+def _is_variable(item) -> bool:
+  return isinstance(item, (tf.Variable, variables_lib.PartitionedVariable))
 
 
 def _requested_name(kwargs) -> str:

@@ -78,7 +78,7 @@ def order_writes(fetches: Sequence, update_results: Iterable[tf.Operation],
           write)
   # Last, as the edges above may make a write one the update waits for.
   update_results = [op for op in update_results if op in step.ops]
-  waited_for = _ancestors(update_results)
+  waited_for = ancestors(update_results)
   for write in dict.fromkeys(w for ws in step.writes.values() for w in ws):
     if write.name not in update_ops and write not in waited_for:
       # The update does not wait for it, so this edge closes no cycle.
@@ -127,7 +127,7 @@ class _Step:
   """The ops one training step runs, with their variable accesses."""
 
   def __init__(self, fetches: Sequence):
-    self.ops = _ancestors(_op(f) for f in fetches if f is not None)
+    self.ops = ancestors(_op(f) for f in fetches if f is not None)
     self.reads: Dict[str, List[tf.Operation]] = {}
     self.writes: Dict[str, List[tf.Operation]] = {}
     for op in self.ops:
@@ -211,7 +211,8 @@ def _successors(op: tf.Operation, within: Set[tf.Operation]) -> Set:
   return {c for c in consumers if c in within}
 
 
-def _ancestors(ops: Iterable[tf.Operation]) -> Set[tf.Operation]:
+def ancestors(ops: Iterable[tf.Operation]) -> Set[tf.Operation]:
+  """`ops` and every op they depend on, through data and control inputs."""
   found, pending = set(), list(ops)
   while pending:
     op = pending.pop()

@@ -29,7 +29,7 @@ def _error(prog: str, args) -> Optional[str]:
     with contextlib.redirect_stderr(stderr), \
         contextlib.redirect_stdout(io.StringIO()):
       cli.parse([prog, *args], prog, passthrough=prog in ('sweep', 'cluster'))
-      if prog == 'task':  # The flag values must make options too.
+      if prog in ('task', 'check'):  # The values must make options too.
         options_lib.from_flags()
   except SystemExit as e:
     return None if e.code == 0 else stderr.getvalue().strip()

@@ -143,9 +143,10 @@ def test_every_trainer_command_of_the_docs_takes_its_flags(recorded):
     for argv in argvs:
       for module, args in _trainer_commands(argv):
         by_module[module].append((f'{doc} block {i}', args))
-  # README shows each of the four entry points.
+  # README shows each of the five entry points.
   assert set(by_module) == {'trainer.task', 'trainer.predict',
-                            'trainer.sweep', 'trainer.cluster'}
+                            'trainer.sweep', 'trainer.cluster',
+                            'trainer.check'}
   bad = {}
   for module, errors in _flag_errors(by_module).items():
     bad.update({f'{where}: {module} {" ".join(args)}': error

@@ -153,8 +153,29 @@ def test_new_keras_optimizer_error_names_the_legacy_one(tmp_path, data):
   estimator = tf.estimator.Estimator(
       trainer.replicate_model_fn(model_fn),
       config=trainer.make_run_config(str(tmp_path), cpu_devices=2))
-  with pytest.raises(Exception, match='legacy'):
+  with pytest.raises(ValueError, match=r'never updates the weights.*'
+                     r'tf\.keras\.optimizers\.legacy\.SGD'):
     estimator.train(dataset_input_fn({'x': x}, y[:, None], BATCH), steps=1)
+
+
+def test_a_new_keras_optimizer_does_not_train_in_graph_mode_on_one_device():
+  # Why the refusal above is not a false one: unwrapped, in the graph mode
+  # tf.estimator builds, the update runs and the weights stay as they were.
+  # Should a TensorFlow release change that, towers must support it.
+  with tf.Graph().as_default():
+    x = tf.constant(np.arange(30, dtype=np.float32).reshape(10, 3) / 30)
+    layer = tf.keras.layers.Dense(1, kernel_initializer='ones')
+    loss = tf.reduce_mean(tf.square(layer(x)[:, 0] - 2.0))
+    optimizer = tf.keras.optimizers.Adam(0.1)
+    update = optimizer.apply_gradients(zip(
+        tf.gradients(loss, layer.trainable_variables),
+        layer.trainable_variables))
+    with tf1.Session() as session:
+      session.run(tf1.global_variables_initializer())
+      losses = [session.run([loss, update])[0] for _ in range(3)]
+      assert session.run(optimizer.iterations) == 3
+      assert losses[0] == losses[-1] > 0
+      np.testing.assert_array_equal(session.run(layer.kernel), 1.0)
 
 
 def _keras_model():

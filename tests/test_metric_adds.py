@@ -199,3 +199,57 @@ def test_a_per_batch_value_the_towers_cannot_combine_is_refused(name, metric,
           features, labels, tf.estimator.ModeKeys.EVAL,
           {'metrics': lambda e: {name: metric(e)}},
           estimator_towers.make_run_config(cpu_devices=2))
+
+
+def _conv_classifier(features, labels, mode, params):
+  """A small CNN: TF 2.15's oneDNN Conv2D mishandled an empty shard."""
+  del params
+  images = tf.reshape(features['x'], [-1, 8, 8, 1])
+  hidden = tf.keras.layers.Conv2D(
+      4, 3, activation='relu', kernel_initializer='ones')(images)
+  hidden = tf.keras.layers.MaxPooling2D()(hidden)
+  hidden = tf.keras.layers.Conv2D(
+      2, 3, padding='same', kernel_initializer='ones')(hidden)
+  logits = tf1.layers.dense(
+      tf1.layers.flatten(hidden), 2,
+      kernel_initializer=tf1.constant_initializer(0.01))
+  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+  probability = tf.nn.softmax(logits)[:, 1]
+  metrics = {
+      'accuracy': tf1.metrics.accuracy(labels, tf.argmax(logits, 1)),
+      # Per-threshold count vectors: adds count_once leaves as they are.
+      'auc': tf1.metrics.auc(labels, probability),
+      'mean_p1': tf1.metrics.mean(probability),
+  }
+  train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
+                                    eval_metric_ops=metrics)
+
+
+def test_a_batch_smaller_than_the_tower_count_evaluates_as_one_device(
+    tmp_path):
+  # Idle towers evaluate a padding copy that adds nothing: an empty shard
+  # crashed oneDNN's convolution (on by default here), and a copy that
+  # counted would move every metric.
+  rng = np.random.RandomState(1)
+  x = rng.rand(7, 64).astype(np.float32)
+  y = np.array([0, 1, 1, 0, 1, 0, 1])
+
+  def input_fn():  # Batches of 3, 3, 1: the last leaves 1 or 2 towers idle.
+    return tf.data.Dataset.from_tensor_slices(({'x': x}, y)).batch(3)
+
+  results = {}
+  for towers in (1, 2, 3):
+    fn = (estimator_towers.replicate_model_fn(_conv_classifier)
+          if towers > 1 else _conv_classifier)
+    estimator = tf.estimator.Estimator(fn, config=estimator_towers.
+                                       make_run_config(str(tmp_path),
+                                                       cpu_devices=towers))
+    if towers == 1:
+      estimator.train(input_fn, steps=2)
+    results[towers] = estimator.evaluate(input_fn, name=f'towers{towers}')
+  for towers in (2, 3):
+    for name in ('accuracy', 'auc', 'mean_p1', 'loss'):
+      np.testing.assert_allclose(results[towers][name], results[1][name],
+                                 rtol=1e-5, err_msg=f'{name}, {towers}')

@@ -537,18 +537,6 @@ def test_training_hooks_are_kept_and_run_once_per_step(tmp_path, data):
   assert len(calls) == STEPS  # Tower 0's hook, not one per tower.
 
 
-@pytest.mark.fast
-@pytest.mark.parametrize('onednn,warned', [('1', True), ('0', False)])
-def test_cpu_eval_towers_warn_about_onednn_empty_shards(monkeypatch, caplog,
-                                                        onednn, warned):
-  from estimator_towers import replicate  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(replicate, '_warned_about_onednn', False)
-  monkeypatch.setenv('TF_ENABLE_ONEDNN_OPTS', onednn)
-  with caplog.at_level('WARNING'):
-    build_replicated(classifier_model_fn, 2, mode='eval')
-  assert ('oneDNN convolution fails' in caplog.text) == warned
-
-
 def _model_fn_without_params(features, labels, mode):
   logits = tf1.layers.dense(features['x'], 2)
   loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)

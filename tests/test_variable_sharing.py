@@ -97,7 +97,7 @@ def _teacher_model_fn(features, labels, mode, ordered=False):
       tf.estimator.ModeKeys.TRAIN, loss=loss, train_op=tf.group(update, ema_op))
 
 
-def _teacher_after_steps(towers, aggregation=None, steps=3):
+def _after_steps(model_fn, names, towers, aggregation=None, steps=3):
   rng = np.random.RandomState(3)
   x = rng.randn(9, 5).astype(np.float32)
   y = rng.randint(0, 3, size=9).astype(np.int32)
@@ -108,21 +108,22 @@ def _teacher_after_steps(towers, aggregation=None, steps=3):
     step = tf1.train.get_or_create_global_step()
     if towers:
       spec = trainer.replicate_model_fn(
-          _teacher_model_fn, aggregation=aggregation)(
+          model_fn, aggregation=aggregation)(
               features, labels, tf.estimator.ModeKeys.TRAIN, {},
               trainer.make_run_config(cpu_devices=towers))
     else:
-      spec = _teacher_model_fn(features, labels, None, ordered=True)
+      spec = model_fn(features, labels, None, ordered=True)
     scaffold = spec.scaffold
     scaffold.finalize()
     with tf1.Session(config=tf1.ConfigProto(
         device_count={'CPU': max(towers, 1)})) as session:
-      session.run([scaffold.init_op, scaffold.local_init_op])
+      session.run(scaffold.init_op)
+      session.run(scaffold.local_init_op)  # all_reduce: copies from it.
       for _ in range(steps):
         session.run(spec.train_op)
       assert session.run(step) == steps
       named = {v.op.name: v for v in tf1.global_variables()}
-      return session.run([named['w'], named['w/ExponentialMovingAverage']])
+      return session.run([named[name] for name in names])
 
 
 @pytest.mark.parametrize('aggregation', ['global_loss', 'all_reduce'])
@@ -130,8 +131,56 @@ def test_an_ema_shadow_read_in_the_forward_pass_is_one_shadow(aggregation):
   # all_reduce: the EMA of tower 1's copy of w was named after the copy
   # (tower_1_replica/w/ExponentialMovingAverage) and refused as a variable
   # tower 0 did not create; it is tower 0's shadow, as on one device.
-  expected = _teacher_after_steps(0)
+  names = ['w', 'w/ExponentialMovingAverage']
+  expected = _after_steps(_teacher_model_fn, names, 0)
   for _ in range(3):  # The step orders reads and writes: several runs.
-    actual = _teacher_after_steps(2, aggregation)
+    actual = _after_steps(_teacher_model_fn, names, 2, aggregation)
     for want, got in zip(expected, actual):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def _listed_ema_model_fn(features, labels, mode, ordered=False,
+                         batch_norm=False):
+  """EfficientNet's pattern: an EMA over the variables found by listing
+  them (here every kernel; EfficientNet: every moving_mean/variance), applied
+  after the update."""
+  del mode, ordered  # The EMA waits for the update: nothing left open.
+  step = tf1.train.get_or_create_global_step()
+  hidden = tf1.layers.dense(features['x'], 4,
+                            kernel_initializer=tf1.constant_initializer(0.1))
+  if batch_norm:
+    hidden = tf1.layers.batch_normalization(hidden, training=True)
+  logits = tf1.layers.dense(hidden, 1,
+                            kernel_initializer=tf1.constant_initializer(0.2))
+  loss = tf1.losses.mean_squared_error(tf.cast(labels, tf.float32),
+                                       logits[:, 0])
+  listed = [v for v in tf1.global_variables()
+            if 'kernel' in v.name or 'moving_mean' in v.name]
+  with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+    update = tf1.train.GradientDescentOptimizer(0.1).minimize(loss, step)
+  with tf.control_dependencies([update]):
+    train_op = tf1.train.ExponentialMovingAverage(0.5).apply(listed)
+  return tf.estimator.EstimatorSpec(tf.estimator.ModeKeys.TRAIN, loss=loss,
+                                    train_op=train_op)
+
+
+@pytest.mark.parametrize('aggregation', ['global_loss', 'all_reduce'])
+def test_a_later_tower_lists_only_what_it_asked_for(aggregation):
+  # Listing global_variables() in tower 1 found tower 0's EMA shadows
+  # (dense/kernel/ExponentialMovingAverage contains 'kernel'), whose own
+  # shadows were refused as variables tower 0 did not create.
+  def with_batch_norm(features, labels, mode, params=None):
+    del params
+    return _listed_ema_model_fn(features, labels, mode, batch_norm=True)
+
+  plain = _plain_graph(with_batch_norm)
+  graph, _ = build_replicated(with_batch_norm, 3, aggregation=aggregation)
+  assert _names(graph) == _names(plain)
+  assert (_names(graph, tf1.GraphKeys.MOVING_AVERAGE_VARIABLES) ==
+          _names(plain, tf1.GraphKeys.MOVING_AVERAGE_VARIABLES))
+  names = ['dense/kernel', 'dense/kernel/ExponentialMovingAverage',
+           'dense_1/kernel/ExponentialMovingAverage']
+  expected = _after_steps(_listed_ema_model_fn, names, 0)
+  actual = _after_steps(_listed_ema_model_fn, names, 2, aggregation)
+  for name, want, got in zip(names, expected, actual):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=name)

@@ -1,5 +1,5 @@
 """The trainer application: `python -m trainer.task`, `.predict`, `.sweep`,
-`.cluster`, built on the `estimator_towers` library.
+`.cluster`, `.check`, built on the `estimator_towers` library.
 
 For users of the library, `trainer` re-exports its public API, so
 `trainer.replicate_model_fn` and `trainer.make_run_config` are the same

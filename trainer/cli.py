@@ -1,6 +1,6 @@
-"""The command-line rules shared by the trainer's four entry points.
+"""The command-line rules shared by the trainer's entry points.
 
-`python -m trainer.task`, `.predict`, `.sweep` and `.cluster` all:
+`python -m trainer.task`, `.predict`, `.sweep`, `.cluster` and `.check` all:
 - take hyphenated flags as Cloud spells them (`--job-dir`), with the
   underscore spellings (`--job_dir`, absl aliases) and `--no-FLAG` besides
   absl's `--noFLAG` for booleans;
