@@ -25,6 +25,7 @@ from estimator_towers import one_update
 from estimator_towers import op_ledger
 from estimator_towers import optimizer_iterations
 from estimator_towers import peer_watch
+from estimator_towers import random_draws
 from estimator_towers import replicas as replicas_lib
 from estimator_towers import scoped_collections
 from estimator_towers import sharding
@@ -69,8 +70,8 @@ def replicate_model_fn(model_fn: ModelFn,
                        aggregation: str = 'global_loss',
                        sync_timeout_secs: float = (
                            task_sync.DEFAULT_TIMEOUT_SECS),
-                       task_agreement: Optional[Mapping[str, Any]] = None
-                       ) -> ModelFn:
+                       task_agreement: Optional[Mapping[str, Any]] = None,
+                       random_ops: str = 'per_tower') -> ModelFn:
   """Wraps a one-device `model_fn` so that it uses several devices.
 
   The returned function is a `model_fn` for `tf.estimator.Estimator`. In
@@ -149,6 +150,18 @@ def replicate_model_fn(model_fn: ModelFn,
       them, and its model's variables, with every other task's; any
       difference ends every task with an error naming it. The variables
       are compared without it too.
+    random_ops: How the towers draw random numbers (dropout, noise).
+      'per_tower' (faster): each tower's random ops draw their own numbers,
+      of the shard's shape and with seeds of their own, so with dropout
+      the towers train like one device only in distribution. 'one_device':
+      each tower draws what one device draws on the same global batch with
+      the same `tf_random_seed`: a random op whose first dimension is the
+      shard's rows (a dropout mask, per-example noise) draws the global
+      batch's shape and the tower keeps its own rows; any other gets one
+      device's seed (see random_draws). Each tower then draws the whole
+      batch's random numbers (in a synchronous cluster, the whole
+      cluster's batch). Random ops that cannot be matched to one device's
+      are refused.
 
   Returns:
     A model_fn that takes `(features, labels, mode, params, config)` and
@@ -160,7 +173,8 @@ def replicate_model_fn(model_fn: ModelFn,
       device strings, or `aggregation` is not a string.
     ValueError: `devices` is empty or repeats a device, `loss_reduction` or
       `aggregation` is unknown, or `variables_device` is given with an
-      `aggregation` other than 'global_loss'. Devices the session lacks,
+      `aggregation` other than 'global_loss', or `random_ops` is unknown.
+      Devices the session lacks,
       a `loss_reduction` the loss contradicts, and 'all_reduce' in a
       TF_CONFIG cluster of several tasks, are reported when the Estimator
       calls the model_fn.
@@ -182,6 +196,7 @@ def replicate_model_fn(model_fn: ModelFn,
   if devices is not None:
     devices = _canonical_devices(devices)
   aggregation_lib.check(aggregation, variables_device)
+  random_draws.check(random_ops)
   if variables_device is not None:
     variables_device = _canonical_variables_device(variables_device)
   if aggregation == 'global_loss' and variables_device is None:
@@ -232,7 +247,8 @@ def replicate_model_fn(model_fn: ModelFn,
             model_fn(features=features, **kwargs))
     builder = _TowerBuilder(model_fn, tower_devices, placement, task_group,
                             loss_reduction, mode,
-                            loss_scaling.automatic(config))
+                            loss_scaling.automatic(config),
+                            random_draws.make(random_ops, task_group))
     spec = builder.build(features, labels, kwargs)
     if task_group.across_tasks:
       # A stuck or dead peer must end this task, not hang it.
@@ -293,12 +309,15 @@ class _TowerBuilder:
     loss_reduction: 'auto', 'mean' or 'sum' (see loss_reduction).
     mode: The Estimator's mode.
     automatic_loss_scale: Whether the float16 rewrite asks for a loss scale.
+    draws: How the towers draw random numbers (random_draws.make).
   """
 
   def __init__(self, model_fn, devices: Sequence[str],
                placement: aggregation_lib.Placement, task_group,
-               loss_reduction: str, mode, automatic_loss_scale: bool):
+               loss_reduction: str, mode, automatic_loss_scale: bool,
+               draws):
     self._model_fn = model_fn
+    self._draws = draws
     self._devices = devices
     self._placement = placement
     self._task_group = task_group
@@ -350,8 +369,10 @@ class _TowerBuilder:
       # returns a wrongly shaped result for it (an evaluation batch smaller
       # than the tower count crashed).
       pad = True
-      feature_shards = sharding.split_batch(features, sizes, num_towers, pad)
-      label_shards = sharding.split_batch(labels, sizes, num_towers, pad)
+      feature_shards = [self._draws.shard(s) for s in sharding.split_batch(
+          features, sizes, num_towers, pad)]
+      label_shards = [self._draws.shard(s) for s in sharding.split_batch(
+          labels, sizes, num_towers, pad)]
     return _Split(feature_shards, label_shards, sizes, pad), has_rows
 
   def _step(self, split: _Split, has_rows: tf.Tensor) -> _Step:
@@ -365,6 +386,7 @@ class _TowerBuilder:
         num_towers, weights, self._sharing.unshared, self._replicas,
         has_rows, training=self._mode == ModeKeys.TRAIN,
         automatic_loss_scale=self._automatic_loss_scale)
+    self._draws.split(split.sizes, split.padded)
     statistics = None
     if self._mode == ModeKeys.TRAIN:
       statistics = moving_statistics.MovingStatistics(
@@ -377,9 +399,10 @@ class _TowerBuilder:
     specs, update_ops = [], []
     with step.update.routing(), (
         optimizer_iterations.same_iterations_accepted()), (
-            self._task_group.own_random_seed()):
+            self._draws.seeds()):
       for i in range(len(self._devices)):
-        with self._towers.tower(i):
+        with self._towers.tower(i) as region, self._draws.tower(
+            i, step.split.shard(i), region.start):
           spec, added = self._build_tower(step, i, kwargs)
         specs.append(spec)
         update_ops.append(added[tf1.GraphKeys.UPDATE_OPS])

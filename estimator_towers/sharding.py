@@ -201,17 +201,34 @@ def split_batch(structure: Any, sizes: tf.Tensor, num_towers: int,
   """
   if structure is None:
     return [None] * num_towers
-  starts = tf.cumsum(sizes, exclusive=True)
+  starts, rows = shard_rows(sizes, pad_empty)
   if pad_empty:
-    starts = tf.where(sizes > 0, starts, tf.zeros_like(starts))
     batch = tf.reduce_sum(sizes)
-    sizes = tf.maximum(sizes, 1)
     structure = map_leaves(
         lambda leaf: leaf if is_per_batch(leaf) else _with_a_row(leaf, batch),
         structure)
   return [map_leaves(lambda leaf, i=i: leaf if is_per_batch(leaf) else
-                     slice_rows(leaf, starts[i], sizes[i]), structure)
+                     slice_rows(leaf, starts[i], rows[i]), structure)
           for i in range(num_towers)]
+
+
+def shard_rows(sizes: tf.Tensor,
+               pad_empty: bool) -> Tuple[tf.Tensor, tf.Tensor]:
+  """Where each tower's shard starts in the batch, and its rows.
+
+  Args:
+    sizes: Shard sizes from `shard_sizes`.
+    pad_empty: As in `split_batch`: an empty shard is then one copy of the
+      batch's first row (row 0, one row).
+
+  Returns:
+    (starts, rows): int32 vectors, one entry per tower.
+  """
+  starts = tf.cumsum(sizes, exclusive=True)
+  if not pad_empty:
+    return starts, sizes
+  return (tf.where(sizes > 0, starts, tf.zeros_like(starts)),
+          tf.maximum(sizes, 1))
 
 
 def named_leaves(features: Any, labels: Any) -> List[Tuple[str, Any]]:

@@ -65,7 +65,8 @@ _OTHER_WRITES = frozenset([
     'ResourceScatterNdMax', 'ResourceScatterNdMin'])
 WRITES = _SHARED | _OTHER_WRITES | frozenset(_ADDS)
 # Stateful random ops: each task of a synchronous cluster draws its own, and
-# each tower draws its own for its shard (equivalence names them).
+# each tower draws its own for its shard (equivalence names them), unless
+# random_draws makes them one device's.
 RANDOM = frozenset([
     'RandomUniform', 'RandomUniformInt', 'RandomStandardNormal',
     'TruncatedNormal', 'ParameterizedTruncatedNormal', 'RandomShuffle',
@@ -276,17 +277,33 @@ def _called(node_def) -> List[str]:
 def _writes_in_functions(graph: tf.Graph, names: Iterable[str],
                          seen: set) -> List[str]:
   """Variable writes inside the named graph functions, nested included."""
-  writes = []
+  return _in_functions(graph, names, seen,
+                       lambda kind: kind in WRITES and kind not in _SHARED)
+
+
+def draws_in_functions(op: tf.Operation) -> List[str]:
+  """The stateful random ops inside the functions a function-calling op
+  (`If`, `While`, a `tf.function` call) runs, nested included, as
+  'function/node' names."""
+  return _in_functions(op.graph, _called(op.node_def), set(),
+                       lambda kind: kind in RANDOM)
+
+
+def _in_functions(graph: tf.Graph, names: Iterable[str], seen: set,
+                  wanted: Callable[[str], bool]) -> List[str]:
+  """Nodes of a `wanted` op type inside the named graph functions, nested
+  included."""
+  found = []
   for name in names:
     function = _function(graph, name)
     if name in seen or function is None:
       continue
     seen.add(name)
     for node in function.definition.node_def:
-      if node.op in WRITES and node.op not in _SHARED:
-        writes.append(f'{name}/{node.name}')
-      writes.extend(_writes_in_functions(graph, _called(node), seen))
-  return writes
+      if wanted(node.op):
+        found.append(f'{name}/{node.name}')
+      found.extend(_in_functions(graph, _called(node), seen, wanted))
+  return found
 
 
 def _add_nothing_when_idle(op: tf.Operation, active: tf.Tensor) -> None:

@@ -58,6 +58,13 @@ def variables_of(estimator):
           if name != '_CHECKPOINTABLE_OBJECT_GRAPH'}
 
 
+def checkpoint_variables(model_dir):
+  """Every variable of the latest checkpoint in `model_dir`, by name."""
+  reader = tf.train.load_checkpoint(str(model_dir))
+  return {name: reader.get_tensor(name)
+          for name in reader.get_variable_to_shape_map()}
+
+
 def assert_same_variables(expected, actual, rtol=1e-5, atol=1e-6):
   """Same names, same values within float32 tolerance."""
   assert sorted(expected) == sorted(actual)
@@ -107,6 +114,76 @@ def classifier_model_fn(features, labels, mode, params):
     train_op = optimizer.apply_gradients(zip(grads, variables), step)
   else:
     train_op = optimizer.minimize(loss, step)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def bert_model_fn(features, labels, mode, params):
+  """A BERT classifier as google-research/bert builds it, made small.
+
+  Embeddings, `params['layers']` transformer layers (self-attention,
+  feed-forward, each with a residual and a layer norm), the pooler and the
+  classifier, with dropout where modeling.py and run_classifier.py put it:
+  tf.nn.dropout with keep_prob on the embeddings ([batch, seq, hidden]),
+  the attention probabilities ([batch, heads, seq, seq]), each sublayer's
+  output on the flattened [batch * seq, hidden] matrix, and the pooled
+  output (keep_prob 0.9). Initializers are truncated normals without an
+  op seed (BERT's create_initializer): their values follow tf_random_seed.
+
+  params: 'vocab', 'seq', 'hidden', 'heads', 'layers', 'dropout',
+  'learning_rate' (SGD); features['ids']: int32 [batch, seq].
+  """
+  seq, hidden, heads = params['seq'], params['hidden'], params['heads']
+  prob = params['dropout']
+
+  def dropout(x, keep_prob=1.0 - prob):
+    return tf1.nn.dropout(x, keep_prob)  # BERT's, through compat.v1
+
+  def dense(x, units, name, activation=None):
+    return tf1.layers.dense(
+        x, units, activation=activation, name=name,
+        kernel_initializer=tf1.truncated_normal_initializer(stddev=0.5))
+
+  def layer_norm(x, name):
+    with tf1.variable_scope(name):
+      gamma = tf1.get_variable('gamma', [hidden],
+                               initializer=tf1.ones_initializer())
+      mean, variance = tf.nn.moments(x, [-1], keepdims=True)
+      return (x - mean) * tf.math.rsqrt(variance + 1e-6) * gamma
+
+  def split_heads(x):
+    x = tf.reshape(x, [-1, seq, heads, hidden // heads])
+    return tf.transpose(x, [0, 2, 1, 3])
+
+  table = tf1.get_variable('word_embeddings', [params['vocab'], hidden],
+                           initializer=tf1.truncated_normal_initializer())
+  positions = tf1.get_variable('position_embeddings', [seq, hidden],
+                               initializer=tf1.truncated_normal_initializer())
+  embedded = tf.gather(table, features['ids']) + positions
+  embedded = dropout(layer_norm(embedded, 'embeddings'))
+  layer_input = tf.reshape(embedded, [-1, hidden])  # reshape_to_matrix
+  for layer in range(params['layers']):
+    with tf1.variable_scope(f'layer_{layer}'):
+      query, key, value = (split_heads(dense(layer_input, hidden, name))
+                           for name in ('query', 'key', 'value'))
+      scores = tf.matmul(query, key, transpose_b=True) * (
+          (hidden // heads) ** -0.5)
+      probs = dropout(tf.nn.softmax(scores))
+      context = tf.reshape(tf.transpose(tf.matmul(probs, value),
+                                        [0, 2, 1, 3]), [-1, hidden])
+      attended = dropout(dense(context, hidden, 'attention_output'))
+      attended = layer_norm(attended + layer_input, 'attention_norm')
+      inner = dense(attended, 4 * hidden, 'intermediate', tf.nn.gelu)
+      output = dropout(dense(inner, hidden, 'output'))
+      layer_input = layer_norm(output + attended, 'output_norm')
+  first = tf.reshape(layer_input, [-1, seq, hidden])[:, 0]
+  pooled = dropout(dense(first, hidden, 'pooler', tf.tanh), keep_prob=0.9)
+  logits = dense(pooled, 2, 'classifier')
+  if mode == tf.estimator.ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={'logits': logits})
+  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+  step = tf1.train.get_or_create_global_step()
+  train_op = tf1.train.GradientDescentOptimizer(
+      params['learning_rate']).minimize(loss, step)
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 

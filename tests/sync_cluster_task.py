@@ -14,6 +14,11 @@ index, as `global_id_in_cluster` counts them) trains on rows
 [sum(ROWS[:k]), sum(ROWS[:k+1])) of it, on 2 virtual CPU towers, through
 `tf.estimator.train_and_evaluate`.
 
+    python tests/sync_cluster_task.py dropout-pair MODEL_DIR STEPS ROWS...
+
+is the pair training `dropout_model_fn` with random_ops='one_device' and
+tf_random_seed 7 (`dropout-task` is one of them).
+
     python tests/sync_cluster_task.py sliced-pair MODEL_DIR BATCH TOTAL
 
 is the same pair, training the model with momentum (which updates only the
@@ -42,14 +47,15 @@ VOCAB = 7
 
 
 def model_fn(features, labels, mode, optimizer=None, projection=None,
-             manual_step=False):
+             manual_step=False, dropout=0.0):
   """Embedding (sparse gradients), dense layer, batch norm and Adam.
 
   With `projection` (an initializer), the features first go through a
   fixed 4x4 matrix kept in a local variable: not checkpointed, so every
   task initialises it, and a random one must still be the chief's. With
   `manual_step`, BERT's way: Adam's rate is read from global_step, which
-  the model_fn advances by hand beside the update.
+  the model_fn advances by hand beside the update. With `dropout`, BERT's
+  tf.nn.dropout (keep_prob) after the batch norm.
   """
   x = features['x']
   if projection is not None:
@@ -62,6 +68,8 @@ def model_fn(features, labels, mode, optimizer=None, projection=None,
   hidden = tf1.layers.dense(hidden, 5, activation=tf.nn.tanh)
   hidden = tf1.layers.batch_normalization(
       hidden, training=mode == tf.estimator.ModeKeys.TRAIN, momentum=0.5)
+  if dropout and mode == tf.estimator.ModeKeys.TRAIN:
+    hidden = tf1.nn.dropout(hidden, 1.0 - dropout)
   predictions = tf1.layers.dense(hidden, 1)
   loss = tf1.losses.mean_squared_error(labels, predictions)
   if mode != tf.estimator.ModeKeys.TRAIN:
@@ -112,6 +120,11 @@ def momentum_model_fn(features, labels, mode):
                   tf1.train.MomentumOptimizer(0.05, 0.9))
 
 
+def dropout_model_fn(features, labels, mode):
+  """model_fn with dropout 0.5, for random_ops='one_device'."""
+  return model_fn(features, labels, mode, dropout=0.5)
+
+
 def batch_norm_classifier(features, labels, mode, params):
   """`--model=tests.sync_cluster_task:batch_norm_classifier` of the trainer.
 
@@ -157,14 +170,19 @@ class _SaveFinalVariables(tf1.train.SessionRunHook):
     np.savez(self._path, **{v.op.name: x for v, x in zip(variables, values)})
 
 
-def run_task(argv, sliced=False):
+def run_task(argv, sliced=False, dropout=False):
   model_dir, steps, rows = argv[0], int(argv[1]), [int(r) for r in argv[2:]]
-  config = estimator_towers.make_run_config(model_dir=model_dir,
-                                            cpu_devices=2)
+  # Dropout: one device's masks need the graph seed (the one of
+  # helpers.make_estimator).
+  config = estimator_towers.make_run_config(
+      model_dir=model_dir, cpu_devices=2,
+      tf_random_seed=7 if dropout else None)
+  model = (momentum_model_fn if sliced else dropout_model_fn if dropout
+           else projected_model_fn)
   estimator = tf.estimator.Estimator(
       estimator_towers.replicate_model_fn(
-          momentum_model_fn if sliced else projected_model_fn,
-          aggregation='all_reduce', sync_timeout_secs=60),
+          model, aggregation='all_reduce', sync_timeout_secs=60,
+          random_ops='one_device' if dropout else 'per_tower'),
       config=config)
   if sliced:  # STEPS is the global batch, ROWS the total; the input ends.
     input_fn, steps = sliced_input_fn(steps, rows[0]), 1000
@@ -215,4 +233,5 @@ def run_pair(argv, timeout_secs=240, mode='task', script=__file__):
 if __name__ == '__main__':
   if sys.argv[1].endswith('pair'):
     sys.exit(run_pair(sys.argv[2:], mode=sys.argv[1].replace('pair', 'task')))
-  run_task(sys.argv[2:], sliced=sys.argv[1] == 'sliced-task')
+  run_task(sys.argv[2:], sliced=sys.argv[1] == 'sliced-task',
+           dropout=sys.argv[1] == 'dropout-task')

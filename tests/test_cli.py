@@ -100,8 +100,10 @@ def test_every_option_has_exactly_one_flag_with_its_default(parsed):
 @pytest.mark.fast
 def test_flags_become_options(parsed):
   parsed('--categorical-column=colour=red|blue', '--image-size=8,16',
-         '--hidden-units=4,2', '--export-format=CSV', '--gpu-ids=0,2')
+         '--hidden-units=4,2', '--export-format=CSV', '--gpu-ids=0,2',
+         '--random-ops=one_device')
   got = options.from_flags()
+  assert got.random_ops == 'one_device'
   assert got.categorical_columns == {'colour': ['red', 'blue']}
   assert got.image_size == (8, 16)
   assert got.hidden_units == [4, 2]

@@ -101,6 +101,15 @@ def test_dropout_and_batch_norm_are_named_as_expected_sources(data):
 
 
 @pytest.mark.training
+def test_dropout_drawn_as_one_device_is_equal(data):
+  # random_ops='one_device' rules the random ops out, and the towers do
+  # draw one device's masks: nothing is left to explain.
+  report = _compare(data, params={'dropout': True}, random_ops='one_device')
+  assert report.verdict == equivalence.EQUAL, report.format()
+  assert all(d.within for d in report.variables)
+
+
+@pytest.mark.training
 def test_a_difference_nothing_explains_is_a_failure(data):
   # The loss is stated to be a mean but scales with the shard's size: each
   # tower's gradient weighs half, and nothing in the graph says why.

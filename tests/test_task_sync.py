@@ -133,6 +133,29 @@ def test_chief_and_worker_train_as_one_process_on_the_global_batch(
                                   err_msg=name)
 
 
+@pytest.mark.cluster
+def test_one_devices_dropout_trains_a_cluster_as_one_process(tmp_path):
+  # random_ops='one_device': every task draws the global batch's masks with
+  # one seed and keeps its towers' rows, after the rows of the tasks
+  # before it: chief and worker train as one process's 4 towers do.
+  private_network.check_unshare_works()
+  cluster_dir, one_dir = tmp_path / 'cluster', tmp_path / 'one'
+  helpers.save_start_checkpoint(sync_cluster_task.dropout_model_fn,
+                                _start_input_fn, [cluster_dir, one_dir])
+  done = _run_pair(cluster_dir, mode='dropout-pair')
+  assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+  estimator = helpers.make_estimator(
+      sync_cluster_task.dropout_model_fn, one_dir, towers=4,
+      aggregation='all_reduce', random_ops='one_device')
+  estimator.train(
+      lambda: sync_cluster_task.global_batches(sum(_ROWS), _STEPS),
+      max_steps=_STEPS)
+  actual = helpers.checkpoint_variables(cluster_dir)  # The chief's.
+  assert int(actual['global_step']) == _STEPS
+  helpers.assert_same_variables(helpers.variables_of(estimator), actual,
+                                rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.fast
 def test_the_server_keeps_virtual_cpus_and_leads_from_the_chief():
   session = tf.compat.v1.ConfigProto(device_count={'CPU': 3},
@@ -212,7 +235,7 @@ def _dropout_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def _dropout_seeds(monkeypatch, task_type):
+def _dropout_seeds(monkeypatch, task_type, random_ops='per_tower'):
   """The seeds of the random ops the task's towers build, seed 7 set."""
   monkeypatch.setenv('TF_CONFIG', json.dumps(
       {'cluster': {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
@@ -221,7 +244,7 @@ def _dropout_seeds(monkeypatch, task_type):
     tf.compat.v1.set_random_seed(7)
     features = {'x': tf.zeros([6, 3])}
     estimator_towers.replicate_model_fn(
-        _dropout_model_fn, aggregation='all_reduce')(
+        _dropout_model_fn, aggregation='all_reduce', random_ops=random_ops)(
             features, tf.zeros([6], tf.int32), tf.estimator.ModeKeys.TRAIN, {},
             estimator_towers.make_run_config(cpu_devices=2))
   return {(op.get_attr('seed'), op.get_attr('seed2'))
@@ -237,6 +260,15 @@ def test_a_worker_draws_other_random_numbers_than_the_chief(monkeypatch):
   worker = _dropout_seeds(monkeypatch, 'worker')
   assert len(chief) == len(worker) == 2
   assert not chief & worker
+
+
+@pytest.mark.fast
+def test_one_devices_draws_take_the_chiefs_seeds_on_every_task(monkeypatch):
+  # random_ops='one_device': every task draws one device's global masks
+  # (and keeps its rows), so a worker keeps the chief's seeds.
+  chief = _dropout_seeds(monkeypatch, 'chief', 'one_device')
+  worker = _dropout_seeds(monkeypatch, 'worker', 'one_device')
+  assert len(chief) == 1 and chief == worker
 
 
 def _noise_model_fn(features, labels, mode):

@@ -86,7 +86,8 @@ def main(argv):
         rtol=cli.value('rtol'), atol=cli.value('atol'),
         eval_input_fn=data.eval_input_fn(options.eval_batch_size),
         eval_steps=options.eval_steps, device_type=device_type,
-        aggregation=options.aggregation or 'global_loss')
+        aggregation=options.aggregation or 'global_loss',
+        random_ops=options.random_ops)
   # Ends with the verdict; a warning line before it when EXPLAINED.
   print(report.format(max_rows=cli.value('max-rows')), flush=True)
   if report.verdict == equivalence.FAILURE:

@@ -16,6 +16,7 @@ from absl import flags
 
 from estimator_towers.aggregation import AGGREGATIONS
 from estimator_towers.aggregation import check_tasks
+from estimator_towers.random_draws import RANDOM_OPS
 from estimator_towers.run_config import session_device_counts
 from estimator_towers.task_sync import is_sync_cluster
 from estimator_towers.run_config import MIXED_PRECISIONS
@@ -265,6 +266,13 @@ class TaskOptions:
       'docs/aggregation.md. Default: all_reduce in a TF_CONFIG cluster of '
       'training tasks without ps tasks (synchronous training, the only '
       'kind it allows), else global_loss.', enum_values=list(AGGREGATIONS))
+  random_ops: str = _option(
+      _ENUM, 'per_tower', 'How the towers draw random numbers (dropout, '
+      'noise): per_tower (each tower its own; faster) or one_device (what '
+      'one device draws on the global batch with the same --tf-random-seed, '
+      'so towers train exactly as one device; each tower draws the whole '
+      'batch\'s numbers). See README, '
+      '"Things to know".', enum_values=list(RANDOM_OPS))
   sync_timeout_secs: float = _option(
       _FLOAT, 300.0, 'In a synchronous cluster (no ps tasks): how long a '
       'task waits for the others (at the start, at each step) before it '
