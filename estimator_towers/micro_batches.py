@@ -127,7 +127,7 @@ class MicroBatches:
     region = towers.region(0)
     fused = [op.name for op in graph.get_operations()
              if op.type in _FUSED_BATCH_NORMS and region.contains(op) and
-             op.get_attr('is_training')]
+             op.get_attr('is_training') and not _normalises_each_row(op)]
     if not trains_batch_norm and not fused:
       return
     what = f' ({fused[0]})' if fused else ''
@@ -203,6 +203,7 @@ class MicroBatches:
         if tower is not None and reads[op] == 1 << tower:
           backward[tower].append(op)
           break
+    self._sum_in_time(graph, update, reads)
     waits: List[Optional[tf.Operation]] = [None] * num_towers
     for tower in range(num_towers):
       if tower % self.count == 0 or not backward[tower - 1]:
@@ -226,6 +227,37 @@ class MicroBatches:
         if op.name in update_ops and write_order.writes(op):
           op._add_control_inputs(checks)  # pylint: disable=protected-access
     return waits
+
+  def _sum_in_time(self, graph: tf.Graph, update: Sequence[tf.Operation],
+                   reads: Dict[tf.Operation, int]) -> None:
+    """Adds the micro-batches' gradients as they come.
+
+    tf.gradients sums a variable's gradient contributions with one AddN,
+    which waits for all of them: every micro-batch's contribution (the
+    size of the variable) would stay alive until the last backward pass.
+    A chain of additions in micro-batch order (all devices' micro-batch 0,
+    then 1, ...) frees each contribution once it is added.
+    """
+    for op in update:
+      if op.type != 'AddN' or bin(reads[op]).count('1') < 2:
+        continue
+      inputs = sorted(op.inputs, key=lambda t: self._latest(reads[t.op]))
+      with graph.control_dependencies(None), graph.colocate_with(op):
+        total = inputs[0]
+        for t in inputs[1:]:
+          total = tf.add(total, t, name=op.name.split('/')[-1] + '_in_time')
+          reads[total.op] = reads[op]
+      for consumer in list(op.outputs[0].consumers()):
+        for index, t in enumerate(list(consumer.inputs)):
+          if t is op.outputs[0]:
+            consumer._update_input(index, total)  # pylint: disable=protected-access
+
+  def _latest(self, towers: int) -> tuple:
+    """(micro-batch, device) of the latest tower in the bit set."""
+    if not towers:
+      return (-1, -1)
+    device, micro = divmod(towers.bit_length() - 1, self.count)
+    return (micro, device)
 
   def _check_no_cycle(self, read: Set[tf.Operation],
                       later: Set[tf.Operation], tower: int) -> None:
@@ -260,6 +292,15 @@ def _ancestors_of(ops: Sequence[tf.Operation],
     pending.extend(t.op for t in op.inputs)
     pending.extend(op.control_inputs)
   return seen
+
+
+def _normalises_each_row(op: tf.Operation) -> bool:
+  """Whether a fused batch norm is Keras' layer normalisation, which
+  reshapes its input to [1, rows, features, 1] (NCHW) so that each row (an
+  example, or one position of it) is a channel normalised on its own."""
+  shape = op.inputs[0].shape
+  return op.get_attr('data_format') == b'NCHW' and shape.rank == 4 and (
+      tf.compat.dimension_value(shape[0]) == 1)
 
 
 def _towers_read(graph: tf.Graph, after: op_ledger.Mark,
