@@ -9,7 +9,11 @@ Estimator calls it, with an in-memory batch), initializes it, then:
 * resets the process's peak resident set size (`/proc/self/clear_refs`,
   5) and runs the steps: `peak MB` is VmHWM minus the RSS before the
   steps, i.e. what the steps' tensors (activations, gradients, optimizer
-  temporaries) add at their peak, on every tower together;
+  temporaries) add at their peak, on every tower together. The child runs
+  with MALLOC_MMAP_THRESHOLD_=131072: glibc then maps every tensor above
+  128 KiB on its own and unmaps it when TensorFlow frees it, so RSS follows
+  the live tensors (its default raises the threshold after a free and keeps
+  freed tensors in its heap, where RSS keeps them);
 * times steps after one warm-up step: examples/s of the global batch;
 * reports the graph's op count and build time (the graph grows M-fold).
 
@@ -186,8 +190,9 @@ def main() -> None:
                  str(args.batch or batches[model]), '--layers',
                  str(args.layers), '--steps', str(1 if args.quick
                                                    else args.steps)]
+      env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='131072')
       out = subprocess.run(command, check=True, capture_output=True,
-                           text=True, cwd=_ROOT).stdout
+                           text=True, cwd=_ROOT, env=env).stdout
       rows.append(json.loads(out.strip().splitlines()[-1]))
       print(rows[-1], flush=True)
   print(f'\n{args.towers} CPU towers; global batch resnet '
