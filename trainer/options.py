@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import flags
 
+from estimator_towers import micro_batches as micro_batches_lib
 from estimator_towers.aggregation import AGGREGATIONS
 from estimator_towers.aggregation import check_tasks
 from estimator_towers.run_config import session_device_counts
@@ -265,6 +266,13 @@ class TaskOptions:
       'docs/aggregation.md. Default: all_reduce in a TF_CONFIG cluster of '
       'training tasks without ps tasks (synchronous training, the only '
       'kind it allows), else global_loss.', enum_values=list(AGGREGATIONS))
+  micro_batches: int = _option(
+      _INT, 1, 'Train each tower\'s share of a batch as this many '
+      'micro-batches, one after another in one step: the same update as '
+      'the whole batch at once, with the activations of one micro-batch '
+      'in memory at a time (no batch norm in training; not with '
+      '--aggregation=all_reduce). See docs/writing_model_fns.md.',
+      lower_bound=1)
   sync_timeout_secs: float = _option(
       _FLOAT, 300.0, 'In a synchronous cluster (no ps tasks): how long a '
       'task waits for the others (at the start, at each step) before it '
@@ -421,7 +429,7 @@ def aggregation_for(options: TaskOptions, config) -> str:
 
   Raises:
     OptionError: the aggregation cannot train in this cluster
-      (aggregation.check_tasks says why).
+      (aggregation.check_tasks says why), or with --micro-batches.
   """
   aggregation = options.aggregation
   if aggregation is None:
@@ -434,6 +442,12 @@ def aggregation_for(options: TaskOptions, config) -> str:
     # Only a given --aggregation can fail: the defaults always fit.
     raise OptionError(re.sub(r"aggregation='(\w+)'", r'--aggregation=\1',
                              str(e))) from e
+  try:
+    micro_batches_lib.check(options.micro_batches, aggregation)
+  except ValueError as e:
+    raise OptionError(re.sub(
+        r"aggregation='(\w+)'", r'--aggregation=\1',
+        str(e).replace('micro_batches=', '--micro-batches='))) from e
   if (options.xla and is_sync_cluster(config) and
       not session_device_counts(config.session_config)[0]):
     # Seen on virtual CPU towers: a ~160-line traceback in every task
