@@ -6,14 +6,15 @@ M in 1, 2, 4, 8 (same global batch, same CPU towers), a FRESH subprocess
 builds the towered TRAIN graph (the replicated model_fn called as the
 Estimator calls it, with an in-memory batch), initializes it, then:
 
-* resets the process's peak resident set size (`/proc/self/clear_refs`,
-  5) and runs the steps: `peak MB` is VmHWM minus the RSS before the
-  steps, i.e. what the steps' tensors (activations, gradients, optimizer
-  temporaries) add at their peak, on every tower together. The child runs
-  with MALLOC_MMAP_THRESHOLD_=131072: glibc then maps every tensor above
-  128 KiB on its own and unmaps it when TensorFlow frees it, so RSS follows
-  the live tensors (its default raises the threshold after a free and keeps
-  freed tensors in its heap, where RSS keeps them);
+* after the timed steps, runs one more step traced
+  (`RunOptions(trace_level=FULL_TRACE)`): `peak MB` is the largest
+  `allocator_bytes_in_use` TensorFlow's CPU allocator reports over that
+  step's ops, i.e. the allocator's peak of live tensors, every tower
+  together; `variables MB` is what the variables and optimizer slots
+  (alive all the time) hold of it, `step MB` the rest: the activations,
+  gradients and temporaries the micro-batches are there to bound. (The
+  process's peak RSS is no good measure here: glibc keeps freed tensors in
+  its heap, and the first run also optimises the graph);
 * times steps after one warm-up step: examples/s of the global batch;
 * reports the graph's op count and build time (the graph grows M-fold).
 
@@ -112,14 +113,6 @@ def _transformer_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def _rss_mb(field: str) -> float:
-  with open('/proc/self/status') as status:
-    for line in status:
-      if line.startswith(field + ':'):
-        return int(line.split()[1]) / 1024.
-  raise RuntimeError(field)
-
-
 def _child(args) -> dict:
   """One (model, M) run in this process; returns its figures."""
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -150,19 +143,24 @@ def _child(args) -> dict:
   ops = len(graph.get_operations())
   with tf1.Session(graph=graph, config=config.session_config) as session:
     session.run(init)
-    before = _rss_mb('VmRSS')
-    with open('/proc/self/clear_refs', 'w') as refs:
-      refs.write('5')  # Resets VmHWM to the current RSS.
-    session.run(spec.train_op)  # Warm-up.
+    session.run(spec.train_op)  # Warm-up: the first run optimises the graph.
     start = time.perf_counter()
     for _ in range(args.steps):
       session.run(spec.train_op)
     secs = time.perf_counter() - start
-    peak = _rss_mb('VmHWM')
+    metadata = tf1.RunMetadata()
+    session.run(spec.train_op, options=tf1.RunOptions(
+        trace_level=tf1.RunOptions.FULL_TRACE), run_metadata=metadata)
+    variables = sum(v.shape.num_elements() * v.dtype.size
+                    for v in graph.get_collection(
+                        tf1.GraphKeys.GLOBAL_VARIABLES))
+  peak = max(memory.allocator_bytes_in_use
+             for device in metadata.step_stats.dev_stats
+             for node in device.node_stats for memory in node.memory)
   return {'model': args.model, 'M': args.micro_batches,
-          'peak_mb': peak - before, 'examples_per_sec':
-              args.batch * args.steps / secs, 'build_secs': build_secs,
-          'ops': ops}
+          'peak_mb': peak / 2**20, 'variables_mb': variables / 2**20,
+          'examples_per_sec': args.batch * args.steps / secs,
+          'build_secs': build_secs, 'ops': ops}
 
 
 def main() -> None:
@@ -190,23 +188,24 @@ def main() -> None:
                  str(args.batch or batches[model]), '--layers',
                  str(args.layers), '--steps', str(1 if args.quick
                                                    else args.steps)]
-      env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='131072')
       out = subprocess.run(command, check=True, capture_output=True,
-                           text=True, cwd=_ROOT, env=env).stdout
+                           text=True, cwd=_ROOT).stdout
       rows.append(json.loads(out.strip().splitlines()[-1]))
       print(rows[-1], flush=True)
   print(f'\n{args.towers} CPU towers; global batch resnet '
         f'{args.batch or batches["resnet"]}, transformer '
         f'{args.batch or batches["transformer"]} x 128 tokens, '
         f'{args.layers} layers')
-  print('| model | M | peak MB | vs M=1 | examples/s | vs M=1 | ops | '
-        'build s |')
-  print('| --- | --- | --- | --- | --- | --- | --- | --- |')
+  print('| model | M | peak MB | variables MB | step MB | step vs M=1 | '
+        'examples/s | vs M=1 | ops | build s |')
+  print('| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |')
   for row in rows:
     base = next(r for r in rows if r['model'] == row['model'] and r['M'] == 1)
+    step = row['peak_mb'] - row['variables_mb']
+    base_step = base['peak_mb'] - base['variables_mb']
     print(f"| {row['model']} | {row['M']} | {row['peak_mb']:.0f} | "
-          f"{row['peak_mb'] / base['peak_mb']:.2f}x | "
-          f"{row['examples_per_sec']:.1f} | "
+          f"{row['variables_mb']:.0f} | {step:.0f} | "
+          f"{step / base_step:.2f}x | {row['examples_per_sec']:.1f} | "
           f"{row['examples_per_sec'] / base['examples_per_sec']:.2f}x | "
           f"{row['ops']} | {row['build_secs']:.1f} |")
 

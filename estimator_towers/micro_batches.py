@@ -204,6 +204,11 @@ class MicroBatches:
           backward[tower].append(op)
           break
     self._sum_in_time(graph, update, reads)
+    # Variables made in a later micro-batch (none, when the towers share
+    # them) are initialised before any step: their initialisers never wait.
+    initialising = _ancestors_of(
+        [v.initializer for v in tf1.global_variables() + tf1.local_variables()
+         if v.initializer is not None], after)
     waits: List[Optional[tf.Operation]] = [None] * num_towers
     for tower in range(num_towers):
       if tower % self.count == 0 or not backward[tower - 1]:
@@ -218,7 +223,8 @@ class MicroBatches:
       for op in forward[tower]:
         # An op the backward pass reads (a shared weight's transformation)
         # runs before it anyway.
-        if op not in read and _is_root(op, members):
+        if op not in read and op not in initialising and _is_root(
+            op, members):
           op._add_control_input(done)  # pylint: disable=protected-access
       waits[tower] = done
     if checks:
