@@ -206,7 +206,7 @@ class MicroBatches:
     self._sum_in_time(graph, update, reads)
     # Variables made in a later micro-batch (none, when the towers share
     # them) are initialised before any step: their initialisers never wait.
-    initialising = _ancestors_of(
+    initialising = op_ledger.ancestors(
         [v.initializer for v in tf1.global_variables() + tf1.local_variables()
          if v.initializer is not None], after)
     waits: List[Optional[tf.Operation]] = [None] * num_towers
@@ -217,7 +217,7 @@ class MicroBatches:
       with graph.control_dependencies(None), graph.device(device):
         with graph.control_dependencies(backward[tower - 1]):
           done = tf.no_op(name=f'micro_batch_{tower - 1}_backward_done')
-      read = _ancestors(done, after)
+      read = op_ledger.ancestors([done], after)
       self._check_no_cycle(read, examples[tower], tower)
       members = set(forward[tower])
       for op in forward[tower]:
@@ -229,7 +229,7 @@ class MicroBatches:
       waits[tower] = done
     if checks:
       # The step's writes, not the initializers of slots it created.
-      for op in _ancestors_of(results, after):
+      for op in op_ledger.ancestors(results, after):
         if op.name in update_ops and write_order.writes(op):
           op._add_control_inputs(checks)  # pylint: disable=protected-access
     return waits
@@ -279,25 +279,6 @@ class MicroBatches:
           f'{micro} computes from its examples, so the two cannot run one '
           'after another. The loss of one micro-batch (or its gradient) '
           'must not depend on another micro-batch; use micro_batches=1.')
-
-
-def _ancestors(op: tf.Operation, after: op_ledger.Mark) -> Set[tf.Operation]:
-  """The ops `op` waits for (data and control), made after `after`."""
-  return _ancestors_of([op], after)
-
-
-def _ancestors_of(ops: Sequence[tf.Operation],
-                  after: op_ledger.Mark) -> Set[tf.Operation]:
-  """The ops `ops` wait for (data and control), made after `after`."""
-  pending, seen = list(ops), set()
-  while pending:
-    op = pending.pop()
-    if op in seen or op_ledger.made_before(op, after):
-      continue
-    seen.add(op)
-    pending.extend(t.op for t in op.inputs)
-    pending.extend(op.control_inputs)
-  return seen
 
 
 def _normalises_each_row(op: tf.Operation) -> bool:
