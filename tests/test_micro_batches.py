@@ -177,8 +177,8 @@ def test_batch_norm_in_training_is_refused_layer_norm_is_not():
     build_replicated(batch_norm, 1, micro_batches=2)
   # Keras' layer norm runs the fused batch-norm kernel on one row per
   # channel: it mixes no examples.
-  build_replicated(normalising_model_fn(tf.keras.layers.LayerNormalization()),
-                   1, micro_batches=2)
+  build_replicated(normalising_model_fn(
+      lambda x: tf.keras.layers.LayerNormalization()(x)), 1, micro_batches=2)
 
 
 @pytest.mark.fast
