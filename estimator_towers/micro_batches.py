@@ -17,8 +17,9 @@ is; only two things are added here:
   ops colocated with m's forward ops (the one update colocates every
   gradient op with its forward op). Micro-batch m's activations are freed
   before m + 1 makes its own, so the peak falls roughly M-fold for the
-  activations. Each micro-batch's gradient contributions (the size of the
-  variables) stay until the one update sums them.
+  activations. The gradient contributions of a variable (its size, one
+  per micro-batch) are added in micro-batch order as they come, instead of
+  by one AddN that would keep them all until the last backward pass.
 * **Loss weights known in advance.** Micro-batch m's backward pass starts
   from its loss weight, so that weight must not depend on a later
   micro-batch's forward pass (a mean's divisor, `tf.size` of its
@@ -36,8 +37,9 @@ statistics would still get one exact update from the global batch).
 EVAL and PREDICT are not split into micro-batches: they keep no activations
 for a backward pass, and their batch size is the input_fn's to choose.
 
-The graph holds M copies of the model per device: building it takes about
-M times as long (see docs/benchmarks.md).
+The graph holds M copies of the model per device, and building it takes
+more than M times as long (tf.gradients over N * M towers; see
+docs/benchmarks.md).
 """
 
 from typing import Dict, List, Optional, Sequence, Set
@@ -247,7 +249,8 @@ class MicroBatches:
     for op in update:
       if op.type != 'AddN' or bin(reads[op]).count('1') < 2:
         continue
-      inputs = sorted(op.inputs, key=lambda t: self._latest(reads[t.op]))
+      inputs = sorted(op.inputs,
+                      key=lambda t: self._latest(reads.get(t.op, 0)))
       with graph.control_dependencies(None), graph.colocate_with(op):
         total = inputs[0]
         for t in inputs[1:]:
