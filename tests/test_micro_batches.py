@@ -146,6 +146,24 @@ def test_micro_batches_of_a_device_run_one_after_another():
       graph.get_operation_by_name('tower_3/dense/MatMul'))
 
 
+def _tower_of_gradient(op):
+  """0 for gradients/dense/..., k for gradients/tower_k/..."""
+  scope = (op.name.split('/') + [''])[1]
+  return int(scope[len('tower_'):]) if scope.startswith('tower_') else 0
+
+
+@pytest.mark.fast
+def test_gradients_of_micro_batches_are_added_as_they_come():
+  # tf.gradients sums a variable's contributions with one AddN, which would
+  # keep every micro-batch's until the last: a chain of adds replaces it.
+  graph, _ = build_replicated(classifier_model_fn, 1, micro_batches=3,
+                              batch_size=9)
+  mixed = [op for op in graph.get_operations() if op.type == 'AddN' and len(
+      {_tower_of_gradient(t.op) for t in op.inputs}) > 1]
+  assert mixed
+  assert not any(op.outputs[0].consumers() for op in mixed)
+
+
 @pytest.mark.fast
 def test_towers_without_micro_batches_run_in_parallel():
   # The path the test above finds is not there by construction.
