@@ -130,11 +130,27 @@ def _ancestors(op):
   return seen
 
 
+def _build(towers, batch, **kwargs):
+  """The TRAIN graph of classifier_model_fn on `towers` CPUs, whose batch
+  size is known only at run time, as from an input_fn's Dataset.batch
+  (a mean's divisor then depends on the forward pass)."""
+  graph = tf.Graph()
+  with graph.as_default():
+    x = np.zeros((batch, 5), np.float32)
+    features, labels = tf1.data.make_one_shot_iterator(
+        tf.data.Dataset.from_tensor_slices(({'x': x}, np.zeros(
+            batch, np.int32))).batch(batch).repeat()).get_next()
+    trainer.replicate_model_fn(classifier_model_fn, **kwargs)(
+        features, labels, tf.estimator.ModeKeys.TRAIN,
+        {'optimizer': OPTIMIZERS['sgd']},
+        trainer.make_run_config(cpu_devices=towers))
+  return graph
+
+
 @pytest.mark.fast
 def test_micro_batches_of_a_device_run_one_after_another():
   # 2 devices x 2 micro-batches: towers 0, 1 on CPU:0 and 2, 3 on CPU:1.
-  graph, _ = build_replicated(classifier_model_fn, 2, micro_batches=2,
-                              batch_size=8)
+  graph = _build(2, 8, micro_batches=2)
   first = 'gradients/dense/MatMul_grad/MatMul_1'  # Tower 0's backward.
   assert graph.get_operation_by_name(first).device == '/device:CPU:0'
   later = _ancestors(graph.get_operation_by_name('tower_1/dense/MatMul'))
@@ -156,8 +172,7 @@ def _tower_of_gradient(op):
 def test_gradients_of_micro_batches_are_added_as_they_come():
   # tf.gradients sums a variable's contributions with one AddN, which would
   # keep every micro-batch's until the last: a chain of adds replaces it.
-  graph, _ = build_replicated(classifier_model_fn, 1, micro_batches=3,
-                              batch_size=9)
+  graph = _build(1, 9, micro_batches=3)
   mixed = [op for op in graph.get_operations() if op.type == 'AddN' and len(
       {_tower_of_gradient(t.op) for t in op.inputs}) > 1]
   assert mixed
@@ -167,7 +182,7 @@ def test_gradients_of_micro_batches_are_added_as_they_come():
 @pytest.mark.fast
 def test_towers_without_micro_batches_run_in_parallel():
   # The path the test above finds is not there by construction.
-  graph, _ = build_replicated(classifier_model_fn, 2, batch_size=8)
+  graph = _build(2, 8)
   later = _ancestors(graph.get_operation_by_name('tower_1/dense/MatMul'))
   assert 'gradients/dense/MatMul_grad/MatMul_1' not in later
 
