@@ -42,6 +42,7 @@ more than M times as long (tf.gradients over N * M towers; see
 docs/benchmarks.md).
 """
 
+import logging
 from typing import Dict, List, Optional, Sequence, Set
 
 import tensorflow as tf
@@ -51,6 +52,9 @@ from estimator_towers import sharding
 from estimator_towers import tower as tower_lib
 from estimator_towers import write_order
 
+# A named logger, as in replicate.py: absl's functions would configure the
+# root logger.
+_log = logging.getLogger(__name__)
 tf1 = tf.compat.v1
 _FUSED_BATCH_NORMS = frozenset(['FusedBatchNorm', 'FusedBatchNormV2',
                                 'FusedBatchNormV3'])
@@ -213,7 +217,16 @@ class MicroBatches:
          if v.initializer is not None], after)
     waits: List[Optional[tf.Operation]] = [None] * num_towers
     for tower in range(num_towers):
-      if tower % self.count == 0 or not backward[tower - 1]:
+      if tower % self.count == 0:
+        continue
+      if not backward[tower - 1]:
+        if examples[tower - 1]:
+          # Exact still, but every micro-batch's activations may be alive.
+          _log.warning(
+              'micro_batches=%d: no backward pass of micro-batch %d of '
+              'device %d depends on that micro-batch alone, so the next '
+              'one cannot wait for it; its memory is not bounded.',
+              self.count, (tower - 1) % self.count, tower // self.count)
         continue
       device = self._devices[tower // self.count]
       with graph.control_dependencies(None), graph.device(device):
