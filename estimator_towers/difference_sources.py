@@ -24,8 +24,8 @@ import tensorflow as tf
 from tensorflow.python.framework import config as tf_framework_config  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers import moving_statistics
+from estimator_towers import op_ledger
 from estimator_towers import tower_effects
-from estimator_towers import write_order
 
 tf1 = tf.compat.v1
 
@@ -62,7 +62,7 @@ class GraphSources:
   def read(self, spec: tf.estimator.EstimatorSpec) -> None:
     """Reads the sources off the TRAIN graph being built, `spec`'s."""
     graph = tf1.get_default_graph()
-    used = write_order.ancestors(
+    used = op_ledger.ancestors(
         getattr(t, 'op', t) for t in (spec.train_op, spec.loss)
         if t is not None)
     self._random = sorted({_one_device_name(op) for op in used

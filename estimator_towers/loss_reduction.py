@@ -345,16 +345,27 @@ class TowerWeights:
     task_group: The training tasks, whose towers share the global batch
       (a task_sync.TaskGroup in a synchronous cluster, else
       one_machine.OneMachine).
+    in_advance: The weights the one update differentiates with must be
+      known before any tower's forward pass (micro-batches run one after
+      another, so a tower's backward pass cannot wait for a later tower's
+      divisor): `terms` then weighs by the towers' shares of the examples
+      (a sum: 1 each), and `checks` holds, per loss, an assertion that the
+      exact weights equal those, for the update's writes to wait for.
   """
 
   def __init__(self, requested: str, sizes: tf.Tensor, shards: List,
-               towers: op_ledger.TowerLedger, task_group):
+               towers: op_ledger.TowerLedger, task_group,
+               in_advance: bool = False):
     self._requested = requested
     self._task_group = task_group
     self._sizes = sizes
     self._shards = shards
     self._towers = towers
+    self._in_advance = in_advance
     self._cache: Dict[tuple, List[tf.Tensor]] = {}
+    self._kinds: Dict[tuple, str] = {}
+    self._advance_cache: Dict[tuple, List[tf.Tensor]] = {}
+    self.checks: List[tf.Operation] = []
 
   def __call__(self, losses: List[tf.Tensor]) -> List[tf.Tensor]:
     """One scalar weight per tower for these losses (one per tower).
@@ -365,7 +376,7 @@ class TowerWeights:
     """
     key = tuple(id(loss) for loss in losses)
     if key not in self._cache:
-      self._cache[key] = self._weights(losses)
+      self._cache[key] = self._weights(losses, key)
     return self._cache[key]
 
   def terms(self, losses: List[tf.Tensor],
@@ -386,7 +397,8 @@ class TowerWeights:
     Returns:
       One term per tower.
     """
-    weights = self(losses)
+    weights = self._known_in_advance(losses) if self._in_advance else (
+        self(losses))
     weighted = lambda t: losses[t] * tf.cast(weights[t], losses[t].dtype)  # pylint: disable=unnecessary-lambda-assignment
     if place is None:
       return [weighted(t) for t in range(len(losses))]
@@ -411,11 +423,46 @@ class TowerWeights:
       terms.append(tf.where(self._sizes[i] > 0, term, tf.zeros_like(term)))
     return tf.add_n(terms, name='tower_weighted_loss')
 
-  def _weights(self, losses: List[tf.Tensor]) -> List[tf.Tensor]:
+  def _known_in_advance(self, losses: List[tf.Tensor]) -> List[tf.Tensor]:
+    """Weights from the split alone, checked against the exact ones.
+
+    A mean's exact weights divide each tower's divisor by their sum; the
+    divisor may be read off the tower's activations (`tf.size` of them), so
+    a tower's weight would wait for every tower's forward pass. The shares
+    of the examples equal them whenever every divisor counts the examples
+    (a plain mean); a weighted mean (a weight column, a token mask) is
+    caught by the check before the update writes.
+    """
+    key = tuple(id(loss) for loss in losses)
+    if key in self._advance_cache:
+      return self._advance_cache[key]
+    exact = self(losses)
+    if self._kinds[key] == SUM:  # From the sizes only already.
+      weights = exact
+    else:
+      weights = self._shares()
+      check = tf.debugging.assert_near(
+          tf.stack(exact), tf.stack(weights), rtol=1e-5, atol=1e-6,
+          message=(
+              f'The loss {losses[0].op.name!r} divides by a count that is '
+              "not proportional to the micro-batches' numbers of examples "
+              '(a weighted mean: a weight column, a token mask). With '
+              'micro_batches > 1 the micro-batches run one after another, '
+              'so their losses are weighed by their shares of the examples, '
+              'which would not give the one-device loss: use '
+              'micro_batches=1, or make the loss a sum, or a plain mean.'))
+      with tf.control_dependencies([check]):
+        self.checks.append(tf.no_op(name='weights_known_in_advance'))
+    self._advance_cache[key] = weights
+    return weights
+
+  def _weights(self, losses: List[tf.Tensor], key: tuple
+               ) -> List[tf.Tensor]:
     reductions = [analyze(loss, ExampleDependence(self._shards[t],
                                                   self._towers.start(t)))
                   for t, loss in enumerate(losses)]
     kind = self._resolve(losses[0], reductions)
+    self._kinds[key] = kind
     active = self._sizes > 0
     if kind == SUM:
       return [tf.where(active[t], tf.ones([], loss.dtype),

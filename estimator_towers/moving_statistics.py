@@ -75,6 +75,12 @@ class MovingStatistics:
     # from its shard (tower_effects lets them through).
     self.exact_writes = set()
 
+  @property
+  def trains(self) -> bool:
+    """Whether a tower built a batch-norm layer that updates its moving
+    statistics (one in training mode)."""
+    return any(self._shards)
+
   @contextlib.contextmanager
   def tower(self, index: int):
     """Intercepts the batch-norm updates built in tower `index`."""

@@ -12,7 +12,7 @@ made between two marks) and asks the predicates here.
 import bisect
 import contextlib
 import dataclasses
-from typing import Iterable, Iterator, List, Optional
+from typing import Iterable, Iterator, List, Optional, Set
 
 import tensorflow as tf
 
@@ -67,6 +67,21 @@ def made_after(op: tf.Operation, mark: Mark) -> bool:
 def by_creation(ops: Iterable[tf.Operation]) -> List[tf.Operation]:
   """`ops` sorted in the order they were created."""
   return sorted(ops, key=_id_of)
+
+
+def ancestors(ops: Iterable[tf.Operation],
+              since: Mark = GRAPH_START) -> Set[tf.Operation]:
+  """`ops` and the ops they wait for (data and control inputs), among
+  those made after `since` (by default, all)."""
+  found, pending = set(), list(ops)
+  while pending:
+    op = pending.pop()
+    if op in found or made_before(op, since):
+      continue
+    found.add(op)
+    pending.extend(t.op for t in op.inputs)
+    pending.extend(op.control_inputs)
+  return found
 
 
 @dataclasses.dataclass

@@ -19,6 +19,7 @@ from estimator_towers import aggregation as aggregation_lib
 from estimator_towers import loss_reduction as reduction_lib
 from estimator_towers import loss_scaling
 from estimator_towers import metric_adds
+from estimator_towers import micro_batches as micro_batches_lib
 from estimator_towers import moving_statistics
 from estimator_towers import one_machine
 from estimator_towers import one_update
@@ -71,7 +72,8 @@ def replicate_model_fn(model_fn: ModelFn,
                        sync_timeout_secs: float = (
                            task_sync.DEFAULT_TIMEOUT_SECS),
                        task_agreement: Optional[Mapping[str, Any]] = None,
-                       random_ops: str = 'per_tower') -> ModelFn:
+                       random_ops: str = 'per_tower',
+                       micro_batches: int = 1) -> ModelFn:
   """Wraps a one-device `model_fn` so that it uses several devices.
 
   The returned function is a `model_fn` for `tf.estimator.Estimator`. In
@@ -162,6 +164,15 @@ def replicate_model_fn(model_fn: ModelFn,
       batch's random numbers (in a synchronous cluster, the whole
       cluster's batch). Random ops that cannot be matched to one device's
       are refused.
+    micro_batches: In TRAIN, each tower runs its shard as this many
+      consecutive micro-batches, one after another, within one step: the
+      step is still one device's on the global batch (one update, one
+      global_step, the global-batch loss), while a device holds the
+      activations of one micro-batch at a time. Each micro-batch is built
+      as a tower of its own (the graph grows that many times); EVAL and
+      PREDICT are not split. Batch norm in training and
+      aggregation='all_reduce' are refused with more than 1; see
+      micro_batches.py and docs/writing_model_fns.md.
 
   Returns:
     A model_fn that takes `(features, labels, mode, params, config)` and
@@ -172,9 +183,10 @@ def replicate_model_fn(model_fn: ModelFn,
     TypeError: `model_fn` is not callable, `devices` is not a list of
       device strings, or `aggregation` is not a string.
     ValueError: `devices` is empty or repeats a device, `loss_reduction` or
-      `aggregation` is unknown, or `variables_device` is given with an
-      `aggregation` other than 'global_loss', or `random_ops` is unknown.
-      Devices the session lacks,
+      `aggregation` is unknown, `variables_device` is given with an
+      `aggregation` other than 'global_loss', `random_ops` is unknown, or
+      `micro_batches` is not a positive int or is above 1 with
+      'all_reduce'. Devices the session lacks,
       a `loss_reduction` the loss contradicts, and 'all_reduce' in a
       TF_CONFIG cluster of several tasks, are reported when the Estimator
       calls the model_fn.
@@ -197,6 +209,7 @@ def replicate_model_fn(model_fn: ModelFn,
     devices = _canonical_devices(devices)
   aggregation_lib.check(aggregation, variables_device)
   random_draws.check(random_ops)
+  micro_batches_lib.check(micro_batches, aggregation)
   if variables_device is not None:
     variables_device = _canonical_variables_device(variables_device)
   if aggregation == 'global_loss' and variables_device is None:
@@ -234,10 +247,13 @@ def replicate_model_fn(model_fn: ModelFn,
     if mode == ModeKeys.PREDICT and not replicate_serving and (
         _is_serving_graph(features)):
       return tpu_spec.as_estimator_spec(model_fn(features=features, **kwargs))
+    micro = None
+    if mode == ModeKeys.TRAIN and micro_batches > 1:
+      micro = micro_batches_lib.MicroBatches(tower_devices, micro_batches)
     # One tower with the float16 rewrite still needs the one update's loss
     # scale, so it is built as towers are.
     if len(tower_devices) == 1 and not loss_scaling.automatic(config) and (
-        not task_group.across_tasks):
+        not task_group.across_tasks) and micro is None:
       if devices is None:  # One device of the session: as if unwrapped.
         return tpu_spec.as_estimator_spec(
             model_fn(features=features, **kwargs))
@@ -248,7 +264,7 @@ def replicate_model_fn(model_fn: ModelFn,
     builder = _TowerBuilder(model_fn, tower_devices, placement, task_group,
                             loss_reduction, mode,
                             loss_scaling.automatic(config),
-                            random_draws.make(random_ops, task_group))
+                            random_draws.make(random_ops, task_group), micro)
     spec = builder.build(features, labels, kwargs)
     if task_group.across_tasks:
       # A stuck or dead peer must end this task, not hang it.
@@ -310,15 +326,20 @@ class _TowerBuilder:
     mode: The Estimator's mode.
     automatic_loss_scale: Whether the float16 rewrite asks for a loss scale.
     draws: How the towers draw random numbers (random_draws.make).
+    micro: With micro-batches (TRAIN), their micro_batches.MicroBatches:
+      then each device's micro-batches are towers of their own, run one
+      after another.
   """
 
   def __init__(self, model_fn, devices: Sequence[str],
                placement: aggregation_lib.Placement, task_group,
                loss_reduction: str, mode, automatic_loss_scale: bool,
-               draws):
+               draws,
+               micro: Optional[micro_batches_lib.MicroBatches] = None):
     self._model_fn = model_fn
     self._draws = draws
-    self._devices = devices
+    self._micro = micro
+    self._devices = micro.tower_devices if micro else devices
     self._placement = placement
     self._task_group = task_group
     self._reduction = loss_reduction
@@ -342,11 +363,20 @@ class _TowerBuilder:
     self._check_tables(step.tables)
     if self._mode == ModeKeys.TRAIN:
       moving_statistics.check_single_writers(update_ops)
+      if self._micro:
+        self._micro.refuse_batch_norm(step.statistics.trains, self._towers)
       one_update_ops = step.update.update_op_names()
       effects = self._check_effects(step, specs, update_ops, one_update_ops)
       spec = self._merge_train(step, specs, update_ops, effects,
                                one_update_ops)
-      return self._finish_update(step, spec, one_update_ops)
+      spec = self._finish_update(step, spec, one_update_ops)
+      if self._micro:
+        # Last: the backward passes and every other control input exist.
+        self._micro.order_in_time(
+            self._towers, one_update_ops,
+            [step.split.shard(i) for i in range(len(self._devices))],
+            step.update.result_ops(), step.weights.checks)
+      return spec
     if self._mode == ModeKeys.EVAL:
       return self._merge_eval(step, specs)
     return self._finish_tpu_spec(spec_merge.merge_predict(specs, split.sizes),
@@ -381,7 +411,7 @@ class _TowerBuilder:
     weights = reduction_lib.TowerWeights(
         self._reduction, split.sizes,
         [split.shard(i) for i in range(num_towers)], self._towers,
-        self._task_group)
+        self._task_group, in_advance=self._micro is not None)
     update = one_update.OneUpdate(
         num_towers, weights, self._sharing.unshared, self._replicas,
         has_rows, training=self._mode == ModeKeys.TRAIN,
@@ -528,7 +558,8 @@ class _TowerBuilder:
   def _build_tower(self, step: _Step, index: int, kwargs):
     device = self._devices[index]
     features, labels = step.split.shard(index)
-    context = tower_lib.TowerContext(index, len(self._devices), device)
+    context = (self._micro.context(index) if self._micro else
+               tower_lib.TowerContext(index, len(self._devices), device))
     name_scope = f'tower_{index}' if index else ''
     graph = tf1.get_default_graph()
     tower_kwargs = dict(kwargs)

@@ -23,10 +23,16 @@ class TowerContext:
     num_towers: How many towers share the global batch.
     device: The device this tower's ops are placed on, or None when the
       model_fn is not replicated.
+    micro_batch: With `replicate_model_fn(..., micro_batches=M)` in TRAIN,
+      which of the device's M micro-batches this call builds (each is built
+      as a tower of its own on the device); else 0.
+    num_micro_batches: M in TRAIN, else 1.
   """
   index: int = 0
   num_towers: int = 1
   device: Optional[str] = None
+  micro_batch: int = 0
+  num_micro_batches: int = 1
 
 
 _SINGLE = TowerContext()

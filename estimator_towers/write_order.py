@@ -44,6 +44,7 @@ from typing import Collection, Dict, Iterable, List, Sequence, Set, Tuple
 
 import tensorflow as tf
 
+from estimator_towers import op_ledger
 from estimator_towers import tower_effects
 
 # Ops that pass a variable's handle or ref on unchanged.
@@ -78,7 +79,7 @@ def order_writes(fetches: Sequence, update_results: Iterable[tf.Operation],
           write)
   # Last, as the edges above may make a write one the update waits for.
   update_results = [op for op in update_results if op in step.ops]
-  waited_for = ancestors(update_results)
+  waited_for = op_ledger.ancestors(update_results)
   for write in dict.fromkeys(w for ws in step.writes.values() for w in ws):
     if write.name not in update_ops and write not in waited_for:
       # The update does not wait for it, so this edge closes no cycle.
@@ -135,7 +136,7 @@ class _Step:
   """The ops one training step runs, with their variable accesses."""
 
   def __init__(self, fetches: Sequence):
-    self.ops = ancestors(_op(f) for f in fetches if f is not None)
+    self.ops = op_ledger.ancestors(_op(f) for f in fetches if f is not None)
     self.reads: Dict[str, List[tf.Operation]] = {}
     self.writes: Dict[str, List[tf.Operation]] = {}
     for op in self.ops:
@@ -161,7 +162,7 @@ class _Step:
     if any(map(_lowered_write, added)):
       # One the write already waits for needs no edge (nor keep_whole's
       # placement constraint).
-      before_op = ancestors([op])
+      before_op = op_ledger.ancestors([op])
       added = [o for o in added if o not in before_op]
     if added:
       op._add_control_inputs(added)  # pylint: disable=protected-access
@@ -222,19 +223,6 @@ def _successors(op: tf.Operation, within: Set[tf.Operation]) -> Set:
   consumers = {c for t in op.outputs for c in t.consumers()}
   consumers.update(op._control_outputs)  # pylint: disable=protected-access
   return {c for c in consumers if c in within}
-
-
-def ancestors(ops: Iterable[tf.Operation]) -> Set[tf.Operation]:
-  """`ops` and every op they depend on, through data and control inputs."""
-  found, pending = set(), list(ops)
-  while pending:
-    op = pending.pop()
-    if op in found:
-      continue
-    found.add(op)
-    pending.extend(t.op for t in op.inputs)
-    pending.extend(op.control_inputs)
-  return found
 
 
 def _takes_variable(tensor: tf.Tensor) -> bool:

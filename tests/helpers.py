@@ -195,6 +195,37 @@ OPTIMIZERS = {
 }
 
 
+def normalising_model_fn(normalise):
+  """A model_fn: `normalise(features['x'])`, a dense layer, cross entropy,
+  SGD after the UPDATE_OPS (batch norm's moving statistics)."""
+
+  def model_fn(features, labels, mode):
+    logits = tf1.layers.dense(normalise(features['x']), 2)
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+      train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+          loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  return model_fn
+
+
+class FinalValues(tf1.train.SessionRunHook):
+  """The global variables' values when training ends.
+
+  A skipped step leaves global_step where it was, so the Estimator writes
+  no new checkpoint: the values are read from the session instead.
+  """
+
+  def __init__(self):
+    self.values = {}
+
+  def end(self, session):
+    variables = tf1.global_variables()
+    self.values = dict(zip([v.op.name for v in variables],
+                           session.run(variables)))
+
+
 def build_replicated(model_fn, towers, mode=tf.estimator.ModeKeys.TRAIN,
                      batch_size=10, params=None, with_labels=True,
                      **wrapper_kwargs):

@@ -57,6 +57,17 @@ def test_validators_refuse_values_the_bounds_cannot_say(parsed, fraction,
 
 
 @pytest.mark.fast
+def test_micro_batches_flag_is_a_positive_int(parsed, capsys):
+  parsed('--micro-batches=4')
+  assert options.from_flags().micro_batches == 4
+  FLAGS.unparse_flags()
+  with pytest.raises(SystemExit) as stopped:
+    parsed('--micro-batches=0')
+  assert stopped.value.code == 2
+  assert 'micro-batches' in capsys.readouterr().err
+
+
+@pytest.mark.fast
 def test_args_after_double_dash_are_passed_through_or_refused(parsed):
   assert parsed('--job-dir=/j', '--', '--job_dir=kept', passthrough=True) == [
       'task', '--job_dir=kept']

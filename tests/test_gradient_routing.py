@@ -133,18 +133,22 @@ def bert_start(tmp_path_factory, data):
 
 
 @pytest.mark.training
-@pytest.mark.parametrize('towers,aggregation,gradients', [
-    (2, 'global_loss', 'tf.gradients'),
-    (3, 'round_robin', 'tf.compat.v1.gradients'),
-    (2, 'all_reduce', 'tf.compat.v1.gradients'),
+@pytest.mark.parametrize('towers,aggregation,gradients,micro_batches', [
+    (2, 'global_loss', 'tf.gradients', 1),
+    (3, 'round_robin', 'tf.compat.v1.gradients', 1),
+    (2, 'all_reduce', 'tf.compat.v1.gradients', 1),
+    # 2 x 2 micro-batches of 2, 2, 2, 1 rows, one after another per device.
+    (2, 'global_loss', 'tf.gradients', 2),
 ])  # 3 towers under all_reduce: see the resume test. round_robin builds
 # global_loss's backward pass; its 3 towers stand for both (test time).
 def test_bert_style_training_equals_one_device(tmp_path, data, bert_start,
-                                               towers, aggregation, gradients):
+                                               towers, aggregation, gradients,
+                                               micro_batches):
   start, one = bert_start
   shutil.copytree(start, tmp_path, dirs_exist_ok=True)
   many = make_estimator(bert_like_model_fn, tmp_path, towers,
-                        {'gradients': gradients}, aggregation=aggregation)
+                        {'gradients': gradients}, aggregation=aggregation,
+                        micro_batches=micro_batches)
   many.train(_input_fn(data), steps=STEPS)
   trained = variables_of(many)
   assert trained['global_step'] == STEPS

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import (assert_same_variables, dataset_input_fn,
+from helpers import (FinalValues, assert_same_variables, dataset_input_fn,
                      save_start_checkpoint, seeded, variables_of)
 import trainer
 
@@ -130,22 +130,6 @@ def test_loss_scaled_training_matches_one_device(
     assert actual['good_steps'] == expected['good_steps'] == 4
 
 
-class _FinalValues(tf1.train.SessionRunHook):
-  """The global variables' values when training ends.
-
-  A skipped step leaves global_step where it was, so the Estimator writes
-  no new checkpoint: the values are read from the session instead.
-  """
-
-  def __init__(self):
-    self.values = {}
-
-  def end(self, session):
-    variables = tf1.global_variables()
-    self.values = dict(zip([v.op.name for v in variables],
-                           session.run(variables)))
-
-
 @pytest.mark.parametrize('optimizer,aggregation', [
     (_dynamic_scale, 'global_loss'),
     (_keras_scale, 'all_reduce'),
@@ -167,7 +151,7 @@ def test_overflow_on_one_shard_skips_the_step_on_every_tower(
   start = tf.train.load_checkpoint(str(dirs[0] / 'model.ckpt-0'))
   finals = []
   for model_dir, towers in zip(dirs, (1, 2)):
-    final = _FinalValues()
+    final = FinalValues()
     _estimator(model_dir, towers, optimizer, aggregation=aggregation).train(
         input_fn, steps=1, hooks=[final])
     finals.append(final.values)

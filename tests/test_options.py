@@ -76,6 +76,19 @@ def test_an_aggregation_the_cluster_cannot_train_is_a_usage_error(
   assert "aggregation='" not in str(error.value)  # In flag terms.
 
 
+@pytest.mark.fast
+def test_micro_batches_in_a_synchronous_cluster_is_a_usage_error(monkeypatch):
+  # Its all_reduce does not share a device's copy between micro-batches.
+  monkeypatch.setenv('TF_CONFIG', _tf_config(1, 0))
+  with pytest.raises(options_lib.OptionError) as error:
+    options_lib.aggregation_for(options_lib.TaskOptions(micro_batches=2),
+                                tf.estimator.RunConfig())
+  assert "--micro-batches=2 with --aggregation=all_reduce" in str(error.value)
+  monkeypatch.delenv('TF_CONFIG')
+  assert options_lib.aggregation_for(options_lib.TaskOptions(micro_batches=2),
+                                     tf.estimator.RunConfig()) == 'global_loss'
+
+
 @pytest.mark.cli
 def test_the_task_refuses_it_in_one_line_before_training(tmp_path):
   result = run_module('trainer.task', f'--job-dir={tmp_path / "job"}',

@@ -18,7 +18,7 @@ import tensorflow as tf
 import trainer
 from helpers import (OPTIMIZERS, assert_same_variables, build_replicated,
                      classifier_model_fn, dataset_input_fn, make_estimator,
-                     variables_of)
+                     normalising_model_fn, variables_of)
 
 tf1 = tf.compat.v1
 STEPS = 3
@@ -502,15 +502,8 @@ def test_idle_towers_leave_batch_norm_statistics_finite(tmp_path, data):
   # the moving averages.
   x, y = data
 
-  def model_fn(features, labels, mode):
-    net = tf1.layers.batch_normalization(features['x'], training=True)
-    logits = tf1.layers.dense(net, 2)
-    loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
-    with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
-      train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
-          loss, tf1.train.get_or_create_global_step())
-    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
-
+  model_fn = normalising_model_fn(
+      lambda x: tf1.layers.batch_normalization(x, training=True))
   estimator = make_estimator(model_fn, tmp_path, 4)
   estimator.train(dataset_input_fn({'x': x}, y, 2), steps=STEPS)
   values = variables_of(estimator)

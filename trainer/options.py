@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import flags
 
+from estimator_towers import micro_batches as micro_batches_lib
 from estimator_towers.aggregation import AGGREGATIONS
 from estimator_towers.aggregation import check_tasks
 from estimator_towers.random_draws import RANDOM_OPS
@@ -273,6 +274,13 @@ class TaskOptions:
       'so towers train exactly as one device; each tower draws the whole '
       'batch\'s numbers). See README, '
       '"Things to know".', enum_values=list(RANDOM_OPS))
+  micro_batches: int = _option(
+      _INT, 1, 'Train each tower\'s share of a batch as this many '
+      'micro-batches, one after another in one step: the same update as '
+      'the whole batch at once, with the activations of one micro-batch '
+      'in memory at a time (no batch norm in training; not with '
+      '--aggregation=all_reduce). See docs/writing_model_fns.md.',
+      lower_bound=1)
   sync_timeout_secs: float = _option(
       _FLOAT, 300.0, 'In a synchronous cluster (no ps tasks): how long a '
       'task waits for the others (at the start, at each step) before it '
@@ -429,7 +437,7 @@ def aggregation_for(options: TaskOptions, config) -> str:
 
   Raises:
     OptionError: the aggregation cannot train in this cluster
-      (aggregation.check_tasks says why).
+      (aggregation.check_tasks says why), or with --micro-batches.
   """
   aggregation = options.aggregation
   if aggregation is None:
@@ -442,6 +450,12 @@ def aggregation_for(options: TaskOptions, config) -> str:
     # Only a given --aggregation can fail: the defaults always fit.
     raise OptionError(re.sub(r"aggregation='(\w+)'", r'--aggregation=\1',
                              str(e))) from e
+  try:
+    micro_batches_lib.check(options.micro_batches, aggregation)
+  except ValueError as e:
+    raise OptionError(re.sub(
+        r"aggregation='(\w+)'", r'--aggregation=\1',
+        str(e).replace('micro_batches=', '--micro-batches='))) from e
   if (options.xla and is_sync_cluster(config) and
       not session_device_counts(config.session_config)[0]):
     # Seen on virtual CPU towers: a ~160-line traceback in every task

@@ -351,6 +351,7 @@ def create_estimator(options: TaskOptions, config: tf.estimator.RunConfig,
       model_fns.get_model_fn(options.model), aggregation=aggregation,
       random_ops=options.random_ops,
       sync_timeout_secs=options.sync_timeout_secs,
+      micro_batches=options.micro_batches,
       # A task started with other options must not train with the others.
       task_agreement=(cluster_agreement.values(options)
                       if config.cluster_spec else None))
