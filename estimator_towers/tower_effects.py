@@ -211,15 +211,21 @@ def written_inputs(op: tf.Operation) -> Set[int]:
   """Positions of the inputs a function-calling op writes inside.
 
   An `If` that reads a weight and writes a snapshot of it takes both; only
-  the snapshot is written. A nested call or an input the body passes on
-  to something unreadable counts as written (the safe side).
+  the snapshot is written. A nested call (a `tf.cond` in a `tf.function`)
+  writes what its own functions write, followed through its inputs.
   """
-  offset = 1 if op.type in ('If', 'StatelessIf', 'Case',
-                            'StatelessCase') else 0
+  return _written_positions(op.graph, op.type, _called(op.node_def),
+                            frozenset())
+
+
+def _written_positions(graph: tf.Graph, kind: str, names: Iterable[str],
+                       seen: frozenset) -> Set[int]:
+  """Input positions of a `kind` call of functions `names` that they write."""
+  offset = 1 if kind in ('If', 'StatelessIf', 'Case', 'StatelessCase') else 0
   written = set()
-  for name in _called(op.node_def):
-    function = _function(op.graph, name)
-    if function is None:
+  for name in names:
+    function = _function(graph, name)
+    if function is None or name in seen:
       continue
     definition = function.definition
     args = [arg.name for arg in definition.signature.input_arg]
@@ -227,8 +233,11 @@ def written_inputs(op: tf.Operation) -> Set[int]:
     for node in definition.node_def:
       if node.op in WRITES and node.op not in _SHARED and node.input:
         targets = [node.input[0]]
-      elif _called(node)[1:] or _function(op.graph, node.op) is not None:
-        targets = list(node.input)  # A nested call: any of its inputs.
+      elif _called(node)[1:] or _function(graph, node.op) is not None:
+        inputs = [i for i in node.input if not i.startswith('^')]
+        targets = [inputs[position] for position in _written_positions(
+            graph, node.op, _called(node), seen | {name})
+                   if position < len(inputs)]
       else:
         continue
       for target in targets:

@@ -204,6 +204,33 @@ def _forward_snapshot_model_fn(features, labels, mode, ordered=False):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=update)
 
 
+def _nested_function_snapshot_model_fn(features, labels, mode,
+                                       ordered=False):
+  """A tf.function calling another that snapshots the weights."""
+  step = tf1.train.get_or_create_global_step()
+  weights = tf1.get_variable('w', initializer=_fixed(4, 1))
+  slow = tf1.get_variable('slow', [4, 1], initializer=tf.zeros_initializer(),
+                          trainable=False)
+  loss = tf1.losses.mean_squared_error(
+      labels, tf.matmul(features['x'], weights)[:, 0])
+
+  @tf.function
+  def copy():
+    slow.assign(weights.read_value())
+
+  @tf.function
+  def snapshot():
+    copy()
+
+  snapshot()
+  call = [op for op in tf1.get_default_graph().get_operations()
+          if op.type == 'StatefulPartitionedCall'][-1]
+  with tf.control_dependencies([call] if ordered else []):
+    update = tf1.train.GradientDescentOptimizer(0.05).minimize(loss, step)
+  return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                    train_op=tf.group(update, call))
+
+
 def _batches():
   rng = np.random.RandomState(0)
   x = rng.randn(_BATCH * _STEPS, 4).astype(np.float32)
@@ -482,3 +509,16 @@ def test_a_snapshot_under_a_cond_reads_the_weights_before_the_update(towers):
     # Lowered to TF1 control flow, the If's control edge did not wait for
     # its branch's read (10-59 of 300 runs on 3 loaded towers read late).
     assert not snapshot.get_attr('_lower_using_switch_merge'), snapshot.name
+
+
+@pytest.mark.training
+def test_a_snapshot_in_a_nested_tf_function_trains_as_one_device():
+  # The outer call was counted as a write of every variable its nested call
+  # takes, so it waited for the update: 200 of 200 runs read new weights.
+  expected = _final_variables(functools.partial(
+      _nested_function_snapshot_model_fn, ordered=True), 0, runs=1)[0]
+  for run, actual in enumerate(_final_variables(
+      _nested_function_snapshot_model_fn, 2, runs=5)):
+    for name, value in expected.items():
+      np.testing.assert_allclose(actual[name], value, rtol=1e-4, atol=1e-6,
+                                 err_msg=f'{name}, run {run}')
