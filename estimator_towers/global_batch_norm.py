@@ -1,0 +1,358 @@
+"""Batch norm in training normalises each shard with the global moments.
+
+On one device, a batch-norm layer in training normalises the batch with the
+batch's own per-channel mean and (biased) variance, and the gradients flow
+through those moments. Towers see only their shard, so with
+batch_norm='per_tower' each normalises with its shard's moments (as any
+in-graph replication does) and trains another model than one device. With
+batch_norm='global' (the default), while the towers are built, Keras'
+`BatchNormalizationBase._moments` (the non-fused path) and
+`_fused_batch_norm` (the fused path) are intercepted: each tower computes,
+per channel, its shard's
+
+  count n_i, mean m_i and centred sum of squares M2_i = sum (x - m_i)^2
+
+(weighted by the mask, if any; zero for an idle tower, whose padding copy
+must weigh nothing), and ONE collective per layer call exchanges them
+between the tower devices: each tower puts its row into a zero matrix of
+one row per tower and the matrix is all-summed, so every tower receives
+every tower's row (adding zeros is exact). Every tower then combines them
+as Chan et al.'s parallel variance does, without the cancellation of
+E[x^2] - E[x]^2:
+
+  n = sum n_i,  mean = sum n_i m_i / n,
+  biased variance = (sum M2_i + sum n_i (m_i - mean)^2) / n.
+
+The towers are built one after another, so the exchange happens at run
+time: tower 0 picks the collective's instance key for each of its layer
+calls, and the k-th batch-norm call of every later tower reuses the k-th
+key. The gradient of an all-sum is the all-sum of the upstream gradients
+(a second collective, keyed at the same time), which makes both one
+`tf.gradients` of the global loss (aggregation 'global_loss',
+'round_robin') and per-tower gradients summed afterwards ('all_reduce')
+the gradients of one device.
+
+The fused path keeps one device's numbers by normalising with
+`tf.nn.batch_normalization` from the global mean and biased variance (what
+the fused kernel does with the batch's), and hands the moving-average
+update the variance with Bessel's correction n / (n - 1) of the global
+count, as one device's fused layer does. The moving statistics
+(moving_statistics.MovingStatistics) then take these global moments as
+they are: one statistics computation per layer call.
+
+A collective completes only when every tower takes part, so a layer call
+inside a `tf.cond`, `tf.while_loop` or `tf.function` (which some towers
+might skip) is refused, and so is a tower that makes another number of
+batch-norm calls than tower 0. A synchronous cluster (several tasks) would
+need the exchange across tasks too, which is not built: batch_norm='global'
+is refused there at the first batch-norm call, naming 'per_tower'.
+EVAL and PREDICT (moving statistics) are not intercepted.
+"""
+
+import contextlib
+import dataclasses
+from typing import Dict, List, Optional, Sequence
+
+from keras.src.layers.normalization import batch_normalization as keras_bn
+from keras.src.utils import control_flow_util
+import tensorflow as tf
+from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
+
+from estimator_towers import collective_keys
+from estimator_towers import moving_statistics
+from estimator_towers import patching
+
+tf1 = tf.compat.v1
+_Base = keras_bn.BatchNormalizationBase
+
+BATCH_NORMS = ('global', 'per_tower')
+DEFAULT = 'global'
+
+
+def check(batch_norm) -> None:
+  """Refuses a `batch_norm` value replicate_model_fn does not know.
+
+  Args:
+    batch_norm: The value given to replicate_model_fn.
+
+  Raises:
+    TypeError: `batch_norm` is not a string.
+    ValueError: `batch_norm` is not one of BATCH_NORMS.
+  """
+  if not isinstance(batch_norm, str):
+    raise TypeError(f'batch_norm must be one of {BATCH_NORMS}, got '
+                    f'{batch_norm!r}.')
+  if batch_norm not in BATCH_NORMS:
+    raise ValueError(
+        f'batch_norm={batch_norm!r}; use one of {BATCH_NORMS}: \'global\' '
+        'normalises every tower\'s shard with the whole batch\'s moments, '
+        'as one device does; \'per_tower\' with its own shard\'s.')
+
+
+@dataclasses.dataclass
+class _Call:
+  """The collectives of tower 0's k-th batch-norm call, shared by the k-th
+  call of every tower."""
+  layer: str
+  channels: int
+  forward_key: int
+  backward_key: int
+
+
+class GlobalMoments:
+  """Intercepts batch-norm moments in TRAIN while the towers are built.
+
+  Args:
+    devices: The tower devices, in tower order (distinct).
+    sizes: Each tower's number of real examples (int32 [num_towers]); an
+      idle tower (0) trains on a padding copy and must weigh nothing.
+    task_group: The training tasks (task_sync.TaskGroup in a synchronous
+      cluster, where the global moments are refused; one_machine.OneMachine
+      else).
+    placement: The tower builder's aggregation.Placement, whose device
+      function must let the collectives keep their tower's device.
+  """
+
+  def __init__(self, devices: Sequence[str], sizes: tf.Tensor, task_group,
+               placement):
+    self._devices = list(devices)
+    self._sizes = sizes
+    self._task_group = task_group
+    self._placement = placement
+    self._graph = tf1.get_default_graph()
+    keys = collective_keys.of_graph(self._graph)
+    self._keys = keys
+    self._group = keys.local_group(self._devices)
+    self._calls: List[_Call] = []  # Tower 0's calls, in order.
+    self._tower: Optional[int] = None
+    self._position = 0  # The current tower's calls so far.
+    # id(layer) of every layer whose moments were global in this step.
+    self._layers: Dict[int, str] = {}
+
+  def computed(self, layer) -> bool:
+    """Whether `layer`'s training moments were the global batch's."""
+    return id(layer) in self._layers
+
+  @contextlib.contextmanager
+  def tower(self, index: int):
+    """Intercepts the batch-norm moments built in tower `index`.
+
+    Raises:
+      ValueError: on exit, the tower made another number of batch-norm
+        calls than tower 0 (their collectives would never pair up).
+    """
+    originals = {name: getattr(_Base, name)
+                 for name in ('_moments', '_fused_batch_norm')}
+    moments_of = self
+
+    def moments(layer, inputs, reduction_axes, keep_dims, mask=None):
+      return moments_of._moments(layer, inputs, reduction_axes, keep_dims,
+                                 mask)
+
+    def fused_batch_norm(layer, inputs, mask, training):
+      return moments_of._fused(originals['_fused_batch_norm'], layer, inputs,
+                               mask, training)
+
+    self._tower, self._position = index, 0
+    try:
+      with patching.Patcher() as patcher:
+        patcher.set(_Base, '_moments',
+                    patcher.guard(moments, originals['_moments']))
+        patcher.set(_Base, '_fused_batch_norm',
+                    patcher.guard(fused_batch_norm,
+                                  originals['_fused_batch_norm']))
+        yield
+      if index > 0 and self._position != len(self._calls):
+        raise ValueError(
+            f'Tower {index} makes {self._position} batch-norm calls in '
+            f'training, tower 0 made {len(self._calls)}. Every tower must '
+            'build the same model: the global batch\'s moments are '
+            'exchanged between the towers at each call.')
+    finally:
+      self._tower = None
+
+  # --------------------------------------------------------------------
+  # The two intercepted paths.
+
+  def _moments(self, layer, inputs, reduction_axes, keep_dims, mask):
+    """The non-fused path: the global batch's mean and biased variance."""
+    weights = None
+    if mask is not None:  # As Keras' weighted moments weigh the values.
+      weights = tf.expand_dims(tf.cast(mask, inputs.dtype), -1)
+    mean, variance, _ = self._global(layer, inputs, reduction_axes, weights)
+    if not keep_dims:
+      mean = tf.squeeze(mean, reduction_axes)
+      variance = tf.squeeze(variance, reduction_axes)
+    return mean, variance
+
+  def _fused(self, original, layer, inputs, mask, training):
+    """The fused path in training: normalised with the global moments.
+
+    Inference (training False) keeps Keras' fused kernel; a `training`
+    tensor chooses between the two at run time, the moments being computed
+    (and exchanged) in every step either way.
+    """
+    # Keras' fused path ignores a mask (with a warning), so the moments do.
+    training_value = control_flow_util.constant_value(training)
+    if training_value is False:
+      return original(layer, inputs, mask, training)
+    rank = inputs.shape.rank
+    # pylint: disable=protected-access
+    channel_axis = 1 if layer._data_format == 'NCHW' else rank - 1
+    axes = [a for a in range(rank) if a != channel_axis]
+    dtype = layer._param_dtype
+    x = tf.cast(inputs, dtype)
+    mean, variance, count = self._global(layer, x, axes, None)
+    params = [layer.beta if layer.center else tf.zeros_like(mean),
+              layer.gamma if layer.scale else tf.ones_like(mean)]
+    beta, gamma = [tf.reshape(tf.cast(p, dtype), mean.shape) for p in params]
+    output = tf.cast(tf.nn.batch_normalization(
+        x, mean, variance, beta, gamma, layer.epsilon), inputs.dtype)
+    mean, variance = tf.reshape(mean, [-1]), tf.reshape(variance, [-1])
+    count = tf.reshape(count, [-1])
+    if getattr(layer, '_bessels_correction_test_only', True):
+      # One device's fused kernel averages the batch variance with Bessel's
+      # correction (Keras 2.15 keeps it): that of the global count.
+      variance = variance * count / tf.maximum(count - 1, 1)
+    if training_value is None:
+      output = control_flow_util.smart_cond(
+          training, lambda: output,
+          lambda: original(layer, inputs, mask, False))
+      momentum = control_flow_util.smart_cond(
+          training, lambda: layer.momentum, lambda: 1.0)
+    else:
+      momentum = tf.convert_to_tensor(layer.momentum)
+    inputs_size = (tf.shape(inputs)[0] if layer._support_zero_size_input()
+                   else None)
+    for variable, value in ((layer.moving_mean, mean),
+                            (layer.moving_variance, variance)):
+      # Keras' own updates, through the moving statistics' interception.
+      layer.add_update(
+          lambda variable=variable, value=value: layer._assign_moving_average(
+              variable, value, momentum, inputs_size))
+    return output
+    # pylint: enable=protected-access
+
+  # --------------------------------------------------------------------
+
+  def _global(self, layer, x: tf.Tensor, axes: Sequence[int],
+              weights: Optional[tf.Tensor]):
+    """The global batch's moments of `x` over `axes` (kept as size 1).
+
+    Args:
+      layer: The batch-norm layer (for messages and checks).
+      x: The shard's values, in the layer's parameter dtype.
+      axes: The reduction axes.
+      weights: Per-value weights broadcastable to `x` (a mask), or None.
+
+    Returns:
+      (mean, biased variance, count), each of the shape of a reduction of
+      `x` over `axes` with kept dimensions.
+    """
+    self._check_call(layer)
+    index = self._tower
+    with tf.name_scope('global_moments'):
+      live = tf.cast(self._sizes[index] > 0, x.dtype)
+      if weights is None:
+        total = tf.reduce_sum(x, axes, keepdims=True)
+        count = tf.cast(tf.size(x), x.dtype) / tf.cast(tf.size(total),
+                                                       x.dtype)
+        count = tf.fill(tf.shape(total), count * live)
+        weights = live
+      else:
+        weights = tf.broadcast_to(weights, tf.shape(x)) * live
+        total = tf.reduce_sum(weights * x, axes, keepdims=True)
+        count = tf.reduce_sum(weights, axes, keepdims=True)
+      mean = tf.math.divide_no_nan(total, count)
+      # The shard's centred squares: the global variance adds the spread
+      # of the shards' means to them, never subtracts two large sums. The
+      # gradient through `mean` here is zero (sum of x - mean is 0).
+      squares = tf.reduce_sum(
+          weights * tf.math.squared_difference(x, tf.stop_gradient(mean)),
+          axes, keepdims=True)
+      shape = (mean.shape.as_list() if mean.shape.is_fully_defined()
+               else tf.shape(mean))
+      row = tf.stack([tf.reshape(t, [-1]) for t in (count, mean, squares)])
+      rows = self._exchange(layer, row)  # [towers, 3, channels]
+      counts, means, squares = rows[:, 0], rows[:, 1], rows[:, 2]
+      count = tf.reduce_sum(counts, 0)
+      mean = tf.math.divide_no_nan(tf.reduce_sum(counts * means, 0), count)
+      spread = tf.reduce_sum(counts * tf.square(means - mean), 0)
+      variance = tf.math.divide_no_nan(tf.reduce_sum(squares, 0) + spread,
+                                       count)
+      self._layers[id(layer)] = layer.name
+      return (tf.reshape(mean, shape), tf.reshape(variance, shape),
+              tf.reshape(count, shape))
+
+  def _check_call(self, layer) -> None:
+    """Refuses what the exchange cannot make exact or would hang."""
+    moving_statistics.check_supported(layer)
+    if self._task_group.across_tasks:
+      raise ValueError(
+          f'Batch-norm layer {layer.name!r} would normalise with the global '
+          'batch\'s moments (batch_norm=\'global\'), which replicate_model_fn '
+          'does not yet exchange between the tasks of a synchronous cluster. '
+          'Pass batch_norm=\'per_tower\' (the trainer\'s --batch-norm='
+          'per_tower): each tower then normalises with its shard\'s moments, '
+          'while the moving statistics still get one global update.')
+    graph = tf1.get_default_graph()
+    in_control_flow = graph._get_control_flow_context() is not None  # pylint: disable=protected-access
+    if graph is not self._graph or in_control_flow:
+      raise ValueError(
+          f'Batch-norm layer {layer.name!r} is called in training inside a '
+          'tf.cond, tf.while_loop or tf.function. Its global-batch moments '
+          'are exchanged between the towers by a collective that every '
+          'tower must run in every step, which a branch or loop taken by '
+          'some towers only would hang. Call the layer outside control '
+          'flow (a `training` tensor is fine: the layer then chooses at run '
+          'time, after the exchange).')
+
+  def _exchange(self, layer, row: tf.Tensor) -> tf.Tensor:
+    """Every tower's `row` ([3, channels]), stacked in tower order.
+
+    One all-sum of a [towers, 3, channels] matrix that holds only this
+    tower's row; its gradient is the all-sum of the towers' upstream
+    gradients, keyed with the forward one.
+    """
+    index, position = self._tower, self._position
+    self._position += 1
+    channels = row.shape[1]
+    if channels is None:
+      raise ValueError(
+          f'Batch-norm layer {layer.name!r} normalises channels of unknown '
+          'size; the global moments need the channel dimensions known when '
+          'the graph is built.')
+    if index == 0:
+      self._calls.append(_Call(layer.name, channels,
+                               self._keys.local_instance(),
+                               self._keys.local_instance()))
+    if position >= len(self._calls):
+      raise ValueError(
+          f'Tower {index} makes more batch-norm calls than tower 0 (call '
+          f'{position + 1} is {layer.name!r}). Every tower must build the '
+          'same model.')
+    call = self._calls[position]
+    if call.channels != channels:
+      raise ValueError(
+          f'Batch-norm call {position + 1} of tower {index} ({layer.name!r}) '
+          f'normalises {channels} channels, that of tower 0 '
+          f'({call.layer!r}) {call.channels}. Every tower must build the '
+          'same model.')
+    num_towers = len(self._devices)
+    device, group = self._devices[index], self._group
+    placement = self._placement
+
+    def all_sum(value, key):
+      with placement.deferring(), tf.device(device):
+        return collective_ops.all_reduce(value, num_towers, group, key,
+                                         'Add', 'Id')
+
+    @tf.custom_gradient
+    def exchange(own):
+      matrix = tf.scatter_nd([[index]], own[None], [num_towers, 3, channels])
+      def gradient(upstream):
+        return all_sum(upstream, call.backward_key)[index]
+      return all_sum(matrix, call.forward_key), gradient
+
+    return exchange(row)
+
