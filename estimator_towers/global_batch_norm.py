@@ -40,13 +40,21 @@ count, as one device's fused layer does. The moving statistics
 (moving_statistics.MovingStatistics) then take these global moments as
 they are: one statistics computation per layer call.
 
+In a synchronous cluster (task_sync), each tower then exchanges its task's
+combined row with the towers of its index on the other tasks (a second
+collective per call, in a group per tower index), so every tower of every
+task normalises with the moments of the whole step's batch. Every task
+must therefore have as many towers; replicate_model_fn adds the count to
+the tasks' start agreement. The keys are the same on every task (a session
+run's collective graph key, which pairs the tasks' steps, hashes them),
+while each task's towers form a group of their own (the cluster's group
+leader resolves every group).
+
 A collective completes only when every tower takes part, so a layer call
 inside a `tf.cond`, `tf.while_loop` or `tf.function` (which some towers
 might skip) is refused, and so is a tower that makes another number of
-batch-norm calls than tower 0. A synchronous cluster (several tasks) would
-need the exchange across tasks too, which is not built: batch_norm='global'
-is refused there at the first batch-norm call, naming 'per_tower'.
-EVAL and PREDICT (moving statistics) are not intercepted.
+batch-norm calls than tower 0. EVAL and PREDICT (moving statistics) are
+not intercepted.
 """
 
 import contextlib
@@ -90,13 +98,23 @@ def check(batch_norm) -> None:
 
 
 @dataclasses.dataclass
+class _Keys:
+  """The keys of one exchange and its gradient."""
+  group: int
+  size: int
+  forward: int
+  backward: int
+
+
+@dataclasses.dataclass
 class _Call:
-  """The collectives of tower 0's k-th batch-norm call, shared by the k-th
-  call of every tower."""
+  """The k-th batch-norm call of every tower: tower 0 keys the exchange
+  between this machine's towers; in a cluster, tower i keys its exchange
+  with the towers i of the other tasks (`tasks[i]`)."""
   layer: str
   channels: int
-  forward_key: int
-  backward_key: int
+  local: _Keys
+  tasks: List[_Keys]  # Empty on one machine.
 
 
 class GlobalMoments:
@@ -107,8 +125,8 @@ class GlobalMoments:
     sizes: Each tower's number of real examples (int32 [num_towers]); an
       idle tower (0) trains on a padding copy and must weigh nothing.
     task_group: The training tasks (task_sync.TaskGroup in a synchronous
-      cluster, where the global moments are refused; one_machine.OneMachine
-      else).
+      cluster, whose towers exchange their moments too;
+      one_machine.OneMachine else).
     placement: The tower builder's aggregation.Placement, whose device
       function must let the collectives keep their tower's device.
   """
@@ -120,9 +138,19 @@ class GlobalMoments:
     self._task_group = task_group
     self._placement = placement
     self._graph = tf1.get_default_graph()
-    keys = collective_keys.of_graph(self._graph)
-    self._keys = keys
-    self._group = keys.local_group(self._devices)
+    self._keys = collective_keys.of_graph(self._graph)
+    if task_group.across_tasks:
+      # Collectives of a cluster are resolved by its group leader: the
+      # towers of this task form a group of their own, and each tower joins
+      # the towers of the same index of the other tasks.
+      task = tf.DeviceSpec.from_string(task_group.device)
+      self._devices = [
+          tf.DeviceSpec.from_string(d).replace(
+              job=task.job, replica=task.replica, task=task.task).to_string()
+          for d in self._devices]
+      self._group = collective_keys.task_towers_group(task_group.index)
+    else:
+      self._group = self._keys.local_group(self._devices)
     self._calls: List[_Call] = []  # Tower 0's calls, in order.
     self._tower: Optional[int] = None
     self._position = 0  # The current tower's calls so far.
@@ -273,13 +301,12 @@ class GlobalMoments:
       shape = (mean.shape.as_list() if mean.shape.is_fully_defined()
                else tf.shape(mean))
       row = tf.stack([tf.reshape(t, [-1]) for t in (count, mean, squares)])
-      rows = self._exchange(layer, row)  # [towers, 3, channels]
-      counts, means, squares = rows[:, 0], rows[:, 1], rows[:, 2]
-      count = tf.reduce_sum(counts, 0)
-      mean = tf.math.divide_no_nan(tf.reduce_sum(counts * means, 0), count)
-      spread = tf.reduce_sum(counts * tf.square(means - mean), 0)
-      variance = tf.math.divide_no_nan(tf.reduce_sum(squares, 0) + spread,
-                                       count)
+      local, tasks = self._keys_for(layer, row.shape[1])
+      row = _combined(self._exchange(row, local, index))
+      if tasks is not None:  # This task's row, then every task's.
+        row = _combined(self._exchange(row, tasks, self._task_group.index))
+      count, mean, squares = row[0], row[1], row[2]
+      variance = tf.math.divide_no_nan(squares, count)
       self._layers[id(layer)] = layer.name
       return (tf.reshape(mean, shape), tf.reshape(variance, shape),
               tf.reshape(count, shape))
@@ -287,14 +314,6 @@ class GlobalMoments:
   def _check_call(self, layer) -> None:
     """Refuses what the exchange cannot make exact or would hang."""
     moving_statistics.check_supported(layer)
-    if self._task_group.across_tasks:
-      raise ValueError(
-          f'Batch-norm layer {layer.name!r} would normalise with the global '
-          'batch\'s moments (batch_norm=\'global\'), which replicate_model_fn '
-          'does not yet exchange between the tasks of a synchronous cluster. '
-          'Pass batch_norm=\'per_tower\' (the trainer\'s --batch-norm='
-          'per_tower): each tower then normalises with its shard\'s moments, '
-          'while the moving statistics still get one global update.')
     graph = tf1.get_default_graph()
     in_control_flow = graph._get_control_flow_context() is not None  # pylint: disable=protected-access
     if graph is not self._graph or in_control_flow:
@@ -307,25 +326,27 @@ class GlobalMoments:
           'flow (a `training` tensor is fine: the layer then chooses at run '
           'time, after the exchange).')
 
-  def _exchange(self, layer, row: tf.Tensor) -> tf.Tensor:
-    """Every tower's `row` ([3, channels]), stacked in tower order.
+  def _keys_for(self, layer, channels: Optional[int]):
+    """The keys of the current tower's next batch-norm call.
 
-    One all-sum of a [towers, 3, channels] matrix that holds only this
-    tower's row; its gradient is the all-sum of the towers' upstream
-    gradients, keyed with the forward one.
+    Returns:
+      (keys of the exchange between this machine's towers, keys of the
+      exchange with the other tasks or None).
+
+    Raises:
+      ValueError: the call's channels are unknown, or differ from those of
+        tower 0's call at the same position.
     """
     index, position = self._tower, self._position
     self._position += 1
-    channels = row.shape[1]
     if channels is None:
       raise ValueError(
           f'Batch-norm layer {layer.name!r} normalises channels of unknown '
           'size; the global moments need the channel dimensions known when '
           'the graph is built.')
     if index == 0:
-      self._calls.append(_Call(layer.name, channels,
-                               self._keys.local_instance(),
-                               self._keys.local_instance()))
+      self._calls.append(_Call(layer.name, channels, self._keys_of_call(
+          channels, len(self._devices), local=True), []))
     if position >= len(self._calls):
       raise ValueError(
           f'Tower {index} makes more batch-norm calls than tower 0 (call '
@@ -338,21 +359,68 @@ class GlobalMoments:
           f'normalises {channels} channels, that of tower 0 '
           f'({call.layer!r}) {call.channels}. Every tower must build the '
           'same model.')
-    num_towers = len(self._devices)
-    device, group = self._devices[index], self._group
-    placement = self._placement
+    if self._task_group.across_tasks:
+      # Each tower is in its own group across the tasks (the towers of
+      # index `index`), so each has its own keys, the same on every task.
+      call.tasks.append(self._keys_of_call(channels, self._task_group.size,
+                                           local=False))
+      return call.local, call.tasks[index]
+    return call.local, None
+
+  def _keys_of_call(self, channels: int, size: int, local: bool) -> _Keys:
+    """A forward and a backward instance key for one exchange."""
+    if local and not self._task_group.across_tasks:
+      return _Keys(self._group, len(self._devices),
+                   self._keys.local_instance(), self._keys.local_instance())
+    if local:
+      # This task's towers, in a group of their own. The keys are the same
+      # on every task: a session run's collective graph key, which pairs
+      # the tasks' steps, hashes every instance key of the graph.
+      group, carries = self._group, f'batch norm in a task:{channels}'
+
+    else:
+      group = collective_keys.tower_index_group(self._tower)
+      carries = f'batch norm of tower {self._tower}:{channels}'
+    return _Keys(group, size,
+                 self._keys.task_instance(size, f'{carries}:forward'),
+                 self._keys.task_instance(size, f'{carries}:backward'))
+
+  def _exchange(self, row: tf.Tensor, keys: _Keys, index: int) -> tf.Tensor:
+    """Every member's `row` ([3, channels]), stacked in member order.
+
+    One all-sum of a [members, 3, channels] matrix that holds only this
+    member's row, at `index` (the towers of this machine, or this tower and
+    those of the same index of the other tasks); its gradient is the
+    all-sum of the members' upstream gradients, keyed with the forward one.
+    """
+    if keys.size == 1:  # One tower, or one task: nothing to exchange.
+      return row[None]
+    device, placement = self._devices[self._tower], self._placement
 
     def all_sum(value, key):
       with placement.deferring(), tf.device(device):
-        return collective_ops.all_reduce(value, num_towers, group, key,
+        return collective_ops.all_reduce(value, keys.size, keys.group, key,
                                          'Add', 'Id')
 
     @tf.custom_gradient
     def exchange(own):
-      matrix = tf.scatter_nd([[index]], own[None], [num_towers, 3, channels])
+      matrix = tf.scatter_nd([[index]], own[None],
+                             [keys.size, *own.shape.as_list()])
       def gradient(upstream):
-        return all_sum(upstream, call.backward_key)[index]
-      return all_sum(matrix, call.forward_key), gradient
+        return all_sum(upstream, keys.backward)[index]
+      return all_sum(matrix, keys.forward), gradient
 
     return exchange(row)
 
+
+def _combined(rows: tf.Tensor) -> tf.Tensor:
+  """One [count, mean, centred squares] row of the rows' values together.
+
+  Chan et al.'s parallel combination: the centred squares add the spread
+  of the rows' means, never subtract two large sums.
+  """
+  counts, means, squares = rows[:, 0], rows[:, 1], rows[:, 2]
+  count = tf.reduce_sum(counts, 0)
+  mean = tf.math.divide_no_nan(tf.reduce_sum(counts * means, 0), count)
+  spread = tf.reduce_sum(counts * tf.square(means - mean), 0)
+  return tf.stack([count, mean, tf.reduce_sum(squares, 0) + spread])

@@ -152,8 +152,9 @@ def replicate_model_fn(model_fn: ModelFn,
       one device's model (see global_batch_norm). 'per_tower': with each
       tower's shard's own, as in-graph replication usually does (cheaper,
       another model). The moving statistics get one global-batch update
-      per step either way. A synchronous cluster refuses 'global' (the
-      exchange between tasks is not built): pass 'per_tower' there.
+      per step either way. In a synchronous cluster the tasks exchange the
+      moments too, and every task must have as many towers (checked at
+      the start).
     sync_timeout_secs: In a synchronous cluster, how long a task waits for
       the others before it fails instead of hanging: at the start, when
       the chief broadcasts its variables (an error), and in each training
@@ -221,8 +222,14 @@ def replicate_model_fn(model_fn: ModelFn,
       _check_variables_device(variables_device, config)
     placement = aggregation_lib.make(aggregation, tower_devices,
                                      variables_device)
+    agreement = task_agreement
+    if batch_norm == 'global':
+      # Each tower exchanges its moments with the towers of its index on
+      # the other tasks: every task needs as many.
+      agreement = {**(task_agreement or {}),
+                   'towers per task (batch_norm=global)': len(tower_devices)}
     task_group = _task_group(mode, config, tower_devices[0],
-                             sync_timeout_secs, placement, task_agreement)
+                             sync_timeout_secs, placement, agreement)
     kwargs = {'mode': mode, 'params': params, 'config': config}
     kwargs = {k: v for k, v in kwargs.items() if k in accepted}
     if labels is not None and 'labels' not in accepted:

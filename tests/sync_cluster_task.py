@@ -164,9 +164,7 @@ def run_task(argv, sliced=False):
   estimator = tf.estimator.Estimator(
       estimator_towers.replicate_model_fn(
           momentum_model_fn if sliced else projected_model_fn,
-          aggregation='all_reduce', sync_timeout_secs=60,
-          # The tasks do not exchange batch-norm moments yet.
-          batch_norm='per_tower'),
+          aggregation='all_reduce', sync_timeout_secs=60),
       config=config)
   if sliced:  # STEPS is the global batch, ROWS the total; the input ends.
     input_fn, steps = sliced_input_fn(steps, rows[0]), 1000

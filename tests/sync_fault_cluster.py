@@ -77,7 +77,7 @@ def run_task(args):
       return sync_cluster_task.model_fn(features, labels, mode)
   estimator = tf.estimator.Estimator(
       estimator_towers.replicate_model_fn(
-          model_fn, aggregation='all_reduce', batch_norm='per_tower',
+          model_fn, aggregation='all_reduce',
           sync_timeout_secs=args['timeout'],
           task_agreement=args.get('agreement', {}).get(config.task_type)),
       config=config)

@@ -11,7 +11,8 @@ structure of tensorflow/models' official r1 ResNet (conv, fused batch norm
 at momentum 0.997 and epsilon 1e-5, relu, projection shortcut), a canned
 DNNClassifier(batch_norm=True), a masked Keras layer and a Keras layer
 whose `training` is a tensor; batches of 7 are uneven on 2 and 3 towers,
-and 2 examples on 3 towers leave one tower idle.
+and 2 examples on 3 towers leave one tower idle. A synchronous cluster
+exchanges the moments between its tasks too (tests/test_task_sync.py).
 """
 
 import json
@@ -261,13 +262,16 @@ def test_batch_norm_inside_control_flow_is_refused():
 
 
 @pytest.mark.fast
-def test_a_synchronous_cluster_asks_for_per_tower(monkeypatch):
-  # The exchange between tasks is not built: refused, not per tower.
+def test_a_synchronous_cluster_exchanges_between_the_tasks_too(monkeypatch):
+  # Each tower first with this task's towers, then with the towers of its
+  # index on the other tasks (test_task_sync trains it against one process).
   monkeypatch.setenv('TF_CONFIG', json.dumps(
       {'cluster': {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
-       'task': {'type': 'chief', 'index': 0}}))
-  with pytest.raises(ValueError, match=r"synchronous cluster. Pass "
-                                       r"batch_norm='per_tower'"):
-    build_replicated(_v1_dense, 2, aggregation='all_reduce')
-  build_replicated(_v1_dense, 2, aggregation='all_reduce',
-                   batch_norm='per_tower')
+       'task': {'type': 'worker', 'index': 0}}))
+  graph, _ = build_replicated(_v1_dense, 2, aggregation='all_reduce')
+  forward = [op for op in _collectives(graph) if 'gradients' not in op.name]
+  assert len(forward) == 2 * 2  # One batch-norm call, 2 towers, 2 stages.
+  assert {(op.device, op.get_attr('group_size')) for op in forward} == {
+      (f'/job:worker/replica:0/task:0/device:CPU:{i}', 2) for i in (0, 1)}
+  # This task's own group, and a group per tower index across the tasks.
+  assert len({op.get_attr('group_key') for op in forward}) == 3

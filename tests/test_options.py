@@ -76,28 +76,6 @@ def test_an_aggregation_the_cluster_cannot_train_is_a_usage_error(
   assert "aggregation='" not in str(error.value)  # In flag terms.
 
 
-@pytest.mark.fast
-@pytest.mark.parametrize('workers,ps,given,expected', [
-    (0, 0, None, 'global'),
-    (0, 0, 'per_tower', 'per_tower'),
-    (1, 1, None, 'global'),        # Asynchronous: each task alone.
-    (1, 0, None, 'per_tower'),     # Synchronous: not exchanged across tasks.
-    (1, 0, 'per_tower', 'per_tower'),
-    (1, 0, 'global', None),
-])
-def test_batch_norm_is_global_except_in_a_synchronous_cluster(
-    monkeypatch, workers, ps, given, expected):
-  monkeypatch.setenv('TF_CONFIG', _tf_config(workers, ps))
-  options = options_lib.TaskOptions(batch_norm=given)
-  config = tf.estimator.RunConfig()
-  if expected is None:
-    with pytest.raises(options_lib.OptionError,
-                       match='--batch-norm=global: .*--batch-norm=per_tower'):
-      options_lib.batch_norm_for(options, config)
-    return
-  assert options_lib.batch_norm_for(options, config) == expected
-
-
 @pytest.mark.cli
 def test_the_task_refuses_it_in_one_line_before_training(tmp_path):
   result = run_module('trainer.task', f'--job-dir={tmp_path / "job"}',

@@ -60,8 +60,7 @@ def _one_process(model_dir, projection):
         projection=tf.compat.v1.constant_initializer(projection),
         manual_step=True)
   estimator = helpers.make_estimator(model_fn, model_dir, towers=4,
-                                     aggregation='all_reduce',
-                                     batch_norm='per_tower')
+                                     aggregation='all_reduce')
   estimator.train(
       lambda: sync_cluster_task.global_batches(sum(_ROWS), _STEPS),
       max_steps=_STEPS)
@@ -85,8 +84,7 @@ def test_sliced_global_batches_train_as_one_process_to_the_same_end(
   assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
   estimator = helpers.make_estimator(sync_cluster_task.momentum_model_fn,
                                      one_dir, towers=4,
-                                     aggregation='all_reduce',
-                                     batch_norm='per_tower')
+                                     aggregation='all_reduce')
   estimator.train(batches)
   expected = helpers.variables_of(estimator)
   assert int(expected['global_step']) == 3

@@ -266,14 +266,13 @@ class TaskOptions:
       'docs/aggregation.md. Default: all_reduce in a TF_CONFIG cluster of '
       'training tasks without ps tasks (synchronous training, the only '
       'kind it allows), else global_loss.', enum_values=list(AGGREGATIONS))
-  batch_norm: Optional[str] = _option(
-      _ENUM, None, 'How batch norm normalises in training on several towers: '
-      'global (with the whole global batch\'s mean and variance, exchanged '
-      'between the towers at each batch-norm layer: one device\'s model) or '
-      'per_tower (with each tower\'s shard\'s own: cheaper, another model). '
-      'The moving statistics get one global update either way. Default: '
-      'global; per_tower in a synchronous cluster (chief and workers '
-      'without ps), which cannot exchange them between tasks yet.',
+  batch_norm: str = _option(
+      _ENUM, 'global', 'How batch norm normalises in training on several '
+      'towers: global (with the whole global batch\'s mean and variance, '
+      'exchanged between the towers, and between the tasks of a synchronous '
+      'cluster, at each batch-norm layer: one device\'s model) or per_tower '
+      '(with each tower\'s shard\'s own: cheaper, another model). The moving '
+      'statistics get one global update either way.',
       enum_values=list(BATCH_NORMS))
   sync_timeout_secs: float = _option(
       _FLOAT, 300.0, 'In a synchronous cluster (no ps tasks): how long a '
@@ -453,32 +452,6 @@ def aggregation_for(options: TaskOptions, config) -> str:
         'workers without ps) on CPU towers; drop --xla there, or train with '
         '--xla in one process.')
   return aggregation
-
-
-def batch_norm_for(options: TaskOptions, config) -> str:
-  """--batch-norm, or its default for the task's cluster; checked.
-
-  Args:
-    options: The task's options.
-    config: The Estimator's RunConfig (its TF_CONFIG cluster).
-
-  Returns:
-    The batch_norm to pass to replicate_model_fn: 'global', except in a
-    synchronous cluster, whose tasks cannot exchange the moments yet.
-
-  Raises:
-    OptionError: --batch-norm=global in a synchronous cluster.
-  """
-  sync = is_sync_cluster(config)
-  if options.batch_norm is None:
-    return 'per_tower' if sync else 'global'
-  if options.batch_norm == 'global' and sync:
-    raise OptionError(
-        '--batch-norm=global: the tasks of a synchronous cluster (chief and '
-        'workers without ps) cannot exchange batch-norm moments yet; pass '
-        '--batch-norm=per_tower (the default there), or train in one '
-        'process.')
-  return options.batch_norm
 
 
 # make_run_config's arguments that are task options of the same name.

@@ -349,7 +349,7 @@ def create_estimator(options: TaskOptions, config: tf.estimator.RunConfig,
   """The Estimator of the towered, checked and step-logged model_fn."""
   model_fn = replicate_model_fn(
       model_fns.get_model_fn(options.model), aggregation=aggregation,
-      batch_norm=options_lib.batch_norm_for(options, config),
+      batch_norm=options.batch_norm,
       sync_timeout_secs=options.sync_timeout_secs,
       # A task started with other options must not train with the others.
       task_agreement=(cluster_agreement.values(options)
