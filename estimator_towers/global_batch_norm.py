@@ -156,6 +156,7 @@ class GlobalMoments:
     self._position = 0  # The current tower's calls so far.
     # id(layer) of every layer whose moments were global in this step.
     self._layers: Dict[int, str] = {}
+    self._lives: Dict[tuple, tf.Tensor] = {}
 
   def computed(self, layer) -> bool:
     """Whether `layer`'s training moments were the global batch's."""
@@ -208,10 +209,11 @@ class GlobalMoments:
     if mask is not None:  # As Keras' weighted moments weigh the values.
       weights = tf.expand_dims(tf.cast(mask, inputs.dtype), -1)
     mean, variance, _ = self._global(layer, inputs, reduction_axes, weights)
+    shape = [1 if a in reduction_axes else inputs.shape[a]
+             for a in range(inputs.shape.rank)]
     if not keep_dims:
-      mean = tf.squeeze(mean, reduction_axes)
-      variance = tf.squeeze(variance, reduction_axes)
-    return mean, variance
+      shape = [d for a, d in enumerate(shape) if a not in reduction_axes]
+    return tf.reshape(mean, shape), tf.reshape(variance, shape)
 
   def _fused(self, original, layer, inputs, mask, training):
     """The fused path in training: normalised with the global moments.
@@ -231,13 +233,16 @@ class GlobalMoments:
     dtype = layer._param_dtype
     x = tf.cast(inputs, dtype)
     mean, variance, count = self._global(layer, x, axes, None)
-    params = [layer.beta if layer.center else tf.zeros_like(mean),
-              layer.gamma if layer.scale else tf.ones_like(mean)]
-    beta, gamma = [tf.reshape(tf.cast(p, dtype), mean.shape) for p in params]
+    def shaped(value):  # Per channel, to broadcast against `x`.
+      if value is None or channel_axis == rank - 1:
+        return value
+      return tf.reshape(value, [-1 if a == channel_axis else 1
+                                for a in range(rank)])
+    beta = tf.cast(layer.beta, dtype) if layer.center else None
+    gamma = tf.cast(layer.gamma, dtype) if layer.scale else None
     output = tf.cast(tf.nn.batch_normalization(
-        x, mean, variance, beta, gamma, layer.epsilon), inputs.dtype)
-    mean, variance = tf.reshape(mean, [-1]), tf.reshape(variance, [-1])
-    count = tf.reshape(count, [-1])
+        x, shaped(mean), shaped(variance), shaped(beta), shaped(gamma),
+        layer.epsilon), inputs.dtype)
     if getattr(layer, '_bessels_correction_test_only', True):
       # One device's fused kernel averages the batch variance with Bessel's
       # correction (Keras 2.15 keeps it): that of the global count.
@@ -274,42 +279,57 @@ class GlobalMoments:
       weights: Per-value weights broadcastable to `x` (a mask), or None.
 
     Returns:
-      (mean, biased variance, count), each of the shape of a reduction of
-      `x` over `axes` with kept dimensions.
+      (mean, biased variance, count), per channel, flat.
     """
     self._check_call(layer)
     index = self._tower
+    # As few ops as will do: each has its gradient, per call and tower.
     with tf.name_scope('global_moments'):
-      live = tf.cast(self._sizes[index] > 0, x.dtype)
+      live = self._live(x.dtype)
       if weights is None:
         total = tf.reduce_sum(x, axes, keepdims=True)
-        count = tf.cast(tf.size(x), x.dtype) / tf.cast(tf.size(total),
-                                                       x.dtype)
-        count = tf.fill(tf.shape(total), count * live)
-        weights = live
+        channels = total.shape.num_elements()
+        if channels is None:
+          raise ValueError(
+              f'Batch-norm layer {layer.name!r} normalises channels of '
+              'unknown size; the global moments need the channel '
+              'dimensions known when the graph is built.')
+        # Values per channel (the same for every channel).
+        per_channel = tf.cast(tf.size(x), x.dtype) * (live / channels)
+        count = tf.fill([channels], per_channel)
+        mean = tf.math.divide_no_nan(total, per_channel)
+        squares = tf.reduce_sum(
+            tf.math.squared_difference(x, tf.stop_gradient(mean)), axes,
+            keepdims=True) * live
       else:
         weights = tf.broadcast_to(weights, tf.shape(x)) * live
-        total = tf.reduce_sum(weights * x, axes, keepdims=True)
         count = tf.reduce_sum(weights, axes, keepdims=True)
-      mean = tf.math.divide_no_nan(total, count)
-      # The shard's centred squares: the global variance adds the spread
-      # of the shards' means to them, never subtracts two large sums. The
-      # gradient through `mean` here is zero (sum of x - mean is 0).
-      squares = tf.reduce_sum(
-          weights * tf.math.squared_difference(x, tf.stop_gradient(mean)),
-          axes, keepdims=True)
-      shape = (mean.shape.as_list() if mean.shape.is_fully_defined()
-               else tf.shape(mean))
-      row = tf.stack([tf.reshape(t, [-1]) for t in (count, mean, squares)])
+        mean = tf.math.divide_no_nan(
+            tf.reduce_sum(weights * x, axes, keepdims=True), count)
+        # The shard's centred squares: the global variance adds the spread
+        # of the shards' means to them, never subtracts two large sums.
+        # The gradient through `mean` here is zero (sum of x - mean is 0).
+        squares = tf.reduce_sum(
+            weights * tf.math.squared_difference(x, tf.stop_gradient(mean)),
+            axes, keepdims=True)
+      row = tf.stack([tf.reshape(count, [-1]), tf.reshape(mean, [-1]),
+                      tf.reshape(squares, [-1])])
       local, tasks = self._keys_for(layer, row.shape[1])
       row = _combined(self._exchange(row, local, index))
       if tasks is not None:  # This task's row, then every task's.
         row = _combined(self._exchange(row, tasks, self._task_group.index))
-      count, mean, squares = row[0], row[1], row[2]
-      variance = tf.math.divide_no_nan(squares, count)
+      count, mean, squares = tf.unstack(row)
       self._layers[id(layer)] = layer.name
-      return (tf.reshape(mean, shape), tf.reshape(variance, shape),
-              tf.reshape(count, shape))
+      return mean, tf.math.divide_no_nan(squares, count), count
+
+  def _live(self, dtype) -> tf.Tensor:
+    """1 if the current tower has examples, else 0 (its shard weighs
+    nothing); made once per tower and dtype."""
+    key = (self._tower, dtype)
+    if key not in self._lives:
+      self._lives[key] = tf.cast(self._sizes[self._tower] > 0, dtype,
+                                 name='tower_has_examples')
+    return self._lives[key]
 
   def _check_call(self, layer) -> None:
     """Refuses what the exchange cannot make exact or would hang."""
@@ -419,7 +439,7 @@ def _combined(rows: tf.Tensor) -> tf.Tensor:
   Chan et al.'s parallel combination: the centred squares add the spread
   of the rows' means, never subtract two large sums.
   """
-  counts, means, squares = rows[:, 0], rows[:, 1], rows[:, 2]
+  counts, means, squares = tf.unstack(rows, axis=1)
   count = tf.reduce_sum(counts, 0)
   mean = tf.math.divide_no_nan(tf.reduce_sum(counts * means, 0), count)
   spread = tf.reduce_sum(counts * tf.square(means - mean), 0)
