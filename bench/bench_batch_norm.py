@@ -16,54 +16,31 @@ import os
 import random
 import statistics
 import sys
-import time
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import numpy as np
 import tensorflow as tf
 
-import estimator_towers
-from model_fns.resnet import resnet_model_fn
+from bench.resnet_steps import time_steps
 
-tf1 = tf.compat.v1
-_PARAMS = dict(resnet_depth=20, n_classes=10, learning_rate=0.1,
-               optimizer='momentum', image_shape=[32, 32, 3])
 _VARIANTS = ('global', 'per_tower')
+
+
+def _collectives(graph):
+  """The batch-norm exchanges of the graph (forward and gradient)."""
+  return sum(1 for op in graph.get_operations()
+             if op.type == 'CollectiveReduce' and 'global_moments' in op.name)
 
 
 def _measure(batch_norm: str, towers: int, batch: int, steps: int,
              warmup: int, aggregation: str):
-  """(graph build seconds, seconds per step, batch-norm collectives)."""
-  with tf.Graph().as_default() as graph:
-    tf1.set_random_seed(1)
-    tf1.train.get_or_create_global_step()
-    rng = np.random.RandomState(0)
-    images = tf.constant(rng.rand(batch, 32, 32, 3).astype(np.float32))
-    labels = tf.constant(rng.randint(0, 10, batch).astype(np.int32))
-    config = estimator_towers.make_run_config(cpu_devices=towers)
-    start = time.perf_counter()
-    spec = estimator_towers.replicate_model_fn(
-        resnet_model_fn, batch_norm=batch_norm, aggregation=aggregation)(
-            {'image': images}, labels, tf.estimator.ModeKeys.TRAIN, _PARAMS,
-            config)
-    built = time.perf_counter() - start
-    collectives = sum(1 for op in graph.get_operations()
-                      if op.type == 'CollectiveReduce' and
-                      'global_moments' in op.name)
-    spec.scaffold.finalize()
-    with tf1.Session(config=config.session_config) as session:
-      session.run(spec.scaffold.init_op)
-      session.run(spec.scaffold.local_init_op)
-      for _ in range(warmup):
-        session.run(spec.train_op)
-      start = time.perf_counter()
-      for _ in range(steps):
-        session.run(spec.train_op)
-      per_step = (time.perf_counter() - start) / steps
-  return built, per_step, collectives
+  """(graph build seconds, seconds per step, CPU seconds per step,
+  batch-norm collectives)."""
+  return time_steps(towers, batch, steps, warmup,
+                    dict(batch_norm=batch_norm, aggregation=aggregation),
+                    _collectives)
 
 
 def main():
@@ -85,20 +62,23 @@ def main():
                                     args.steps, args.warmup,
                                     args.aggregation))
     on, off = results['global'][-1], results['per_tower'][-1]
-    print(f'round {round_}: step global/per_tower {on[1] / off[1]:.3f}, '
-          f'build global/per_tower {on[0] / off[0]:.3f}', flush=True)
+    print(f'round {round_}: global/per_tower step {on[1] / off[1]:.3f}, '
+          f'CPU per step {on[2] / off[2]:.3f}, build {on[0] / off[0]:.3f}',
+          flush=True)
   for name in _VARIANTS:
-    built, per_step, collectives = zip(*results[name])
+    built, per_step, cpu, collectives = zip(*results[name])
     print(f'{name:10s} build {statistics.median(built):6.2f} s  step '
-          f'{statistics.median(per_step) * 1000:7.1f} ms  batch-norm '
-          f'collectives {collectives[0]}')
+          f'{statistics.median(per_step) * 1000:7.1f} ms  CPU '
+          f'{statistics.median(cpu) * 1000:7.1f} ms  batch-norm collectives '
+          f'{collectives[0]}')
   pairs = list(zip(results['global'], results['per_tower']))
-  steps = [on[1] / off[1] for on, off in pairs]
-  builds = [on[0] / off[0] for on, off in pairs]
-  print(f'median ratio global/per_tower: step {statistics.median(steps):.3f} '
-        f'(rounds {min(steps):.3f}-{max(steps):.3f}), build '
-        f'{statistics.median(builds):.3f} (ResNet-20, {args.towers} towers, '
-        f'batch {args.batch}, {args.aggregation}, {args.rounds} rounds)')
+  ratios = {what: [on[i] / off[i] for on, off in pairs]
+            for what, i in (('step', 1), ('CPU per step', 2), ('build', 0))}
+  print('median ratio global/per_tower: ' + ', '.join(
+      f'{what} {statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f})'
+      for what, r in ratios.items()) +
+        f' (ResNet-20, {args.towers} towers, batch {args.batch}, '
+        f'{args.aggregation}, {args.rounds} rounds)')
 
 
 if __name__ == '__main__':

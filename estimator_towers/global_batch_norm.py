@@ -270,7 +270,7 @@ class GlobalMoments:
 
   def _global(self, layer, x: tf.Tensor, axes: Sequence[int],
               weights: Optional[tf.Tensor]):
-    """The global batch's moments of `x` over `axes` (kept as size 1).
+    """The global batch's moments of `x` over `axes`, per channel.
 
     Args:
       layer: The batch-norm layer (for messages and checks).
