@@ -11,7 +11,6 @@ over rounds and the per-round ratios are printed. Nothing is asserted.
   .venv/bin/python bench/bench_batch_norm.py --rounds=1 --steps=3  # smoke
 """
 
-import argparse
 import os
 import random
 import statistics
@@ -23,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import tensorflow as tf
 
-from bench.resnet_steps import time_steps
+from bench import resnet_steps
 
 _VARIANTS = ('global', 'per_tower')
 
@@ -38,18 +37,13 @@ def _measure(batch_norm: str, towers: int, batch: int, steps: int,
              warmup: int, aggregation: str):
   """(graph build seconds, seconds per step, CPU seconds per step,
   batch-norm collectives)."""
-  return time_steps(towers, batch, steps, warmup,
-                    dict(batch_norm=batch_norm, aggregation=aggregation),
-                    _collectives)
+  return resnet_steps.time_steps(
+      towers, batch, steps, warmup,
+      dict(batch_norm=batch_norm, aggregation=aggregation), _collectives)
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--rounds', type=int, default=5)
-  parser.add_argument('--steps', type=int, default=15)
-  parser.add_argument('--warmup', type=int, default=3)
-  parser.add_argument('--towers', type=int, default=2)
-  parser.add_argument('--batch', type=int, default=32)
+  parser = resnet_steps.arguments(__doc__.splitlines()[0])
   parser.add_argument('--aggregation', default='global_loss')
   args = parser.parse_args()
   tf.get_logger().setLevel('ERROR')

@@ -11,7 +11,6 @@ per-round ratios are printed. Nothing is asserted.
   .venv/bin/python bench/bench_write_order.py --rounds=1 --steps=3  # smoke
 """
 
-import argparse
 import os
 import random
 import statistics
@@ -23,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import tensorflow as tf
 
-from bench.resnet_steps import time_steps
+from bench import resnet_steps
 from estimator_towers import write_order
 
 _ORDERED = write_order.order_writes
@@ -40,19 +39,15 @@ def _measure(ordered: bool, towers: int, batch: int, steps: int,
 
   write_order.order_writes = counted if ordered else (lambda *a, **k: 0)
   try:
-    built, per_step, _, _ = time_steps(towers, batch, steps, warmup)
+    built, per_step, _, _ = resnet_steps.time_steps(towers, batch, steps,
+                                                    warmup)
   finally:
     write_order.order_writes = _ORDERED
   return built, per_step, sum(edges)
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--rounds', type=int, default=5)
-  parser.add_argument('--steps', type=int, default=15)
-  parser.add_argument('--warmup', type=int, default=3)
-  parser.add_argument('--towers', type=int, default=2)
-  parser.add_argument('--batch', type=int, default=32)
+  parser = resnet_steps.arguments(__doc__.splitlines()[0])
   args = parser.parse_args()
   tf.get_logger().setLevel('ERROR')
   results = {True: [], False: []}

@@ -2,6 +2,7 @@
 that compare two ways of building the same towers (bench_write_order,
 bench_batch_norm)."""
 
+import argparse
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -14,6 +15,17 @@ from model_fns.resnet import resnet_model_fn
 tf1 = tf.compat.v1
 PARAMS = dict(resnet_depth=20, n_classes=10, learning_rate=0.1,
               optimizer='momentum', image_shape=[32, 32, 3])
+
+
+def arguments(description: str) -> argparse.ArgumentParser:
+  """The options both benches take: rounds, steps, warm-up, towers, batch."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument('--rounds', type=int, default=5)
+  parser.add_argument('--steps', type=int, default=15)
+  parser.add_argument('--warmup', type=int, default=3)
+  parser.add_argument('--towers', type=int, default=2)
+  parser.add_argument('--batch', type=int, default=32)
+  return parser
 
 
 def time_steps(towers: int, batch: int, steps: int, warmup: int,
