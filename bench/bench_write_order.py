@@ -11,28 +11,21 @@ per-round ratios are printed. Nothing is asserted.
   .venv/bin/python bench/bench_write_order.py --rounds=1 --steps=3  # smoke
 """
 
-import argparse
 import os
 import random
 import statistics
 import sys
-import time
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import numpy as np
 import tensorflow as tf
 
-import estimator_towers
+from bench import resnet_steps
 from estimator_towers import write_order
-from model_fns.resnet import resnet_model_fn
 
-tf1 = tf.compat.v1
 _ORDERED = write_order.order_writes
-_PARAMS = dict(resnet_depth=20, n_classes=10, learning_rate=0.1,
-               optimizer='momentum', image_shape=[32, 32, 3])
 
 
 def _measure(ordered: bool, towers: int, batch: int, steps: int,
@@ -46,38 +39,15 @@ def _measure(ordered: bool, towers: int, batch: int, steps: int,
 
   write_order.order_writes = counted if ordered else (lambda *a, **k: 0)
   try:
-    with tf.Graph().as_default():
-      tf1.set_random_seed(1)
-      tf1.train.get_or_create_global_step()
-      rng = np.random.RandomState(0)
-      images = tf.constant(rng.rand(batch, 32, 32, 3).astype(np.float32))
-      labels = tf.constant(rng.randint(0, 10, batch).astype(np.int32))
-      config = estimator_towers.make_run_config(cpu_devices=towers)
-      start = time.perf_counter()
-      spec = estimator_towers.replicate_model_fn(resnet_model_fn)(
-          {'image': images}, labels, tf.estimator.ModeKeys.TRAIN, _PARAMS,
-          config)
-      built = time.perf_counter() - start
-      with tf1.Session(config=config.session_config) as session:
-        session.run(tf1.global_variables_initializer())
-        for _ in range(warmup):
-          session.run(spec.train_op)
-        start = time.perf_counter()
-        for _ in range(steps):
-          session.run(spec.train_op)
-        per_step = (time.perf_counter() - start) / steps
+    built, per_step, _, _ = resnet_steps.time_steps(towers, batch, steps,
+                                                    warmup)
   finally:
     write_order.order_writes = _ORDERED
   return built, per_step, sum(edges)
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--rounds', type=int, default=5)
-  parser.add_argument('--steps', type=int, default=15)
-  parser.add_argument('--warmup', type=int, default=3)
-  parser.add_argument('--towers', type=int, default=2)
-  parser.add_argument('--batch', type=int, default=32)
+  parser = resnet_steps.arguments(__doc__.splitlines()[0])
   args = parser.parse_args()
   tf.get_logger().setLevel('ERROR')
   results = {True: [], False: []}

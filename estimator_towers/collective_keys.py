@@ -26,6 +26,10 @@ import tensorflow as tf
 
 # The tasks of a synchronous cluster form one group.
 TASK_GROUP = 0x7E58_0001
+# Batch norm's global moments in a synchronous cluster (global_batch_norm):
+# the towers of task k, and the towers of index i of every task.
+_TASK_TOWERS_GROUP_BASE = 0x7E59_0000
+_TOWER_INDEX_GROUP_BASE = 0x7E5A_0000
 # Group keys of local device sets; well away from small keys a user might
 # pick.
 _LOCAL_GROUP_BASE = 0x7E57_0000
@@ -82,6 +86,21 @@ class CollectiveKeys:
     that holds it is keyed by a hash of its collectives' instance keys.
     """
     return _issue(f'{size}:fixed:{name}')
+
+
+def task_towers_group(task: int) -> int:
+  """The group key of the towers of task `task` of a synchronous cluster.
+
+  The cluster's group leader resolves every group, so each task's towers
+  need a key no other task uses (a local group key is the same on every
+  task).
+  """
+  return _TASK_TOWERS_GROUP_BASE + task
+
+
+def tower_index_group(tower: int) -> int:
+  """The group key of tower `tower` of every task of a synchronous cluster."""
+  return _TOWER_INDEX_GROUP_BASE + tower
 
 
 def _issue(signature: str) -> int:

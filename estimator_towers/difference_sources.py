@@ -16,6 +16,7 @@ The tolerance is listed too; it explains nothing beyond itself.
 """
 
 import dataclasses
+import inspect
 import os
 import re
 from typing import Any, Dict, List, Sequence, Tuple
@@ -25,6 +26,7 @@ from tensorflow.python.framework import config as tf_framework_config  # pylint:
 
 from estimator_towers import moving_statistics
 from estimator_towers import op_ledger
+from estimator_towers import replicate
 from estimator_towers import tower_effects
 
 tf1 = tf.compat.v1
@@ -137,7 +139,9 @@ def _unless_option(name: str, replicate_kwargs: Dict[str, Any],
                    otherwise: str) -> Source:
   """A source that a replicate_model_fn option (name, value) rules out."""
   key, value = option
-  if replicate_kwargs.get(key) == value:
+  default = inspect.signature(
+      replicate.replicate_model_fn).parameters[key].default
+  if replicate_kwargs.get(key, default) == value:
     return Source(name, f'{found} With {key}={value!r} {when_set}, so they '
                   'explain no difference.', explains=False)
   return Source(name, f'{found} {otherwise}', explains=True)

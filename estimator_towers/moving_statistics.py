@@ -18,6 +18,11 @@ times spatial positions, or the mask's weights) and idle towers weigh zero. The 
 batch variance carries Bessel's correction m / (m - 1), which is undone per
 shard and reapplied for the whole batch, as one device's fused layer would.
 
+With batch_norm='global' (global_batch_norm.GlobalMoments), every tower's
+forward pass already has the global batch's moments, and those are what
+the layer hands its update: the last tower applies them as they are, and
+nothing is rebuilt here (one statistics computation per layer call).
+
 Anything else in UPDATE_OPS that several towers write to one variable would
 run once per tower; `check_single_writers` refuses it.
 """
@@ -58,10 +63,16 @@ class MovingStatistics:
     task_group: The training tasks (a task_sync.TaskGroup in a synchronous
       cluster, whose towers' moments are combined too, so that every task
       applies the same global-batch update; one_machine.OneMachine else).
+    global_moments: The step's global_batch_norm.GlobalMoments when the
+      towers normalise with the global batch's moments (the values the
+      layers update with are then global already); None for per-tower
+      normalisation, whose shard statistics are combined here.
   """
 
-  def __init__(self, num_towers: int, sizes: tf.Tensor, task_group):
+  def __init__(self, num_towers: int, sizes: tf.Tensor, task_group,
+               global_moments=None):
     self._num_towers = num_towers
+    self._global_moments = global_moments
     self._task_group = task_group
     self._sizes = sizes
     self._graph = tf1.get_default_graph()
@@ -104,15 +115,16 @@ class MovingStatistics:
       return statistics._assign(originals['_assign_moving_average'], layer,
                                 variable, value, momentum, inputs_size)
 
+    patches = [('_assign_moving_average', assign_moving_average)]
+    if self._global_moments is None:  # Else GlobalMoments intercepts them.
+      patches += [('_moments', moments),
+                  ('_fused_batch_norm', fused_batch_norm)]
     self._tower = index
     try:
       # Guarded: a batch-norm layer another thread or graph builds at the
       # same time keeps Keras' own methods.
       with patching.Patcher() as patcher:
-        for name, method in (('_moments', moments),
-                             ('_fused_batch_norm', fused_batch_norm),
-                             ('_assign_moving_average',
-                              assign_moving_average)):
+        for name, method in patches:
           patcher.set(_Base, name, patcher.guard(method, originals[name]))
         yield
     finally:
@@ -135,7 +147,10 @@ class MovingStatistics:
 
   def _assign(self, original, layer, variable, value, momentum, inputs_size):
     """Records the shard's statistic; the last tower applies the global one."""
-    _check_supported(layer)
+    check_supported(layer)
+    if self._global_moments is not None:
+      return self._assign_global(original, layer, variable, value, momentum,
+                                 inputs_size)
     call = self._calls.get(id(layer))
     if call is None or (variable is layer.moving_variance and
                         call.mean is None):
@@ -166,6 +181,23 @@ class MovingStatistics:
     else:
       global_value = self._variance(shards)
     update = original(layer, variable, global_value, momentum, inputs_size)
+    self.exact_writes.add(write_key(getattr(update, 'op', update)))
+    return update
+
+  def _assign_global(self, original, layer, variable, value, momentum,
+                     inputs_size):
+    """The last tower applies `value`, the global batch's statistic."""
+    if not self._global_moments.computed(layer):
+      raise ValueError(
+          f'Batch-norm layer {layer.name!r} updates {variable.name} without '
+          'computing batch statistics the usual Keras way, so '
+          'replicate_model_fn cannot make them the global batch\'s. Use '
+          'tf.keras.layers.BatchNormalization or tf.compat.v1.layers.'
+          'batch_normalization unchanged, or pass batch_norm=\'per_tower\'.')
+    if self._tower < self._num_towers - 1:
+      # Not an update: the last tower applies the step's one update.
+      return tf.identity(variable, name='AssignMovingAvgInLastTower')
+    update = original(layer, variable, value, momentum, inputs_size)
     self.exact_writes.add(write_key(getattr(update, 'op', update)))
     return update
 
@@ -272,7 +304,12 @@ def write_key(op: tf.Operation) -> str:
   return op.name
 
 
-def _check_supported(layer) -> None:
+def check_supported(layer) -> None:
+  """Refuses batch-norm options whose statistics cannot match one device.
+
+  Raises:
+    ValueError: `layer` uses renorm or sets virtual_batch_size.
+  """
   if layer.renorm:
     raise ValueError(
         f'Batch-norm layer {layer.name!r} uses renorm=True, whose moving '

@@ -16,6 +16,7 @@ import tensorflow as tf
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers import aggregation as aggregation_lib
+from estimator_towers import global_batch_norm
 from estimator_towers import loss_reduction as reduction_lib
 from estimator_towers import loss_scaling
 from estimator_towers import metric_adds
@@ -69,6 +70,7 @@ def replicate_model_fn(model_fn: ModelFn,
                        loss_reduction: str = 'auto',
                        replicate_serving: bool = False,
                        aggregation: str = 'global_loss',
+                       batch_norm: str = global_batch_norm.DEFAULT,
                        sync_timeout_secs: float = (
                            task_sync.DEFAULT_TIMEOUT_SECS),
                        task_agreement: Optional[Mapping[str, Any]] = None,
@@ -98,10 +100,10 @@ def replicate_model_fn(model_fn: ModelFn,
   towers beyond a small batch are idle and contribute nothing.
 
   Inside the model_fn, `trainer.tower_context()` tells the tower index and
-  count. Batch norm normalises each tower's shard with the shard's
-  statistics (as with any in-graph replication), but its moving mean and
-  variance get one update per step from the global batch (see
-  moving_statistics); hooks and summaries come from tower 0, the training
+  count. In training, batch norm normalises each tower's shard with the
+  whole batch's moments, as one device does (see `batch_norm`), and its
+  moving mean and variance get one update per step from the global batch
+  (see moving_statistics); hooks and summaries come from tower 0, the training
   scaffold from the last tower (its Saver sees the slots).
 
   Args:
@@ -139,6 +141,17 @@ def replicate_model_fn(model_fn: ModelFn,
       the sums also run over the tasks, and every task applies the same
       update (see docs/cluster.md). The other strategies
       need ps tasks in a cluster.
+    batch_norm: How batch norm (`tf.keras.layers.BatchNormalization`, fused
+      or not, `tf.compat.v1.layers.batch_normalization` and what builds on
+      them) normalises in training. 'global': with the mean and variance
+      of the whole global batch, exchanged between the tower devices by
+      one collective per layer call, gradients included: the towers train
+      one device's model (see global_batch_norm). 'per_tower': with each
+      tower's shard's own, as in-graph replication usually does (cheaper,
+      another model). The moving statistics get one global-batch update
+      per step either way. In a synchronous cluster the tasks exchange the
+      moments too, and every task must have as many towers (checked at
+      the start).
     sync_timeout_secs: In a synchronous cluster, how long a task waits for
       the others before it fails instead of hanging: at the start, when
       the chief broadcasts its variables (an error), and in each training
@@ -181,12 +194,12 @@ def replicate_model_fn(model_fn: ModelFn,
 
   Raises:
     TypeError: `model_fn` is not callable, `devices` is not a list of
-      device strings, or `aggregation` is not a string.
-    ValueError: `devices` is empty or repeats a device, `loss_reduction` or
-      `aggregation` is unknown, `variables_device` is given with an
-      `aggregation` other than 'global_loss', `random_ops` is unknown, or
-      `micro_batches` is not a positive int or is above 1 with
-      'all_reduce'. Devices the session lacks,
+      device strings, or `aggregation` or `batch_norm` is not a string.
+    ValueError: `devices` is empty or repeats a device, `loss_reduction`,
+      `aggregation`, `batch_norm` or `random_ops` is unknown,
+      `variables_device` is given with an `aggregation` other than
+      'global_loss', or `micro_batches` is not a positive int or is above 1
+      with 'all_reduce'. Devices the session lacks,
       a `loss_reduction` the loss contradicts, and 'all_reduce' in a
       TF_CONFIG cluster of several tasks, are reported when the Estimator
       calls the model_fn.
@@ -205,6 +218,7 @@ def replicate_model_fn(model_fn: ModelFn,
   if not isinstance(aggregation, str):
     raise TypeError(f'aggregation must be one of '
                     f'{aggregation_lib.AGGREGATIONS}, got {aggregation!r}.')
+  global_batch_norm.check(batch_norm)
   if devices is not None:
     devices = _canonical_devices(devices)
   aggregation_lib.check(aggregation, variables_device)
@@ -230,8 +244,14 @@ def replicate_model_fn(model_fn: ModelFn,
       _check_variables_device(variables_device, config)
     placement = aggregation_lib.make(aggregation, tower_devices,
                                      variables_device)
+    agreement = task_agreement
+    if batch_norm == 'global':
+      # Each tower exchanges its moments with the towers of its index on
+      # the other tasks: every task needs as many.
+      agreement = {**(task_agreement or {}),
+                   'towers per task (batch_norm=global)': len(tower_devices)}
     task_group = _task_group(mode, config, tower_devices[0],
-                             sync_timeout_secs, placement, task_agreement)
+                             sync_timeout_secs, placement, agreement)
     kwargs = {'mode': mode, 'params': params, 'config': config}
     kwargs = {k: v for k, v in kwargs.items() if k in accepted}
     if labels is not None and 'labels' not in accepted:
@@ -264,7 +284,8 @@ def replicate_model_fn(model_fn: ModelFn,
     builder = _TowerBuilder(model_fn, tower_devices, placement, task_group,
                             loss_reduction, mode,
                             loss_scaling.automatic(config),
-                            random_draws.make(random_ops, task_group), micro)
+                            random_draws.make(random_ops, task_group),
+                            micro=micro, batch_norm=batch_norm)
     spec = builder.build(features, labels, kwargs)
     if task_group.across_tasks:
       # A stuck or dead peer must end this task, not hang it.
@@ -302,12 +323,13 @@ class _Split:
 class _Step:
   """What one model_fn call builds around its towers, once the batch is
   split: the loss weights, the one update, the shared tables and (TRAIN)
-  the batch-norm statistics."""
+  the batch-norm statistics and (batch_norm='global') moments."""
   split: _Split
   weights: reduction_lib.TowerWeights
   update: one_update.OneUpdate
   tables: table_sharing.TableSharing
   statistics: Optional[moving_statistics.MovingStatistics]
+  moments: Optional[global_batch_norm.GlobalMoments]
 
 
 class _TowerBuilder:
@@ -329,13 +351,15 @@ class _TowerBuilder:
     micro: With micro-batches (TRAIN), their micro_batches.MicroBatches:
       then each device's micro-batches are towers of their own, run one
       after another.
+    batch_norm: 'global' or 'per_tower' (see replicate_model_fn).
   """
 
   def __init__(self, model_fn, devices: Sequence[str],
                placement: aggregation_lib.Placement, task_group,
                loss_reduction: str, mode, automatic_loss_scale: bool,
                draws,
-               micro: Optional[micro_batches_lib.MicroBatches] = None):
+               micro: Optional[micro_batches_lib.MicroBatches] = None,
+               batch_norm: str = global_batch_norm.DEFAULT):
     self._model_fn = model_fn
     self._draws = draws
     self._micro = micro
@@ -345,6 +369,7 @@ class _TowerBuilder:
     self._reduction = loss_reduction
     self._mode = mode
     self._automatic_loss_scale = automatic_loss_scale
+    self._batch_norm = batch_norm
     self._towers = op_ledger.TowerLedger()
     self._sharing = variable_sharing.VariableSharing()
     self._tpu_parts = []  # Of towers that return a TPUEstimatorSpec.
@@ -417,12 +442,15 @@ class _TowerBuilder:
         has_rows, training=self._mode == ModeKeys.TRAIN,
         automatic_loss_scale=self._automatic_loss_scale)
     self._draws.split(split.sizes, split.padded)
-    statistics = None
+    statistics = moments = None
     if self._mode == ModeKeys.TRAIN:
+      if self._batch_norm == 'global':
+        moments = global_batch_norm.GlobalMoments(
+            self._devices, split.sizes, self._task_group, self._placement)
       statistics = moving_statistics.MovingStatistics(
-          num_towers, split.sizes, self._task_group)
+          num_towers, split.sizes, self._task_group, moments)
     return _Step(split, weights, update,
-                 table_sharing.TableSharing(split.sizes), statistics)
+                 table_sharing.TableSharing(split.sizes), statistics, moments)
 
   def _build_towers(self, step: _Step, kwargs):
     """Phase 2: each tower's spec and UPDATE_OPS, tower after tower."""
@@ -576,6 +604,8 @@ class _TowerBuilder:
       stack.enter_context(self._sharing.tower(index))
       stack.enter_context(step.tables.tower(index))
       stack.enter_context(update.tower(index, name_scope))
+      if step.moments is not None:
+        stack.enter_context(step.moments.tower(index))
       if step.statistics is not None:
         stack.enter_context(step.statistics.tower(index))
       added = stack.enter_context(_per_tower_collections(graph, index))

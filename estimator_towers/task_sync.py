@@ -53,7 +53,8 @@ tf1 = tf.compat.v1
 TRAINING_JOBS = ('chief', 'master', 'worker')
 DEFAULT_TIMEOUT_SECS = 300.0
 # What the restart guard's error says (trainer.sync_errors finds it).
-RESTARTED = 'a task of the synchronous cluster failed or restarted'
+RESTARTED = ('a task of the synchronous cluster failed, restarted or ended '
+             'its input early')
 
 
 def is_sync_cluster(config) -> bool:
@@ -367,9 +368,12 @@ class TaskGroup:
     def check():
       created[0] += 1
       if created[0] > 1:
-        raise RuntimeError(f'{task}: {RESTARTED} (its collectives broke off), '
-                           'and this task cannot train alone. Restart every '
-                           'task; they resume from the chief\'s last '
+        # A peer whose input ended exits too: its server closes the
+        # collective this task was exchanging with it.
+        raise RuntimeError(f'{task}: {RESTARTED} (its collectives broke off; '
+                           'every task\'s input must give the same number of '
+                           'steps), and this task cannot train alone. Restart '
+                           'every task; they resume from the chief\'s last '
                            'checkpoint.')
       return 0
 

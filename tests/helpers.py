@@ -228,7 +228,7 @@ class FinalValues(tf1.train.SessionRunHook):
 
 def build_replicated(model_fn, towers, mode=tf.estimator.ModeKeys.TRAIN,
                      batch_size=10, params=None, with_labels=True,
-                     **wrapper_kwargs):
+                     num_features=NUM_FEATURES, **wrapper_kwargs):
   """Calls the replicated model_fn once in a fresh graph, as Estimator would.
 
   Returns:
@@ -237,7 +237,7 @@ def build_replicated(model_fn, towers, mode=tf.estimator.ModeKeys.TRAIN,
   """
   graph = tf.Graph()
   with graph.as_default():
-    x = np.zeros((batch_size, NUM_FEATURES), np.float32)
+    x = np.zeros((batch_size, num_features), np.float32)
     y = np.zeros((batch_size,), np.int32)
     items = ({'x': x}, y) if with_labels else {'x': x}
     next_item = tf1.data.make_one_shot_iterator(
@@ -275,3 +275,38 @@ def save_start_checkpoint(model_fn, input_fn, model_dirs, params=None):
         os.makedirs(str(model_dir), exist_ok=True)
         saver.save(session, os.path.join(str(model_dir), 'model.ckpt'),
                    global_step=0)
+
+
+def train_in_session(model_fn, x, y, towers, batch, steps, start=None,
+                     **wrapper_kwargs):
+  """Trains `steps` batches in a Session from the `start` variable values.
+
+  The features are {'x': x} batched in order; `towers` > 1 wraps `model_fn`
+  in replicate_model_fn(**wrapper_kwargs) on that many virtual CPUs.
+
+  Returns:
+    (start, end): every global variable's value before and after.
+  """
+  with tf.Graph().as_default():
+    features, labels = tf1.data.make_one_shot_iterator(
+        tf.data.Dataset.from_tensor_slices(({'x': x}, y)).repeat()
+        .batch(batch)).get_next()
+    config = trainer.make_run_config(cpu_devices=towers)
+    if towers > 1:
+      spec = trainer.replicate_model_fn(model_fn, **wrapper_kwargs)(
+          features, labels, tf.estimator.ModeKeys.TRAIN, None, config)
+    else:
+      spec = model_fn(features=features, labels=labels,
+                      mode=tf.estimator.ModeKeys.TRAIN)
+    scaffold = spec.scaffold  # all_reduce's copies start in local_init_op.
+    scaffold.finalize()
+    variables = {v.op.name: v for v in tf1.global_variables()}
+    with tf1.Session(config=config.session_config) as session:
+      session.run(scaffold.init_op)
+      for name, value in (start or {}).items():
+        variables[name].load(value, session)
+      session.run(scaffold.local_init_op)
+      first = session.run(variables)
+      for _ in range(steps):
+        session.run(spec.train_op)
+      return first, session.run(variables)

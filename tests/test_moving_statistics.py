@@ -1,10 +1,12 @@
 """Batch-norm moving statistics get one update per step, from the global batch.
 
-Each tower normalises its own shard in the forward pass, but the moving mean
-and variance must move once per step towards the whole batch's statistics,
-as on one device. The session tests train with a learning rate of zero, so
-that the weights (which per-tower normalisation changes) stay equal and
-every variable and the evaluation loss can be compared with one device.
+Whether the towers normalise with the global batch's moments (the default,
+see test_global_batch_norm.py) or each with its shard's
+(batch_norm='per_tower'), the moving mean and variance must move once per
+step towards the whole batch's statistics, as on one device. The session
+tests train with a learning rate of zero, so that the weights (which
+per-tower normalisation changes) stay equal and every variable and the
+evaluation loss can be compared with one device.
 """
 
 import numpy as np
@@ -13,6 +15,7 @@ import tensorflow as tf
 
 import trainer
 from helpers import assert_same_variables, build_replicated, seeded
+from helpers import train_in_session
 
 tf1 = tf.compat.v1
 ModeKeys = tf.estimator.ModeKeys
@@ -80,37 +83,6 @@ def _spec(mode, labels, logits, rate):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def _train(model_fn, x, y, towers, batch, steps, start=None,
-           **wrapper_kwargs):
-  """Trains `steps` batches in a Session from the `start` variable values.
-
-  Returns:
-    (start, end): every global variable's value before and after.
-  """
-  with tf.Graph().as_default():
-    features, labels = tf1.data.make_one_shot_iterator(
-        tf.data.Dataset.from_tensor_slices(({'x': x}, y)).repeat()
-        .batch(batch)).get_next()
-    config = trainer.make_run_config(cpu_devices=towers)
-    if towers > 1:
-      spec = trainer.replicate_model_fn(model_fn, **wrapper_kwargs)(
-          features, labels, ModeKeys.TRAIN, None, config)
-    else:
-      spec = model_fn(features=features, labels=labels, mode=ModeKeys.TRAIN)
-    scaffold = spec.scaffold  # all_reduce's copies start in local_init_op.
-    scaffold.finalize()
-    variables = {v.op.name: v for v in tf1.global_variables()}
-    with tf1.Session(config=config.session_config) as session:
-      session.run(scaffold.init_op)
-      for name, value in (start or {}).items():
-        variables[name].load(value, session)
-      session.run(scaffold.local_init_op)
-      first = session.run(variables)
-      for _ in range(steps):
-        session.run(spec.train_op)
-      return first, session.run(variables)
-
-
 def _evaluate(model_fn, variables, x, y):
   """One device's evaluation loss with the given variable values."""
   with tf.Graph().as_default():
@@ -140,8 +112,8 @@ def test_issue_example_moves_as_one_device(towers, fused):
           loss, tf1.train.get_or_create_global_step())
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
-  _, values = _train(model_fn, ISSUE_BATCH, np.zeros(6, np.int32), towers, 6,
-                     1)
+  _, values = train_in_session(model_fn, ISSUE_BATCH, np.zeros(6, np.int32),
+                               towers, 6, 1)
   mean = values['batch_normalization/moving_mean']
   variance = values['batch_normalization/moving_variance']
   np.testing.assert_allclose(mean, [0.5 * ISSUE_BATCH.mean()], rtol=1e-6)
@@ -160,15 +132,17 @@ def examples():
 
 
 def _assert_as_one_device(model_fn, examples, runs, steps=2):
-  """Each (towers, batch, aggregation) run ends with one device's variables
-  and evaluation loss."""
+  """Each (towers, batch, aggregation[, batch_norm]) run ends with one
+  device's variables and evaluation loss."""
   x, y = examples
   start, expected = None, {}
-  for towers, batch, aggregation in runs:
+  for towers, batch, aggregation, *batch_norm in runs:
     if batch not in expected:
-      start, expected[batch] = _train(model_fn, x, y, 1, batch, steps)
-    _, actual = _train(model_fn, x, y, towers, batch, steps, start,
-                       aggregation=aggregation)
+      start, expected[batch] = train_in_session(model_fn, x, y, 1, batch,
+                                                steps)
+    _, actual = train_in_session(model_fn, x, y, towers, batch, steps, start,
+                                 aggregation=aggregation,
+                                 batch_norm=(batch_norm or ['global'])[0])
     assert_same_variables(expected[batch], actual)
   np.testing.assert_allclose(_evaluate(model_fn, actual, x, y),
                              _evaluate(model_fn, expected[batch], x, y),
@@ -183,9 +157,11 @@ def _assert_as_one_device(model_fn, examples, runs, steps=2):
 def test_every_batch_norm_layer_moves_as_one_device(examples, name):
   layer, shape, fused = LAYERS[name]
   # A batch of 7 is uneven on 2 towers; a batch of 2 leaves one of 3 towers
-  # idle, training on a padding copy that must weigh nothing.
+  # idle, training on a padding copy that must weigh nothing. Per-tower
+  # normalisation combines the shards' statistics for the update; global
+  # normalisation updates with the moments it exchanged.
   _assert_as_one_device(_model_fn(layer, shape), examples, [
-      (2, 7, 'global_loss'), (3, 2, 'global_loss')])
+      (2, 7, 'global_loss', 'per_tower'), (3, 2, 'global_loss', 'global')])
   with tf.Graph().as_default():
     _model_fn(layer, shape)({'x': tf.zeros([7, NUM_FEATURES])},
                             tf.zeros([7], tf.int32), ModeKeys.TRAIN)

@@ -21,7 +21,8 @@ _TIMED_OUT = ('From /job:chief/replica:0/task:0:\nCollective ops is aborted '
 
 
 def _guard_error():
-  line = (f'worker:0: {task_sync.RESTARTED} (its collectives broke off), and '
+  line = (f'worker:0: {task_sync.RESTARTED} (its collectives broke off; '
+          "every task's input must give the same number of steps), and "
           f'this task cannot train alone. {_REMEDY}')
   return line, tf.errors.UnknownError(
       None, None, f'2 root error(s) found.\n  (0) UNKNOWN: RuntimeError: '
@@ -38,6 +39,13 @@ def test_the_restart_guard_says_its_own_line():
     (tf.errors.DeadlineExceededError(None, None, _TIMED_OUT),
      'waited longer than sync_timeout_secs'),
     (tf.errors.UnavailableError(None, None, 'Connection reset by peer'),
+     'is unreachable'),
+    # The worker's input ended and it closed its session while the chief
+    # was exchanging batch-norm moments with it.
+    (tf.errors.InternalError(
+        None, None, 'From /job:chief/replica:0/task:0:\nCollective ops is '
+        'aborted by: Delete called on non-empty BufRendezvous\n\t [[{{node '
+        'tower_1/batch_normalization/global_moments/CollectiveReduce_1}}]]'),
      'is unreachable'),
 ])
 def test_a_peer_that_failed_or_stopped_is_one_line(error, says):

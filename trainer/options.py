@@ -17,6 +17,7 @@ from absl import flags
 from estimator_towers import micro_batches as micro_batches_lib
 from estimator_towers.aggregation import AGGREGATIONS
 from estimator_towers.aggregation import check_tasks
+from estimator_towers.global_batch_norm import BATCH_NORMS
 from estimator_towers.random_draws import RANDOM_OPS
 from estimator_towers.run_config import session_device_counts
 from estimator_towers.task_sync import is_sync_cluster
@@ -281,6 +282,14 @@ class TaskOptions:
       'in memory at a time (no batch norm in training; not with '
       '--aggregation=all_reduce). See docs/writing_model_fns.md.',
       lower_bound=1)
+  batch_norm: str = _option(
+      _ENUM, 'global', 'How batch norm normalises in training on several '
+      'towers: global (with the whole global batch\'s mean and variance, '
+      'exchanged between the towers, and between the tasks of a synchronous '
+      'cluster, at each batch-norm layer: one device\'s model) or per_tower '
+      '(with each tower\'s shard\'s own: cheaper, another model). The moving '
+      'statistics get one global update either way.',
+      enum_values=list(BATCH_NORMS))
   sync_timeout_secs: float = _option(
       _FLOAT, 300.0, 'In a synchronous cluster (no ps tasks): how long a '
       'task waits for the others (at the start, at each step) before it '

@@ -7,7 +7,9 @@ messages are pages of graph context:
 
 * DeadlineExceededError from a collective that waited longer than
   sync_timeout_secs (a stuck, late or finished peer);
-* UnavailableError from a collective whose peer's server is gone;
+* UnavailableError from a collective whose peer's server is gone, or
+  InternalError ('Delete called on non-empty BufRendezvous') from one whose
+  peer closed its session in the middle of the exchange (its input ended);
 * the restart guard's RuntimeError (task_sync.TaskGroup.restart_guard),
   reported as an UnknownError, when the Estimator re-creates the session
   after a peer died;
@@ -39,6 +41,8 @@ _DISAGREE = re.compile(re.escape(task_agreement.DISAGREE) +
                        r'[^\n]*?may differ\)\.')
 # What the group leader says to a task that restarted without it.
 _RESTARTED_ALONE = "incarnation doesn't match with one in the group"
+# A collective whose peer ended its session while they exchanged.
+_ABORTED_BY_PEER = 'Collective ops is aborted by'
 _ENDED_EARLY = ('stopped because its input ended after fewer steps (every '
                 'task\'s input must give the same number of steps)')
 
@@ -90,7 +94,9 @@ def cli_message(error: BaseException,
     return (f'{task}: this task was restarted but the chief was not, and '
             'the chief\'s collectives still wait for the task that died; a '
             f'synchronous cluster restarts only as a whole. {_REMEDY}')
-  if isinstance(error, tf.errors.UnavailableError):
+  if isinstance(error, tf.errors.UnavailableError) or (
+      isinstance(error, tf.errors.InternalError) and
+      _ABORTED_BY_PEER in error.message):
     return (f'{task}: another task of the synchronous cluster is '
             f'unreachable: it failed, or {_ENDED_EARLY}. {_REMEDY}')
   return None

@@ -350,6 +350,7 @@ def create_estimator(options: TaskOptions, config: tf.estimator.RunConfig,
   model_fn = replicate_model_fn(
       model_fns.get_model_fn(options.model), aggregation=aggregation,
       random_ops=options.random_ops,
+      batch_norm=options.batch_norm,
       sync_timeout_secs=options.sync_timeout_secs,
       micro_batches=options.micro_batches,
       # A task started with other options must not train with the others.
