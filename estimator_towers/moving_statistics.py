@@ -80,6 +80,7 @@ class MovingStatistics:
     # The layer call being built, by id(layer): its count and mean so far.
     self._calls: Dict[int, _Shard] = {}
     # Per tower: moving variable name -> its updates in call order.
+    self._trains = False  # Whether some layer updated its statistics.
     self._shards: List[Dict[str, List[_Shard]]] = [
         {} for _ in range(num_towers)]
     # The last tower's update ops (by write_key): exact although they write
@@ -90,7 +91,7 @@ class MovingStatistics:
   def trains(self) -> bool:
     """Whether a tower built a batch-norm layer that updates its moving
     statistics (one in training mode)."""
-    return any(self._shards)
+    return self._trains
 
   @contextlib.contextmanager
   def tower(self, index: int):
@@ -148,6 +149,7 @@ class MovingStatistics:
   def _assign(self, original, layer, variable, value, momentum, inputs_size):
     """Records the shard's statistic; the last tower applies the global one."""
     check_supported(layer)
+    self._trains = True
     if self._global_moments is not None:
       return self._assign_global(original, layer, variable, value, momentum,
                                  inputs_size)

@@ -88,7 +88,8 @@ def test_an_exact_model_is_equal_in_every_variable_metric_and_prediction(
 
 @pytest.mark.training
 def test_dropout_and_batch_norm_are_named_as_expected_sources(data):
-  report = _compare(data, params={'dropout': True, 'batch_norm': True})
+  report = _compare(data, params={'dropout': True, 'batch_norm': True},
+                    batch_norm='per_tower')
   assert report.verdict == equivalence.EXPLAINED, report.format()
   # Each found on its own: without either one, this list is shorter.
   assert _explaining(report) == ['random ops', 'batch norm']
@@ -199,12 +200,15 @@ def test_sources_are_read_off_the_towered_graph_and_options_rule_them_out(
   with tf.Graph().as_default():
     features, labels = tf1.data.make_one_shot_iterator(
         dataset_input_fn({'x': data[0]}, data[1])()).get_next()
-    graph_sources.read(replicate_model_fn(_small_model_fn)(
-        features, labels, tf.estimator.ModeKeys.TRAIN,
-        {'dropout': True, 'batch_norm': True},
-        make_run_config(cpu_devices=2)))
+    graph_sources.read(replicate_model_fn(
+        _small_model_fn, batch_norm='per_tower')(
+            features, labels, tf.estimator.ModeKeys.TRAIN,
+            {'dropout': True, 'batch_norm': True},
+            make_run_config(cpu_devices=2)))
   tolerance = (1e-4, 1e-5)
-  found = {s.name: s for s in graph_sources.sources('CPU', {}, tolerance)}
+  per_tower = {'batch_norm': 'per_tower'}
+  found = {s.name: s
+           for s in graph_sources.sources('CPU', per_tower, tolerance)}
   assert list(found) == ['random ops', 'batch norm', 'tolerance']
   assert 'dropout/' in found['random ops'].detail  # Tower 0's op name.
   assert '(batch_normalization)' in found['batch norm'].detail
@@ -214,7 +218,7 @@ def test_sources_are_read_off_the_towered_graph_and_options_rule_them_out(
   assert [s.explains for s in ruled_out] == [False, False, False]
   assert "With random_ops='one_device'" in ruled_out[0].detail
   # GPU towers without op determinism add a source of their own.
-  on_gpus = graph_sources.sources('GPU', {}, tolerance)
+  on_gpus = graph_sources.sources('GPU', per_tower, tolerance)
   assert on_gpus[2].name == 'non-deterministic kernels' and on_gpus[2].explains
 
 
@@ -298,3 +302,10 @@ def test_check_cli_exits_2_with_one_line_on_a_bad_tower_count():
   assert result.stderr.strip().splitlines() == [
       'check: error: --cpu-towers=1: the check compares one device with '
       'towers; give --cpu-towers=2 or more.']
+
+
+@pytest.mark.training
+def test_batch_norm_is_equal_by_default(data):
+  # batch_norm='global' is replicate_model_fn's default: nothing to explain.
+  report = _compare(data, params={'batch_norm': True})
+  assert report.verdict == equivalence.EQUAL, report.format()
