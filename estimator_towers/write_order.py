@@ -85,8 +85,9 @@ def order_writes(fetches: Sequence, update_results: Iterable[tf.Operation],
       # The update does not wait for it, so this edge closes no cycle.
       new = [op for op in update_results if op not in write.control_inputs]
       write._add_control_inputs(new)  # pylint: disable=protected-access
-      keep_whole(new)
+      step.waited_for.extend(new)
       added += len(new)
+  keep_whole(step.waited_for)
   return added
 
 
@@ -100,21 +101,23 @@ def keep_whole(ops: Iterable[tf.Operation]) -> None:
   of them orders their reads too (see the module doc).
 
   One that writes nothing passes its reads on only through its outputs,
-  which a lowered op does wait for. One that takes variables placed on a
-  device and others left to the placer (a global_step made before the
-  model_fn) stays lowered: as one call it would pin those to its device,
-  which another such op may need elsewhere.
+  which a lowered op does wait for. As one call, such an op runs where its
+  variables are: the variables the calls take together (a global_step
+  placed by the placer, taken beside weights placed on a device) must be
+  able to share one device.
 
   Raises:
-    ValueError: Such an op takes variables on several devices: as a
-      function call it would have to run on each of them.
+    ValueError: Such ops take variables on several devices together: as
+      function calls they would have to run on each of them.
   """
+  ops = [op for op in dict.fromkeys(ops) if _lowered_write(op)]
+  groups = _Groups()
   for op in ops:
-    if not _lowered_write(op):
-      continue
-    devices = sorted({_source(t).device for t in op.inputs
-                      if _takes_variable(t)})
-    if len(devices) > 1 and '' not in devices:
+    groups.join([_source(t) for t in op.inputs if _takes_variable(t)])
+  for op in ops:
+    devices = groups.devices(_source(next(
+        t for t in op.inputs if _takes_variable(t))))
+    if len(devices) > 1:
       raise ValueError(
           f'{op.name} (a tf.cond, tf.case or tf.while_loop) assigns to '
           f'variables and takes variables on several devices ({devices}), '
@@ -123,9 +126,30 @@ def keep_whole(ops: Iterable[tf.Operation]) -> None:
           'not wait for its assignments, so that order cannot be kept. Use '
           "aggregation='global_loss', which keeps the variables on one "
           'device.')
-    if len(devices) == 1:
-      op._set_attr('_lower_using_switch_merge',  # pylint: disable=protected-access
-                   tf.compat.v1.AttrValue(b=False))
+    op._set_attr('_lower_using_switch_merge',  # pylint: disable=protected-access
+                 tf.compat.v1.AttrValue(b=False))
+
+
+class _Groups:
+  """Variables that must share a device, joined (union-find)."""
+
+  def __init__(self):
+    self._parent: Dict[tf.Operation, tf.Operation] = {}
+
+  def _root(self, op: tf.Operation) -> tf.Operation:
+    while self._parent.get(op, op) is not op:
+      op = self._parent[op]
+    return op
+
+  def join(self, ops: Sequence[tf.Operation]) -> None:
+    for op in ops[1:]:
+      self._parent[self._root(op)] = self._root(ops[0])
+
+  def devices(self, op: tf.Operation) -> List[str]:
+    """The devices placed on the variables joined with `op`."""
+    root = self._root(op)
+    members = [root] + [o for o in self._parent if self._root(o) is root]
+    return sorted({o.device for o in members} - {''})
 
 
 def _lowered_write(op: tf.Operation) -> bool:
@@ -139,6 +163,8 @@ class _Step:
     self.ops = op_ledger.ancestors(_op(f) for f in fetches if f is not None)
     self.reads: Dict[str, List[tf.Operation]] = {}
     self.writes: Dict[str, List[tf.Operation]] = {}
+    # Ops that some write was made to wait for (for keep_whole).
+    self.waited_for: List[tf.Operation] = []
     for op in self.ops:
       if _in_v1_control_flow(op):
         continue
@@ -166,7 +192,7 @@ class _Step:
       added = [o for o in added if o not in before_op]
     if added:
       op._add_control_inputs(added)  # pylint: disable=protected-access
-      keep_whole(added)
+      self.waited_for.extend(added)
       if any(self._place(o) > self._place(op) for o in added):
         self._position = self._reads_first_order()
     return len(added)
