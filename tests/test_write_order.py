@@ -544,3 +544,14 @@ def test_a_nested_snapshot_trains_as_one_device(model_fn):
     for name, value in expected.items():
       np.testing.assert_allclose(actual[name], value, rtol=1e-4, atol=1e-6,
                                  err_msg=f'{name}, run {run}')
+
+
+@pytest.mark.fast
+def test_an_assigning_cond_taking_the_unplaced_step_is_kept_whole():
+  # The step has no device of its own; the weights have one. Left lowered,
+  # the outer cond's end did not wait for the inner cond's assignment.
+  _, spec, _ = _build(_nested_cond_snapshot_model_fn, 2)
+  outer = [op for op in _ancestors([spec.train_op]) if op.type == 'If' and
+           'split_batch' not in op.name]
+  assert outer
+  assert not any(op.get_attr('_lower_using_switch_merge') for op in outer)
