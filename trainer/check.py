@@ -87,7 +87,8 @@ def main(argv):
         eval_input_fn=data.eval_input_fn(options.eval_batch_size),
         eval_steps=options.eval_steps, device_type=device_type,
         aggregation=options.aggregation or 'global_loss',
-        random_ops=options.random_ops)
+        random_ops=options.random_ops, batch_norm=options.batch_norm,
+        micro_batches=options.micro_batches)
   # Ends with the verdict; a warning line before it when EXPLAINED.
   print(report.format(max_rows=cli.value('max-rows')), flush=True)
   if report.verdict == equivalence.FAILURE:
