@@ -23,6 +23,7 @@ from estimator_towers import task_sync
 from trainer import assembly
 from trainer import checkpoint_check
 from trainer import cluster_agreement
+from trainer import cluster_rendezvous
 from trainer import cluster_config
 from trainer import data_sample
 from trainer.cluster import private_network
@@ -279,6 +280,9 @@ def run(options: TaskOptions) -> RunResult:
   # Everything that can be checked is checked before the job dir is touched.
   _check_reachable(job_dir)
   vertex.check_outputs()
+  # Before any server starts: the runtime fails late and unreadably (or
+  # crashes) on tasks given different clusters.
+  cluster_rendezvous.check_same_cluster(model_dir, tf_config)
   run_ = _Run(options, model_dir, task)
   # trainer.faults phrases a port taken or a full disk with these.
   with faults.run_noted(model_dir, tf_config):
