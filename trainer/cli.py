@@ -193,7 +193,7 @@ def help_text(full: bool = False) -> str:
   doc = (getattr(sys.modules['__main__'], '__doc__', None) or '').strip()
   sections = [doc] if doc else []
   for module in modules:
-    section = FLAGS.module_help(module).strip()
+    section = _without_aliases(FLAGS.module_help(module).strip())
     if module == __name__:
       section = 'flags' + section[len(module):]
     sections.append(section)
@@ -203,6 +203,20 @@ def help_text(full: bool = False) -> str:
       ('' if full else ' --helpfull adds the flags of absl (logging) and '
        'TensorFlow.'), 80))
   return '\n\n'.join(sections) + '\n'
+
+
+def _without_aliases(section: str) -> str:
+  """absl's help of a module, less its aliases' entries (a flag's first line
+  and the indented lines that follow it)."""
+  lines, skipping = [], False
+  for line in section.splitlines():
+    if line.startswith('  --'):
+      skipping = ': Alias for --' in line
+    elif not line.startswith('    '):
+      skipping = False
+    if not skipping:
+      lines.append(line)
+  return '\n'.join(lines)
 
 
 def _listed(group: List[flags.Flag]) -> bool:
