@@ -181,3 +181,29 @@ def test_warm_start_stop_at_profile_run_log_and_clean_in_a_run(
   assert eval_line(again)['global_step'] == '6'
   events = [r['event'] for r in read_json_lines(job / 'run_log.jsonl')]
   assert events.count('options') == 1
+
+
+@pytest.mark.fast
+def test_a_checkpoint_that_does_not_fit_fails_in_one_line(tmp_path):
+  source = tmp_path / 'source'
+  source.mkdir()
+  _save_checkpoint(str(source), 7)
+
+  def model_fn(features, labels, mode):
+    del features, labels
+    extra = tf1.get_variable('not_in_checkpoint', [3])
+    loss = tf.reduce_sum(tf1.get_variable('w', [2])) + tf.reduce_sum(extra)
+    train_op = tf1.assign_add(tf1.train.get_or_create_global_step(), 1)
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  estimator = tf.estimator.Estimator(
+      model_fn, str(tmp_path / 'job'),
+      warm_start_from=warm_start.settings(str(source)))
+  with pytest.raises(ValueError) as raised:
+    estimator.train(lambda: tf.data.Dataset.from_tensors(0.0).repeat(),
+                    steps=1)
+  message = str(warm_start.phrased(raised.value, str(source)))
+  assert message.startswith(f'--warm-start-from={source}: the checkpoint '
+                            'does not fit the model (')
+  assert 'not_in_checkpoint' in message and '{' not in message
+  assert '\n' not in message

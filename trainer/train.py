@@ -293,7 +293,7 @@ def run(options: TaskOptions, clean: bool = False) -> RunResult:
   # Everything that can be checked is checked before the job dir is touched.
   _check_reachable(job_dir)
   vertex.check_outputs()
-  if clean and task:
+  if clean and task.get('type'):  # (A trial's TF_CONFIG has a task too.)
     raise options_lib.OptionError(
         '--clean empties the job dir of a local run; a cluster\'s tasks '
         'share theirs while they start: remove it before starting the '
@@ -457,7 +457,7 @@ class _Run:
   def __init__(self, options: TaskOptions, model_dir: str,
                task: Dict[str, Any]):
     self._options, self._model_dir, self._task = options, model_dir, task
-    if options.stop_at and task:
+    if options.stop_at and task.get('type'):
       # Its evaluator lags the chief, and a synchronous cluster's workers
       # would wait for a chief that stopped.
       raise options_lib.OptionError(

@@ -65,7 +65,8 @@ class LogEcho:
     write: Where the lines go (print by default).
   """
 
-  def __init__(self, task: Task, write: Callable[[str], None] = None):
+  def __init__(self, task: Task,
+               write: Optional[Callable[[str], None]] = None):
     self._task = task
     self._write = write or (lambda line: print(line, flush=True))
     self._offset = 0
