@@ -202,6 +202,7 @@ def test_a_checkpoint_that_does_not_fit_fails_in_one_line(tmp_path):
   with pytest.raises(ValueError) as raised:
     estimator.train(lambda: tf.data.Dataset.from_tensors(0.0).repeat(),
                     steps=1)
+  assert warm_start.is_misfit(raised.value)
   message = str(warm_start.phrased(raised.value, str(source)))
   assert message.startswith(f'--warm-start-from={source}: the checkpoint '
                             'does not fit the model (')

@@ -3,7 +3,8 @@
 Runs locally, under `gcloud ai-platform local train --module-name
 trainer.task --package-path trainer`, as a Cloud / Vertex AI job and as one
 trial of a hyperparameter sweep. With no data flags it trains the default DNN
-on the embedded digits data set. `--helpfull` lists every flag.
+on the embedded digits data set. `--help` lists its flags by topic;
+`--helpfull` adds absl's and TensorFlow's.
 
 This module only parses flags; `trainer.train` does the work.
 """

@@ -527,7 +527,7 @@ class _Run:
     except ValueError as e:
       start = self._options.warm_start_from
       # The Estimator warm-starts while it builds the training graph.
-      if start and 'checkpoint' in str(e).lower():
+      if start and warm_start.is_misfit(e):
         raise warm_start.phrased(e, start) from e
       raise
 

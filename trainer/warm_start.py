@@ -84,6 +84,16 @@ def check_job_dir(model_dir: str, config_file: str,
       '--clean to start the job dir afresh, or choose a new --job-dir.')
 
 
+# What the Estimator's warm start raises when a variable of the model is
+# missing from the checkpoint, or has another shape there.
+_MISFIT = re.compile(r'is not found in .* checkpoint|from checkpoint reader')
+
+
+def is_misfit(error: ValueError) -> bool:
+  """Whether `error` is the warm start's: the checkpoint does not fit."""
+  return bool(_MISFIT.search(str(error)))
+
+
 def phrased(error: ValueError, path: str) -> ValueError:
   """The Estimator's error on a checkpoint that does not fit, with the flag.
 
