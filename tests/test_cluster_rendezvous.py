@@ -82,6 +82,22 @@ def test_a_stale_file_of_an_earlier_start_is_not_compared(tmp_path):
 
 
 @pytest.mark.fast
+def test_a_task_restarted_alone_goes_on_at_once_beside_running_ones(tmp_path):
+  # The chief started long ago and no longer rewrites its file.
+  folder = tmp_path / cluster_rendezvous.FOLDER
+  folder.mkdir()
+  running = folder / 'chief-0.json'
+  running.write_text(json.dumps({'task': 'chief:0', 'cluster': CHIEF}))
+  old = time.time() - 600
+  os.utime(running, (old, old))
+  start = time.monotonic()
+  cluster_rendezvous.check_same_cluster(str(tmp_path),
+                                        _config(CHIEF, 'worker'),
+                                        wait_secs=20.0)
+  assert time.monotonic() - start < 5
+
+
+@pytest.mark.fast
 def test_a_task_that_never_comes_is_waited_for_a_bounded_time(tmp_path,
                                                               caplog):
   start = time.monotonic()

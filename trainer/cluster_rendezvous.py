@@ -10,12 +10,14 @@ dir, so each writes its cluster there (`<model dir>/tf_config/<task>.json`)
 and reads the others' before its server starts, and a difference ends every
 task in one line naming both clusters.
 
-A file counts only while it is fresh: a task rewrites its own every second
-while it waits and for `wait_secs` after (for the tasks starting later),
-and files left by an earlier start of the job (older than `FRESH_SECS` by
-the file system's clock) are not compared -- a job restarted with a
-corrected cluster must not fail on the files of the wrong one. The wait is
-bounded: a task that does not show up in time (not started yet, or
+A file that lists the same cluster is enough, however old (a task
+restarted alone finds the running tasks' files and goes on at once). One
+that lists another cluster fails the task only while it is fresh: a task
+rewrites its own every second while it waits and for `wait_secs` after
+(for the tasks starting later), and a file left by an earlier start of the
+job (older than `FRESH_SECS` by the file system's clock) is not held
+against this one -- a job restarted with a corrected cluster must not fail
+on the files of the wrong one. The wait is bounded: a task that does not show up in time (not started yet, or
 a job dir the machines do not share) is not compared, and the collectives'
 own start-up checks take over.
 """
@@ -117,20 +119,19 @@ def check_same_cluster(model_dir: str, tf_config: Optional[Dict[str, Any]],
   last_beat, mine = time.monotonic(), files.beat()
   while pending:
     for member in list(pending):
-      written = files.mtime(member)
-      if written is None or written < mine - FRESH_SECS:
-        continue
       theirs = files.read(member)
       if theirs is None:
         continue
       if theirs['cluster'] != cluster:
+        written = files.mtime(member)
+        if written is None or written < mine - FRESH_SECS:
+          continue  # An earlier start's: wait for this start's file.
         raise ValueError(
             f'TF_CONFIG differs between the tasks: {theirs["task"]} has the '
             f'cluster {_describe(theirs["cluster"])}, {me} has '
-            f'{_describe(cluster)}. Give '
-            'every task the same cluster (the same jobs, the leader named '
-            'alike, the same addresses in the same order) and start them '
-            'all again.')
+            f'{_describe(cluster)}. Give every task the same cluster (the '
+            'same jobs, the leader named alike, the same addresses in the '
+            'same order) and start them all again.')
       pending.remove(member)
     if not pending:
       break
