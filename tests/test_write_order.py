@@ -607,6 +607,28 @@ def test_a_ref_variable_read_through_its_alias_trains_as_one_device():
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize('aggregation', AGGREGATIONS)
+def test_a_snapshot_under_a_tf1_cond_is_read_before_the_update(aggregation):
+  # disable_v2_behavior() builds TF1 conds; nothing ordered the branch's read
+  # of the weights before the update (7-9 of 20 tower runs read new ones).
+  tf1.disable_control_flow_v2()
+  try:
+    _, spec, _ = _build(_cond_snapshot_model_fn, 2, aggregation)
+  finally:
+    tf1.enable_control_flow_v2()
+  step = _ancestors([spec.train_op])
+  reads = [op for op in step if op.type == 'ReadVariableOp' and
+           op._control_flow_context is not None and  # pylint: disable=protected-access
+           _variable_of(op.inputs[0]).endswith('w')]
+  updates = [op for op in step if op.type == 'ResourceApplyGradientDescent']
+  assert reads and updates
+  for update in updates:
+    if _variable_of(update.inputs[0]) in {_variable_of(r.inputs[0])
+                                          for r in reads}:
+      assert set(reads) & _ancestors([update]), update.name
+
+
+@pytest.mark.fast
 def test_an_assigning_cond_taking_the_unplaced_step_is_kept_whole():
   # The step has no device of its own; the weights have one. Left lowered,
   # the outer cond's end did not wait for the inner cond's assignment.
