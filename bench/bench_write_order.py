@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tensorflow as tf
 
 from bench import resnet_steps
-from estimator_towers import write_order
+from estimator_towers.update import write_order
 
 _ORDERED = write_order.order_writes
 

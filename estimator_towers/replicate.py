@@ -15,29 +15,29 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence
 import tensorflow as tf
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
-from estimator_towers import aggregation as aggregation_lib
-from estimator_towers import global_batch_norm
-from estimator_towers import loss_reduction as reduction_lib
-from estimator_towers import loss_scaling
-from estimator_towers import metric_adds
-from estimator_towers import micro_batches as micro_batches_lib
-from estimator_towers import moving_statistics
-from estimator_towers import one_machine
-from estimator_towers import one_update
-from estimator_towers import op_ledger
-from estimator_towers import optimizer_iterations
-from estimator_towers import peer_watch
-from estimator_towers import random_draws
-from estimator_towers import scoped_collections
-from estimator_towers import sharding
-from estimator_towers import spec_merge
-from estimator_towers import table_sharing
-from estimator_towers import task_sync
+from estimator_towers.aggregation import strategies as aggregation_lib
+from estimator_towers.towers import global_batch_norm
+from estimator_towers.towers import loss_reduction as reduction_lib
+from estimator_towers.update import loss_scaling
+from estimator_towers.merge import metric_adds
+from estimator_towers.update import micro_batches as micro_batches_lib
+from estimator_towers.towers import moving_statistics
+from estimator_towers.cluster import one_machine
+from estimator_towers.update import one_update
+from estimator_towers.graph import op_ledger
+from estimator_towers.towers import optimizer_iterations
+from estimator_towers.cluster import peer_watch
+from estimator_towers.towers import random_draws
+from estimator_towers.towers import scoped_collections
+from estimator_towers.towers import sharding
+from estimator_towers.merge import spec_merge
+from estimator_towers.towers import table_sharing
+from estimator_towers.cluster import task_sync
 from estimator_towers import tower as tower_lib
-from estimator_towers import tower_effects
-from estimator_towers import tpu_spec
-from estimator_towers import variable_sharing
-from estimator_towers import write_order
+from estimator_towers.towers import tower_effects
+from estimator_towers.merge import tpu_spec
+from estimator_towers.towers import variable_sharing
+from estimator_towers.update import write_order
 from estimator_towers.run_config import session_device_counts
 
 tf1 = tf.compat.v1

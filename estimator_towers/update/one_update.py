@@ -48,10 +48,10 @@ from typing import (Any, Callable, Dict, Iterator, List, NamedTuple,
 
 import tensorflow as tf
 
-from estimator_towers import gradient_routing as calls
-from estimator_towers import loss_scaling
-from estimator_towers import op_ledger
-from estimator_towers import write_order
+from estimator_towers.update import gradient_routing as calls
+from estimator_towers.update import loss_scaling
+from estimator_towers.graph import op_ledger
+from estimator_towers.update import write_order
 
 # A named logger, not absl's functions: their first call in a script
 # configures the root logger, after which every TensorFlow record prints

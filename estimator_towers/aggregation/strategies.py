@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import tensorflow as tf
 
-from estimator_towers import replicas as replicas_lib
+from estimator_towers.aggregation import replicas as replicas_lib
 
 AGGREGATIONS = ('global_loss', 'round_robin', 'all_reduce')
 DEFAULT_VARIABLES_DEVICE = '/device:CPU:0'

@@ -66,9 +66,9 @@ from keras.src.utils import control_flow_util
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 
-from estimator_towers import collective_keys
-from estimator_towers import moving_statistics
-from estimator_towers import patching
+from estimator_towers.collectives import collective_keys
+from estimator_towers.towers import moving_statistics
+from estimator_towers.graph import patching
 
 tf1 = tf.compat.v1
 _Base = keras_bn.BatchNormalizationBase

@@ -35,10 +35,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import tensorflow as tf
 
-from estimator_towers import cross_device
-from estimator_towers import gradient_routing as calls
-from estimator_towers import op_ledger
-from estimator_towers import task_sync
+from estimator_towers.collectives import cross_device
+from estimator_towers.update import gradient_routing as calls
+from estimator_towers.graph import op_ledger
+from estimator_towers.cluster import task_sync
 from tensorflow.python.ops import variables as variables_lib  # pylint: disable=g-direct-tensorflow-import,g-bad-import-order
 
 tf1 = tf.compat.v1

@@ -40,8 +40,8 @@ from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional,
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 
-from estimator_towers import collective_keys
-from estimator_towers import task_agreement
+from estimator_towers.collectives import collective_keys
+from estimator_towers.cluster import task_agreement
 
 # A prime far from small seeds: task k's graph seed is seed + k * stride.
 _SEED_STRIDE = 1_000_003
