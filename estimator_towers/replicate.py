@@ -340,7 +340,7 @@ class _TowerBuilder:
   Args:
     model_fn: The one-device model_fn.
     devices: The tower devices.
-    strategy: The aggregation strategy (aggregation.Strategy): where
+    strategy: The aggregation strategy (strategies.Strategy): where
       variables live, and the towers' gradient path to the one update.
     task_group: The tasks training together (task_sync.TaskGroup or
       one_machine.OneMachine).

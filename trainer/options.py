@@ -446,7 +446,7 @@ def aggregation_for(options: TaskOptions, config) -> str:
 
   Raises:
     OptionError: the aggregation cannot train in this cluster
-      (aggregation.check_tasks says why), or with --micro-batches.
+      (strategies.check_tasks says why), or with --micro-batches.
   """
   aggregation = options.aggregation
   if aggregation is None:

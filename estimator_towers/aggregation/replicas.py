@@ -25,7 +25,7 @@ Non-trainable variables (batch-norm statistics, counters) are not copied:
 every tower uses the primary, as with the other strategies.
 
 `Replicas` is the all_reduce strategy's gradient path in TRAIN: it has the
-methods of `aggregation.SharedVariables`, the path of one shared set, and
+methods of `strategies.SharedVariables`, the path of one shared set, and
 the builder and the one update call them without asking which they have.
 """
 
@@ -62,7 +62,7 @@ class Replicas:
     devices: The tower devices; tower i's copies live on devices[i].
     unshared: A context factory inside which variables may be created
       freely (see `VariableSharing.unshared`).
-    placement: The aggregation.AllReduce strategy, which lets the
+    placement: The strategies.AllReduce strategy, which lets the
       all-reduce ops keep the devices given here.
     task_group: The training tasks: in a synchronous cluster a
       task_sync.TaskGroup, over which gradients are also summed and to
@@ -428,7 +428,7 @@ class Replicas:
     return _SyncingScaffold(self, scaffold)
 
   # ----------------------------------------------------------------------
-  # The gradient path (see aggregation.SharedVariables).
+  # The gradient path (see strategies.SharedVariables).
 
   def check_nested_call(self, call: calls.Call, graph: tf.Graph,
                         towers_graph: tf.Graph) -> None:
@@ -598,7 +598,7 @@ def instead_of_all_reduce(in_cluster: bool) -> str:
 
   Args:
     in_cluster: Whether the towers are those of a synchronous cluster,
-      where no other aggregation trains (see `aggregation.check_tasks`).
+      where no other aggregation trains (see `strategies.check_tasks`).
 
   Returns:
     A sentence.

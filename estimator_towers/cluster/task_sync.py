@@ -113,7 +113,7 @@ class TaskGroup:
       collectives run on that device of every task.
     timeout_secs: How long the start's broadcast may wait for the other
       tasks (the steps are bounded by peer_watch.StepWatch).
-    placement: The tower builder's aggregation.Strategy: its device
+    placement: The tower builder's strategies.Strategy: its device
       functions must let the collectives keep this task's collective device.
   """
 

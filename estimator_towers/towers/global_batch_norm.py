@@ -127,7 +127,7 @@ class GlobalMoments:
     task_group: The training tasks (task_sync.TaskGroup in a synchronous
       cluster, whose towers exchange their moments too;
       one_machine.OneMachine else).
-    placement: The tower builder's aggregation.Strategy, whose device
+    placement: The tower builder's strategies.Strategy, whose device
       function must let the collectives keep their tower's device.
   """
 

@@ -29,11 +29,11 @@ must not feed back into a tower's loss or predictions (a penalty on the
 weights' gradient): earlier towers hold zeros there, so that is an error.
 
 What a gradient or update call does with the variables is the aggregation
-strategy's gradient path (see aggregation.py): with one shared set, a
-gradient call differentiates the global loss once and an update runs as
-made; with the 'all_reduce' copies, a gradient call differentiates each
+strategy's gradient path (see aggregation/strategies.py): with one shared
+set, a gradient call differentiates the global loss once and an update runs
+as made; with the 'all_reduce' copies, a gradient call differentiates each
 tower's part w.r.t. its copies and all-reduces the gradients, and the base
-`apply_gradients` updates every copy (see replicas.py).
+`apply_gradients` updates every copy (see aggregation/replicas.py).
 
 Loss-scale optimizers are such wrappers. When the session's float16 rewrite
 is on, the last tower's outermost call is made on a loss-scale wrapper of
@@ -78,8 +78,8 @@ class OneUpdate:
     unshared: A context factory inside which new variables (slots) may be
       created in any tower; see `VariableSharing.unshared`.
     path: The aggregation strategy's gradient path: one shared set of
-      variables (aggregation.SharedVariables) or a copy per tower device
-      (replicas.Replicas); see `aggregation.Strategy.gradient_path`.
+      variables (strategies.SharedVariables) or a copy per tower device
+      (replicas.Replicas); see `strategies.Strategy.gradient_path`.
     has_rows: Whether this task's batch has any example (a bool scalar),
       for the gradients summed over the tasks of a cluster.
     training: False in EVAL and PREDICT: `tf.gradients` then stays each
