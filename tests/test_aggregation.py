@@ -414,6 +414,45 @@ def test_sparse_embedding_gradients_equal_one_device(tmp_path, one_device,
   assert any('embedding_weights/Momentum' in name for name in runs[3])
 
 
+def _ref_variables_model_fn(features, labels, mode):
+  """TF1 ref variables (what `tf.compat.v1.disable_v2_behavior()` makes),
+  updated in place by Momentum's kernels."""
+  scope = tf1.get_variable_scope()
+  with tf1.variable_scope(scope, use_resource=False):
+    hidden = tf1.layers.dense(features['x'], 8, activation=tf.nn.tanh,
+                              kernel_initializer=tf1.glorot_uniform_initializer(
+                                  seed=1))
+    logits = tf1.layers.dense(hidden, 2, kernel_initializer=
+                              tf1.glorot_uniform_initializer(seed=2))
+  assert tf1.trainable_variables()[0].dtype._is_ref_dtype  # pylint: disable=protected-access
+  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf1.train.MomentumOptimizer(0.5, 0.9).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.training
+@pytest.mark.parametrize('towers,aggregation', [
+    (2, 'all_reduce'), (3, 'all_reduce'), (3, 'global_loss')])
+def test_ref_variables_equal_one_device(tmp_path, data, one_device, towers,
+                                        aggregation):
+  # A copy set from a ref variable shared its memory: the primary's
+  # in-place update moved the copy too, which then stepped twice (about
+  # one step in two).
+  x, y = data
+  input_fn = dataset_input_fn({'x': x}, y, BATCH)
+
+  def train(model_dir, count, **kwargs):
+    estimator = make_estimator(_ref_variables_model_fn, model_dir, count,
+                               **kwargs)
+    estimator.train(input_fn, steps=4 * STEPS)
+    return variables_of(estimator)
+
+  one = one_device('ref', lambda d: train(d, 1))
+  assert_same_variables(one, train(tmp_path / 'many', towers,
+                                   aggregation=aggregation))
+
+
 def _batch_norm_model_fn(features, labels, mode):
   training = mode == tf.estimator.ModeKeys.TRAIN
   net = tf1.layers.batch_normalization(features['x'], training=training,

@@ -347,7 +347,7 @@ class Replicas:
           written[target] = primaries[target]
     updates = tf.nest.flatten(update)
     with tf.name_scope('sync_replicas'), tf.control_dependencies(updates):
-      assigns = [copy.assign(primary.read_value()).op
+      assigns = [copy.assign(_copied(primary)).op
                  for primary in written.values()
                  for copy in self._copies[id(primary)][1:]]
     return tf.group(*updates, *assigns, *self.unused_sums())
@@ -405,7 +405,7 @@ class Replicas:
     """Sets every copy and copy slot from its primary, after `after`."""
     with tf.name_scope('sync_replicas'):
       with tf.control_dependencies([after]):
-        assigns = [copy.assign(primary.read_value()).op
+        assigns = [copy.assign(_copied(primary)).op
                    for primary, copy in self.pairs()]
       return tf.group(after, *assigns)
 
@@ -659,6 +659,21 @@ def _running_all(sums: list, device: str):
     return sums[0]
   with tf.device(device), tf.control_dependencies(sums[1:]):
     return tf.identity(sums[0])
+
+
+def _copied(primary) -> tf.Tensor:
+  """The primary's value in a buffer of its own.
+
+  A ref variable's read shares the variable's memory, and a copy assigned
+  from it can keep sharing it (virtual CPU devices share one allocator).
+  The primary's in-place update then also moves the copy, which its own
+  copy-on-write update takes as its start: the copy stepped twice in about
+  half the runs (tf.compat.v1.disable_resource_variables(), all_reduce).
+  """
+  value = primary.read_value()
+  if primary.dtype._is_ref_dtype:  # pylint: disable=protected-access
+    value = tf.raw_ops.Snapshot(input=value)
+  return value
 
 
 def _handle_name(variable) -> str:
