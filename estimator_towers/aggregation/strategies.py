@@ -20,7 +20,8 @@ build its gradient path, the code through which the towers' gradients
 become the one update. 'global_loss' and 'round_robin' (and every strategy
 outside TRAIN, where the towers read tower 0's variables) take
 `SharedVariables`, one set of variables that the update writes directly;
-'all_reduce' in TRAIN takes `replicas.Replicas`, a copy per tower device.
+'all_reduce' in TRAIN takes `replica_path.ReplicaPath`, over a copy per
+tower device (`replicas.Replicas`).
 The one update and the builder call the path the same way whichever it is.
 """
 
@@ -30,6 +31,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import tensorflow as tf
 
+from estimator_towers.aggregation import replica_path
 from estimator_towers.aggregation import replicas as replicas_lib
 
 AGGREGATIONS = ('global_loss', 'round_robin', 'all_reduce')
@@ -144,8 +146,8 @@ class Strategy:
 class SharedVariables:
   """The gradient path of one set of variables that every tower uses.
 
-  Its counterpart for 'all_reduce' in TRAIN is `replicas.Replicas`, with the
-  same methods: the builder and the one update call whichever they are
+  Its counterpart for 'all_reduce' in TRAIN is `replica_path.ReplicaPath`,
+  with the same methods: the builder and the one update call whichever they are
   given, and never ask which it is.
   """
 
@@ -270,11 +272,13 @@ class AllReduce(Strategy):
     return '' if applying else self._devices[tower]
 
   def gradient_path(self, training, unshared, task_group):
-    """Copies per tower device in TRAIN (`replicas.Replicas`); other modes
-    read the primaries, which are tower 0's variables (`SharedVariables`)."""
+    """Copies per tower device in TRAIN (`replica_path.ReplicaPath` over
+    `replicas.Replicas`); other modes read the primaries, which are tower
+    0's variables (`SharedVariables`)."""
     if not training:
       return SharedVariables()
-    return replicas_lib.Replicas(self._devices, unshared, self, task_group)
+    return replica_path.ReplicaPath(
+        replicas_lib.Replicas(self._devices, unshared, self, task_group))
 
 
 def make(aggregation: str, devices: Sequence[str],

@@ -49,7 +49,7 @@ class VariableSharing:
     self._local = threading.local()
     # The aggregation strategy's gradient path (the builder sets it):
     # `tower_variable` (primary, tower index) -> what that tower uses,
-    # `primary_name`; all_reduce's replicas.Replicas hands out copies.
+    # `primary_name`; all_reduce's replica_path.ReplicaPath hands out copies.
     self.copies = None
 
   def _for_tower(self, variable, index: int):

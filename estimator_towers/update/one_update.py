@@ -79,7 +79,7 @@ class OneUpdate:
       created in any tower; see `VariableSharing.unshared`.
     path: The aggregation strategy's gradient path: one shared set of
       variables (strategies.SharedVariables) or a copy per tower device
-      (replicas.Replicas); see `strategies.Strategy.gradient_path`.
+      (replica_path.ReplicaPath); see `strategies.Strategy.gradient_path`.
     has_rows: Whether this task's batch has any example (a bool scalar),
       for the gradients summed over the tasks of a cluster.
     training: False in EVAL and PREDICT: `tf.gradients` then stays each
