@@ -412,7 +412,11 @@ class _TowerBuilder:
   def _split_batch(self, features, labels):
     """Phase 1: the towers' shards, and whether the batch has any example."""
     num_towers = len(self._devices)
-    with tf.name_scope('split_batch'):
+    # Not compiled by XLA's auto-clustering: its shards have sizes known only
+    # at run time, which XLA cannot prove equal where the ops after the split
+    # need them to be (bfloat16 + --xla failed to compile on AVX2 CPUs).
+    with tf.name_scope('split_batch'), tf.xla.experimental.jit_scope(
+        compile_ops=False):
       batch = sharding.global_batch_size(
           sharding.named_leaves(features, labels))
       sizes = sharding.shard_sizes(batch, num_towers)

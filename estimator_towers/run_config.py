@@ -400,8 +400,9 @@ def _set_mixed_precision(rewrite_options, mixed_precision: str,
   if not _pywrap_util_port.IsMklEnabled():
     raise ValueError(
         "mixed_precision='bfloat16' needs TensorFlow's oneDNN CPU ops, which "
-        'are off in this process (TF_ENABLE_ONEDNN_OPTS=0?); unset '
-        'TF_ENABLE_ONEDNN_OPTS or leave mixed_precision unset.')
+        'are off in this process (TensorFlow turns them on by default only '
+        'on CPUs with AVX-512): set TF_ENABLE_ONEDNN_OPTS=1 before '
+        'TensorFlow is imported, or leave mixed_precision unset.')
   rewrite_options.auto_mixed_precision_onednn_bfloat16 = _ON
 
 

@@ -127,7 +127,7 @@ def test_cluster_trains_evaluates_and_reports_in_a_private_network(tmp_path):
     with pytest.raises(ConnectionRefusedError):
       socket.create_connection((host, int(port)), timeout=5).close()
   finally:
-    code, _, err = _finish(process)
+    code, out, err = _finish(process)
   job = tmp_path / 'job'
   assert code == 0, err[-3000:]
   assert _reached(job, 600)
@@ -147,6 +147,12 @@ def test_cluster_trains_evaluates_and_reports_in_a_private_network(tmp_path):
   assert steps[-1] >= 600
   (export,) = os.listdir(job / 'export' / 'final')
   assert _log_has(job, 'chief-0', export)
+  # The launcher shows what the chief's log says of its progress and result.
+  lines = out.splitlines()
+  assert any(re.match(r'chief:0: step \d+: loss=', line) for line in lines)
+  assert [line for line in lines if line.startswith('chief:0: eval: ') and
+          'global_step=' in line and export in line], out
+  assert lines[-1].startswith('cluster: done'), out
 
 
 def _variables(checkpoint):

@@ -2,6 +2,9 @@
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -284,8 +287,41 @@ def test_session_device_counts_of_none_uses_this_machine(gpus):
 _ON = rewriter_config_pb2.RewriterConfig.ON
 
 
-@pytest.mark.fast
-def test_bfloat16_switches_on_the_onednn_rewrite_for_cpu_towers():
+def _in_a_process(check: str, onednn: str) -> None:
+  """Runs this module's function `check` in a fresh Python process with
+  TF_ENABLE_ONEDNN_OPTS=`onednn`: TensorFlow reads it once, at import, and
+  without it turns oneDNN on only on CPUs with AVX-512."""
+  tests = os.path.dirname(os.path.abspath(__file__))
+  code = (f'import sys; sys.path[:0] = [{tests!r}, {os.path.dirname(tests)!r}]'
+          f'; import test_run_config; test_run_config.{check}()')
+  result = subprocess.run(
+      [sys.executable, '-c', code], capture_output=True, text=True,
+      timeout=300, stdin=subprocess.DEVNULL,
+      env={**os.environ, 'TF_ENABLE_ONEDNN_OPTS': onednn,
+           'TF_CPP_MIN_LOG_LEVEL': '2'})
+  assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize('check', [
+    '_check_bfloat16_switches_on_the_onednn_rewrite',
+    '_check_bfloat16_session_multiplies_in_bfloat16_and_xla_compiles'])
+def test_bfloat16_with_onednn_on(check):
+  _in_a_process(check, onednn='1')
+
+
+@pytest.mark.cli
+def test_bfloat16_with_onednn_off_is_refused_saying_how_to_turn_it_on():
+  _in_a_process('_check_bfloat16_refused', onednn='0')
+
+
+def _check_bfloat16_refused():
+  with pytest.raises(ValueError, match='set TF_ENABLE_ONEDNN_OPTS=1 before '
+                     'TensorFlow is imported'):
+    rc.make_run_config(num_gpus=0, cpu_devices=2, mixed_precision='bfloat16')
+
+
+def _check_bfloat16_switches_on_the_onednn_rewrite():
   rewrite_options = rc.make_run_config(
       num_gpus=0, cpu_devices=2,
       mixed_precision='bfloat16').session_config.graph_options.rewrite_options
@@ -362,8 +398,7 @@ def _ops_run(session_config):
           for node in graph_def.node}
 
 
-@pytest.mark.fast
-def test_bfloat16_session_multiplies_in_bfloat16_and_xla_compiles():
+def _check_bfloat16_session_multiplies_in_bfloat16_and_xla_compiles():
   plain = _ops_run(rc.make_run_config(num_gpus=0,
                                       cpu_devices=2).session_config)
   assert not any(dtype == 'bfloat16' for _, dtype in plain)

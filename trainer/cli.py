@@ -19,6 +19,7 @@ import gc
 import glob
 import re
 import sys
+import textwrap
 from typing import Callable, List, NoReturn, Optional, Sequence
 
 from absl import app
@@ -31,6 +32,10 @@ EXIT_USAGE = 2
 # Other spellings are listed apart, so that --help shows each flag once.
 _SPELLINGS = 'other spellings (trainer.cli)'
 _HELP_FLAGS = ('--help', '--helpfull', '--helpshort', '--helpxml', '-h', '-?')
+# The help flags answered by help_text (absl answers --helpxml).
+_TOPIC_HELP = ('--help', '--helpfull', '--helpshort', '-?')
+# Flags of these modules are no entry point's own: --helpfull lists them.
+_LIBRARIES = ('absl.', 'tensorflow.', 'keras.', 'tf_keras.')
 
 
 class UsageError(app.UsageError):
@@ -67,12 +72,23 @@ class _Negation(flags.Flag):
 
 
 def define(kind: Callable, name: str, default, help_text: str,
-           **kwargs) -> None:
+           topic: Optional[str] = None, **kwargs) -> None:
   """Defines a flag with absl's `kind` (e.g. flags.DEFINE_string).
 
   A hyphenated name also gets its underscore spelling as an absl alias; a
   boolean also gets `--no-NAME`.
+
+  Args:
+    kind: absl's DEFINE_* function.
+    name: The flag's (hyphenated) name.
+    default: Its default.
+    help_text: Its help.
+    topic: The heading `--help` lists it under (absl's module name of the
+      flag); default: the entry point's flags, under 'flags'.
+    **kwargs: More arguments of `kind`.
   """
+  if topic:
+    kwargs['module_name'] = topic
   kind(name, default, help=help_text, **kwargs)
   spellings = [name]
   if '-' in name:
@@ -130,6 +146,10 @@ def parse(argv: Sequence[str], prog: str, passthrough: bool = False,
   split = argv.index('--') if '--' in argv else len(argv)
   own, rest = _short_help(_file_lists(argv[:split])), argv[split + 1:]
   ending = f'; {hint}' if hint else '.'
+  asked = _help_asked(own)
+  if asked:
+    sys.stdout.write(help_text(full=asked == '--helpfull'))
+    sys.exit(0)
   try:
     unparsed = FLAGS(own)
   except flags.Error as e:
@@ -144,6 +164,64 @@ def parse(argv: Sequence[str], prog: str, passthrough: bool = False,
   if stray:
     fail(prog, f'unexpected arguments {stray}{ending}', EXIT_USAGE)
   return [argv[0], *rest]
+
+
+def _help_asked(args: List[str]) -> Optional[str]:
+  """The help flag among `args` (not as the value of a flag), or None."""
+  for i, arg in enumerate(args[1:], 1):
+    if arg in _TOPIC_HELP and not _takes_next(args[i - 1]):
+      return arg
+  return None
+
+
+def help_text(full: bool = False) -> str:
+  """The entry point's `--help` (full: `--helpfull`), grouped by topic.
+
+  The entry point's own flags come first, under the topics they were
+  defined with (`define(..., topic=...)`); `--helpfull` adds absl's and
+  TensorFlow's. The underscore and `--no-NAME` spellings are left out (one
+  line says they exist): absl would list each flag again as an alias.
+  """
+  groups = FLAGS.flags_by_module_dict()
+  own = [m for m in groups if not m.startswith(_LIBRARIES) and
+         m not in (_SPELLINGS, __name__) and _listed(groups[m])]
+  if __name__ in groups:  # Defined with no topic: the entry point's own.
+    own.insert(0, __name__)
+  modules = own + ([m for m in sorted(groups)
+                    if m.startswith(_LIBRARIES) and _listed(groups[m])]
+                   if full else [])
+  doc = (getattr(sys.modules['__main__'], '__doc__', None) or '').strip()
+  sections = [doc] if doc else []
+  for module in modules:
+    section = _without_aliases(FLAGS.module_help(module).strip())
+    if module == __name__:
+      section = 'flags' + section[len(module):]
+    sections.append(section)
+  sections.append(textwrap.fill(
+      'Every hyphenated flag also takes its underscore spelling (--job_dir), '
+      'and a boolean --no-NAME and --noNAME.' +
+      ('' if full else ' --helpfull adds the flags of absl (logging) and '
+       'TensorFlow.'), 80))
+  return '\n\n'.join(sections) + '\n'
+
+
+def _without_aliases(section: str) -> str:
+  """absl's help of a module, less its aliases' entries (a flag's first line
+  and the indented lines that follow it)."""
+  lines, skipping = [], False
+  for line in section.splitlines():
+    if line.startswith('  --'):
+      skipping = ': Alias for --' in line
+    elif not line.startswith('    '):
+      skipping = False
+    if not skipping:
+      lines.append(line)
+  return '\n'.join(lines)
+
+
+def _listed(group: List[flags.Flag]) -> bool:
+  """Whether a module's flags include one that is no alias of another."""
+  return any(not flag.help.startswith('Alias for --') for flag in group)
 
 
 def _file_lists(args: List[str]) -> List[str]:

@@ -76,7 +76,8 @@ def configure(argv: List[str]) -> None:
   leaves some towers an empty shard in evaluation; TF 2.15's oneDNN
   convolution returns a wrongly shaped result for an empty batch (the
   default Eigen kernel does not), so CPU-tower runs use the default kernels;
-  except with `--mixed-precision=bfloat16`, which is oneDNN's rewrite.
+  except with `--mixed-precision=bfloat16`, oneDNN's rewrite, which turns
+  oneDNN on (by default it is on only on CPUs with AVX-512).
   """
   # 3 hides the C++ runtime's import-time noise (e.g. CUDA plugin
   # registration errors on machines without GPUs); real failures still
@@ -89,7 +90,11 @@ def configure(argv: List[str]) -> None:
                         '3' if level is None else _CPP_LEVEL[level])
   towers = _flag_value(expanded, 'cpu-towers')
   bfloat16 = _flag_value(expanded, 'mixed-precision') == 'bfloat16'
-  if towers and towers.isdigit() and int(towers) > 1 and not bfloat16:
+  if bfloat16:
+    # oneDNN is on by default only on CPUs with AVX-512; its bfloat16
+    # kernels run on the others too.
+    os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '1')
+  elif towers and towers.isdigit() and int(towers) > 1:
     os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
 
 

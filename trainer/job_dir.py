@@ -11,7 +11,7 @@ import errno
 import fcntl
 import json
 import os
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, Sequence
 
 from absl import logging
 import tensorflow as tf
@@ -54,6 +54,44 @@ def locked(model_dir: str) -> Iterator[None]:
           'job dir would interleave their checkpoints. Wait for it to end '
           'or choose another --job-dir.') from e
     yield  # The lock goes with the file's close.
+
+
+def clean(model_dir: str, own_files: Sequence[str]) -> None:
+  """Empties a job dir this trainer wrote, for `--clean`; keeps the lock.
+
+  Only a directory holding one of the trainer's `own_files` (or nothing) is
+  emptied: a mistyped --job-dir (a home directory, a data bucket) is
+  refused instead of deleted.
+
+  Args:
+    model_dir: The job dir (trial dir); the caller holds its lock.
+    own_files: Names of files only the trainer writes there (its saved
+      options, its run log).
+
+  Raises:
+    ValueError: the directory holds files but none of `own_files`.
+  """
+  if not tf.io.gfile.isdir(model_dir):
+    return
+  entries = [e.rstrip('/') for e in tf.io.gfile.listdir(model_dir)
+             if e.rstrip('/') != LOCK_FILE]
+  if entries and not set(own_files) & set(entries):
+    shown = ', '.join(sorted(entries)[:5]) + (', ...' if len(entries) > 5
+                                              else '')
+    raise ValueError(
+        f'--clean: {model_dir} holds files ({shown}) but no '
+        f'{" or ".join(own_files)}, so this trainer did not write it; '
+        'nothing was deleted. Check --job-dir, or remove the directory '
+        'yourself.')
+  for entry in entries:
+    path = os.path.join(model_dir, entry)
+    if tf.io.gfile.isdir(path):
+      tf.io.gfile.rmtree(path)
+    else:
+      tf.io.gfile.remove(path)
+  if entries:
+    logging.info('--clean: removed %d entries of %s (checkpoints, events, '
+                 'exports, run log).', len(entries), model_dir)
 
 
 def check_same_architecture(model_dir: str, config_file: str,

@@ -24,6 +24,7 @@ from estimator_towers.cluster.task_sync import is_sync_cluster
 from estimator_towers.run_config import MIXED_PRECISIONS
 from trainer import cli
 from trainer import hptuning
+from trainer import stop_at as stop_at_lib
 
 _FORMATS = ['digits', 'csv', 'tfrecord', 'image_folder', 'synthetic_images',
             'synthetic_tabular']
@@ -63,6 +64,22 @@ def _image_size(name: str, values) -> Tuple[int, int]:
   if len(size) != 2 or min(size) < 1:
     raise cli.UsageError(f'--{name} takes HEIGHT,WIDTH, got {values}.')
   return tuple(size)
+
+
+def _step_range(name: str, values) -> Optional[List[int]]:
+  steps = _ints(name, values)
+  if steps is not None and (len(steps) != 2 or steps[0] < 0 or
+                            steps[1] < steps[0]):
+    raise cli.UsageError(f'--{name} takes FIRST,LAST steps with '
+                         f'0 <= FIRST <= LAST, got {values}.')
+  return steps
+
+
+def _stop_at(name: str, value: Optional[str]) -> Optional[str]:
+  """The --stop-at text, once it parses (kept as text in the config)."""
+  if value is not None:
+    stop_at_lib.parse(value, name)
+  return value
 
 
 def _files(name: str, values) -> List[str]:
@@ -148,6 +165,11 @@ class TaskOptions:
       _STRING, None, 'Output directory (checkpoints, summaries, exports); any '
       'path tf.io.gfile accepts. Default: AIP_CHECKPOINT_DIR on Vertex AI, '
       'else a new directory under ./runs.')
+  run_log: Optional[str] = _option(
+      _STRING, None, 'Where the run appends its machine-readable log, one '
+      'JSON object a line: its options, progress (step, loss, examples/sec), '
+      'each evaluation, and the final metrics and export. Default: '
+      'run_log.jsonl in the job dir.')
   # Data.
   train_files: List[str] = _option(
       _MULTI, [], 'Training file globs: --train-files a.csv b.csv, or '
@@ -254,6 +276,16 @@ class TaskOptions:
       '--model=keras_app.', param=True, architecture=True)
   tf_random_seed: Optional[int] = _option(_INT, None,
                                           'Graph-level random seed.')
+  warm_start_from: Optional[str] = _option(
+      _STRING, None, 'Start from the trainable weights of this checkpoint '
+      '(a job dir or a checkpoint path) instead of initialising them; the '
+      'optimizer and step start afresh. Only in a job dir without '
+      'checkpoints (or with --clean); a rerun of the same job resumes.')
+  stop_at: Optional[str] = _option(
+      _STRING, None, "Stop training once an evaluation reaches a target, "
+      "e.g. 'accuracy>=0.97' or 'loss<0.2' (quote it: a shell redirects at "
+      '>). Checked after each checkpoint\'s evaluation; local runs only.',
+      parse=_stop_at)
   # Devices.
   num_gpus: Optional[int] = _option(
       _INT, None, 'GPUs to use; default: every GPU TensorFlow sees.',
@@ -325,6 +357,11 @@ class TaskOptions:
       lower_bound=1)
   keep_checkpoint_max: int = _option(_INT, 5, 'Checkpoints to keep.',
                                      lower_bound=1)
+  profile_steps: Optional[List[int]] = _option(
+      _LIST, None, 'FIRST,LAST: trace training steps FIRST to LAST with '
+      'TensorFlow\'s profiler into the job dir (plugins/profile), for '
+      'TensorBoard\'s Profile tab. Chief or local run only.',
+      parse=_step_range)
   export_format: str = _option(
       _ENUM, 'json', 'Serving input of the exported SavedModel (any case: '
       'JSON, CSV, EXAMPLE as the census sample passes them).',
@@ -351,6 +388,18 @@ _REFUSED = {
                           'with --save-checkpoints-steps',
 }
 
+JOB_DIR_TOPIC = 'Job dir and run log'
+# --help's topics: each starts at its field and runs to the next one's.
+_TOPIC_STARTS = {
+    'job_dir': JOB_DIR_TOPIC,
+    'train_files': 'Data',
+    'model': 'Model and training',
+    'num_gpus': 'Devices',
+    'save_checkpoints_steps': 'Checkpoints, export and profiling',
+    'hypertune_metric': 'Hyperparameter tuning',
+}
+REFUSED_TOPIC = 'Census-sample flags not taken'
+
 _defined = False
 
 
@@ -369,14 +418,17 @@ def define_flags() -> None:
   if _defined:
     return
   _defined = True
+  topic = None
   for field in dataclasses.fields(TaskOptions):
     meta = field.metadata
+    topic = _TOPIC_STARTS.get(field.name, topic)
     cli.define(meta['define'], flag_name(field), meta['flag_default'],
-               meta['help'], **meta['flag_args'])
+               meta['help'], topic=topic, **meta['flag_args'])
     if meta['check']:
       flags.register_validator(flag_name(field), *meta['check'])
   for name, instead in _REFUSED.items():
-    cli.define(_STRING, name, None, f'Not taken: {instead}.')
+    cli.define(_STRING, name, None, f'Not taken: {instead}.',
+               topic=REFUSED_TOPIC)
 
 
 def from_flags() -> TaskOptions:

@@ -40,12 +40,14 @@ class StepLoggingHook(tf1.train.SessionRunHook):
     max_steps: The last step, for the time-left estimate.
     every_secs: Also log once this much wall time passed since the last line.
     warmup_steps: Steps of this session left out of the summary's rate.
+    run_log: Also write each line as a record there (a run_log.RunLog).
   """
 
   def __init__(self, loss: tf.Tensor, global_batch_size: int, num_towers: int,
                every_n_steps: int = 100, summary_dir: Optional[str] = None,
                max_steps: Optional[int] = None, every_secs: float = 30.0,
-               warmup_steps: int = 10):
+               warmup_steps: int = 10, run_log=None):
+    self._run_log = run_log
     self._every_secs = every_secs
     self._warmup = warmup_steps
     self._steady = None  # (step, time) once the warm-up steps are done.
@@ -90,6 +92,10 @@ class StepLoggingHook(tf1.train.SessionRunHook):
     logging.info('step %d: loss=%.4f%s examples/sec=%.0f (%.0f per tower, '
                  '%d towers)%s', step, results['loss'], lr_text, rate,
                  rate / self._towers, self._towers, eta)
+    if self._run_log:
+      self._run_log.write('progress', step=step, loss=float(results['loss']),
+                          examples_per_sec=round(rate, 1),
+                          learning_rate=None if lr is None else float(lr))
     if self._summary_dir:
       # Beside the Estimator's global_step/sec, in the same event files.
       writer = tf1.summary.FileWriterCache.get(self._summary_dir)
@@ -112,6 +118,7 @@ class StepLoggingHook(tf1.train.SessionRunHook):
     if self._steady is None or self._final[0] == self._steady[0]:
       logging.info('trained %d steps (too few after %d warm-up steps for a '
                    'steady examples/sec)', trained, self._warmup)
+      self._record(trained, None)
       return
     steps = self._final[0] - self._steady[0]
     rate = steps * self._batch / max(self._final[1] - self._steady[1], 1e-9)
@@ -119,4 +126,12 @@ class StepLoggingHook(tf1.train.SessionRunHook):
                  'towers) over steps %d-%d, the first %d steps excluded as '
                  'warm-up', trained, rate, rate / self._towers, self._towers,
                  self._steady[0] + 1, self._final[0], self._warmup)
+    self._record(trained, rate)
+
+  def _record(self, trained: int, rate: Optional[float]) -> None:
+    if self._run_log:
+      self._run_log.write(
+          'trained', steps=trained, last_step=self._final[0],
+          steady_examples_per_sec=None if rate is None else round(rate, 1),
+          warmup_steps=self._warmup)
 

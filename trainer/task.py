@@ -3,7 +3,8 @@
 Runs locally, under `gcloud ai-platform local train --module-name
 trainer.task --package-path trainer`, as a Cloud / Vertex AI job and as one
 trial of a hyperparameter sweep. With no data flags it trains the default DNN
-on the embedded digits data set. `--helpfull` lists every flag.
+on the embedded digits data set. `--help` lists its flags by topic;
+`--helpfull` adds absl's and TensorFlow's.
 
 This module only parses flags; `trainer.train` does the work.
 """
@@ -34,7 +35,12 @@ options_lib.define_flags()
 cli.define(flags.DEFINE_boolean, 'dry-run', False,
            'Check the options, data, model and tuning metric, then exit '
            'without training or writing anything (trainer.sweep does this '
-           'before its first trial).')
+           'before its first trial).', topic='Before training')
+cli.define(flags.DEFINE_boolean, 'clean', False,
+           'Empty the job dir before training, to start afresh instead of '
+           'resuming (a local run). Only a directory this trainer wrote (it '
+           'holds trainer_config.json) or an empty one is emptied.',
+           topic=options_lib.JOB_DIR_TOPIC)
 # --help lists them (absl registers them under cli, which defines them).
 flags.adopt_module_key_flags(cli)
 
@@ -53,7 +59,7 @@ def main(argv):
       return
     # SIGTERM, Ctrl-C and SIGHUP save a checkpoint instead of a traceback.
     with preemption.sigterm_handled():
-      result = train.run(options)
+      result = train.run(options, clean=cli.value('clean'))
   if result.skipped:
     print(result.skipped, flush=True)
   print(_summary_line(result), flush=True)

@@ -23,6 +23,7 @@ from estimator_towers.cluster import task_sync
 from trainer import assembly
 from trainer import checkpoint_check
 from trainer import cluster_agreement
+from trainer import cluster_rendezvous
 from trainer import cluster_config
 from trainer import data_sample
 from trainer.cluster import private_network
@@ -34,10 +35,14 @@ from trainer import limits
 from trainer import options as options_lib
 from trainer import preemption
 from trainer import progress
+from trainer import run_log as run_log_lib
 from trainer import skipped_rows
 from trainer import vertex
 from trainer import step_logging
 from trainer import step_order
+from trainer import stop_at
+from trainer import tool_hooks
+from trainer import warm_start
 
 tf1 = tf.compat.v1
 CONFIG_FILE = assembly.CONFIG_FILE
@@ -80,8 +85,11 @@ def _checked(name: str, model_fn):
 
 
 def _with_step_logging(model_fn, global_batch_size: int, num_towers: int,
-                       max_steps: int, eval_steps: Optional[int] = None):
+                       max_steps: int, eval_steps: Optional[int] = None,
+                       run_log: Optional[run_log_lib.RunLog] = None):
   """Adds a StepLoggingHook on the merged loss to TRAIN specs.
+
+  The chief's (or a local run's) also writes its lines to `run_log`.
 
   Also orders the step's increment after the Estimator's read of it (see
   step_order), and adds to EVAL specs a hook that logs their progress.
@@ -99,7 +107,7 @@ def _with_step_logging(model_fn, global_batch_size: int, num_towers: int,
         spec.loss, global_batch_size, num_towers,
         config.log_step_count_steps or 100,
         summary_dir=config.model_dir if config.is_chief else None,
-        max_steps=max_steps)
+        max_steps=max_steps, run_log=run_log if config.is_chief else None)
     return spec._replace(training_hooks=list(spec.training_hooks) + [hook])
 
   return logged_model_fn
@@ -142,11 +150,14 @@ class _LogTaskDevices(tf1.train.SessionRunHook):
     logging.info('Task %s has the devices %s', self._task, ', '.join(names))
 
 
-def _exporters(options, data, metric, final: bool = True):
+def _exporters(options, data, metric, final: bool = True,
+               run_log: Optional[run_log_lib.RunLog] = None):
   receiver = data.serving_input_receiver_fn(options.export_format)
   exporters = ([tf.estimator.FinalExporter('final', receiver)] if final
                else []) + [hptuning.HypertuneReporter(
                    metric, options.hypertune_summary_tag)]
+  if run_log:
+    exporters.append(run_log_lib.EvalRecorder(run_log))
   if options.export_best:
     maximize = hptuning.goal_for(metric) == 'MAXIMIZE'
 
@@ -255,8 +266,12 @@ class RunResult:
   skipped: Optional[str]
 
 
-def run(options: TaskOptions) -> RunResult:
+def run(options: TaskOptions, clean: bool = False) -> RunResult:
   """Trains, evaluates and exports as the options say.
+
+  Args:
+    options: The run's options.
+    clean: Empty the job dir first (`--clean`; a local run's only).
 
   Returns:
     What the run did: its metrics, export, model dir, towers and task.
@@ -279,6 +294,14 @@ def run(options: TaskOptions) -> RunResult:
   # Everything that can be checked is checked before the job dir is touched.
   _check_reachable(job_dir)
   vertex.check_outputs()
+  if clean and task.get('type'):  # (A trial's TF_CONFIG has a task too.)
+    raise options_lib.OptionError(
+        '--clean empties the job dir of a local run; a cluster\'s tasks '
+        'share theirs while they start: remove it before starting the '
+        'cluster.')
+  # Before any server starts: the runtime fails late and unreadably (or
+  # crashes) on tasks given different clusters.
+  cluster_rendezvous.check_same_cluster(model_dir, tf_config)
   run_ = _Run(options, model_dir, task)
   # trainer.faults phrases a port taken or a full disk with these.
   with faults.run_noted(model_dir, tf_config):
@@ -286,8 +309,12 @@ def run(options: TaskOptions) -> RunResult:
       return run_.train_and_evaluate()
     # A local run or a cluster's chief: the one writer of the job dir.
     with job_dir_lib.locked(model_dir):
+      if clean:
+        job_dir_lib.clean(model_dir, (CONFIG_FILE, run_log_lib.FILE_NAME))
       checkpoint_check.resumable(model_dir)  # Falls back from a damaged one.
       job_dir_lib.check_same_architecture(model_dir, CONFIG_FILE, options)
+      warm_start.check_job_dir(model_dir, CONFIG_FILE,
+                               options.warm_start_from)
       return run_.train_and_evaluate()
 
 
@@ -344,9 +371,14 @@ def create_run_config(options: TaskOptions,
 
 
 def create_estimator(options: TaskOptions, config: tf.estimator.RunConfig,
-                     data, aggregation: str,
-                     towers: int) -> tf.estimator.Estimator:
-  """The Estimator of the towered, checked and step-logged model_fn."""
+                     data, aggregation: str, towers: int,
+                     run_log: Optional[run_log_lib.RunLog] = None
+                     ) -> tf.estimator.Estimator:
+  """The Estimator of the towered, checked and step-logged model_fn.
+
+  Raises:
+    ValueError: --warm-start-from names no checkpoint.
+  """
   model_fn = replicate_model_fn(
       model_fns.get_model_fn(options.model), aggregation=aggregation,
       random_ops=options.random_ops,
@@ -359,19 +391,27 @@ def create_estimator(options: TaskOptions, config: tf.estimator.RunConfig,
   return tf.estimator.Estimator(
       _with_step_logging(_checked(options.model, model_fn),
                          options.train_batch_size, towers,
-                         options.train_steps, options.eval_steps),
-      config=config, params=assembly.model_params(options, data))
+                         options.train_steps, options.eval_steps, run_log),
+      config=config, params=assembly.model_params(options, data),
+      warm_start_from=warm_start.settings(options.warm_start_from))
 
 
 def create_train_hooks(options: TaskOptions, config: tf.estimator.RunConfig,
                        model_dir: str) -> List[tf1.train.SessionRunHook]:
-  """The training hooks: preemption, finite weights, summaries, config."""
+  """The training hooks: preemption, finite weights, summaries, config,
+  and the chief's (or local run's) --stop-at and --profile-steps."""
   hooks = [preemption.PreemptionHook(model_dir, config.is_chief),
            finite_weights.FiniteWeightsHook(), *_vertex_hooks(config)]
   if config.cluster_spec:
     hooks.append(_LogTaskDevices(config.task_type, config.task_id))
   if config.is_chief:  # One writer per job dir: the chief (or a local run).
     hooks.append(_SaveConfigWhenTraining(model_dir, options))
+    if options.stop_at:
+      hooks.append(tool_hooks.StopAtHook(
+          stop_at.parse(options.stop_at), os.path.join(model_dir, 'eval'),
+          options.save_checkpoints_steps))
+    if options.profile_steps:
+      hooks.append(tool_hooks.ProfileHook(model_dir, *options.profile_steps))
   return hooks
 
 
@@ -388,7 +428,9 @@ def create_train_spec(options: TaskOptions, data,
 
 def create_eval_spec(options: TaskOptions, data, metric: str,
                      task_type: Optional[str],
-                     model_dir: Optional[str] = None) -> tf.estimator.EvalSpec:
+                     model_dir: Optional[str] = None,
+                     run_log: Optional[run_log_lib.RunLog] = None
+                     ) -> tf.estimator.EvalSpec:
   """The evaluation input_fn, exporters, hooks and pacing of this task."""
   hooks = []
   if task_type == 'evaluator' and model_dir:
@@ -399,7 +441,7 @@ def create_eval_spec(options: TaskOptions, data, metric: str,
       hooks=hooks,
       # A cluster's final export is the chief's (see train_and_evaluate).
       exporters=_exporters(options, data, metric,
-                           final=task_type != 'evaluator') +
+                           final=task_type != 'evaluator', run_log=run_log) +
       _vertex_exporters(),
       start_delay_secs=0,
       # Locally each checkpoint is evaluated as it is saved; an evaluator
@@ -419,6 +461,17 @@ class _Run:
   def __init__(self, options: TaskOptions, model_dir: str,
                task: Dict[str, Any]):
     self._options, self._model_dir, self._task = options, model_dir, task
+    if options.stop_at and task.get('type'):
+      # Its evaluator lags the chief, and a synchronous cluster's workers
+      # would wait for a chief that stopped.
+      raise options_lib.OptionError(
+          '--stop-at stops a local run; a cluster\'s evaluation runs apart '
+          'from its training. Drop it, or train in one process.')
+    # One writer of the training records: the chief (or the local run); the
+    # evaluator adds its evaluations.
+    self.run_log = (run_log_lib.RunLog(options.run_log or os.path.join(
+        model_dir, run_log_lib.FILE_NAME))
+                    if _evaluates(task.get('type')) else None)
     data = self.data = assembly.build_data(
         options, model_fns.model_kind(options.model))
     config = create_run_config(options, model_dir)
@@ -431,13 +484,14 @@ class _Run:
     self.devices = (f'GPU 0-{num_gpus - 1}' if num_gpus else
                     f'virtual CPU 0-{num_cpus - 1}' if num_cpus > 1 else 'CPU')
     self.estimator = create_estimator(options, config, data, self.aggregation,
-                                      self.towers)
+                                      self.towers, self.run_log)
     self._check_batch_sizes(data, assembly.model_params(options, data))
     self.skipped, self.metric = self._checked_metric(data, task.get('type'))
     self.train_spec = create_train_spec(
         options, data, create_train_hooks(options, config, model_dir))
     self.eval_spec = create_eval_spec(options, data, self.metric,
-                                      task.get('type'), model_dir)
+                                      task.get('type'), model_dir,
+                                      self.run_log)
     if assembly.evaluates_on_training_files(options):
       logging.warning('No --eval-files: evaluating on the training files, so '
                       'the eval metrics (and the tuning metric) measure '
@@ -451,9 +505,11 @@ class _Run:
     # Found out only after the first evaluation otherwise.
     hptuning.check_metric_file()
     skipped = skipped_rows.check(data, not options.eval_files)
-    return skipped, hptuning.tuning_metric(
-        options.hypertune_metric,
-        _eval_metric_names(self.estimator, data, options), options.model)
+    names = _eval_metric_names(self.estimator, data, options)
+    if options.stop_at:
+      stop_at.check_metric(stop_at.parse(options.stop_at), names)
+    return skipped, hptuning.tuning_metric(options.hypertune_metric, names,
+                                           options.model)
 
   def _check_batch_sizes(self, data, params) -> None:
     try:
@@ -466,6 +522,18 @@ class _Run:
                             self._options.train_batch_size, floats, memory)
     limits.check_batch_size('eval-batch-size', self._options.eval_batch_size,
                             floats, memory)
+
+  def _train_and_evaluate(self):
+    """tf.estimator.train_and_evaluate, a misfit warm start phrased."""
+    try:
+      return tf.estimator.train_and_evaluate(
+          self.estimator, self.train_spec, self.eval_spec)
+    except ValueError as e:
+      start = self._options.warm_start_from
+      # The Estimator warm-starts while it builds the training graph.
+      if start and warm_start.is_misfit(e):
+        raise warm_start.phrased(e, start) from e
+      raise
 
   def train_and_evaluate(self) -> RunResult:
     """Trains, evaluates and exports; returns what `run` returns."""
@@ -487,9 +555,20 @@ class _Run:
     if resumed:
       # TensorFlow's own "Restoring parameters" line is hidden by default.
       logging.info('Resuming from %s', resumed)
-    with preemption.sigterm_handled():
-      result = tf.estimator.train_and_evaluate(
-          self.estimator, self.train_spec, self.eval_spec)
+    is_chief = task.get('type') in (None, 'chief', 'master')
+    if is_chief:
+      self.run_log.write(
+          'options', options=dataclasses.asdict(self._options),
+          model_dir=model_dir, towers=self.towers, devices=self.devices,
+          aggregation=self.aggregation, resumed_from=resumed,
+          task=task.get('type') and f"{task['type']}:{task.get('index', 0)}")
+    try:
+      with preemption.sigterm_handled():
+        result = self._train_and_evaluate()
+    except Exception as e:
+      if is_chief:  # A reader of the log learns how the run ended.
+        self.run_log.write('failed', error=f'{type(e).__name__}: {e}')
+      raise
     # Local runs and the evaluator get (metrics, exports); other cluster
     # tasks get None.
     metrics = result[0] if result else None
@@ -519,6 +598,9 @@ class _Run:
       _final_export(self.estimator, self.eval_spec, model_dir, metrics)
     if metrics is not None:
       vertex.copy_model(latest_export(model_dir))
+      self.run_log.write('final', metrics=run_log_lib.metrics_record(metrics),
+                         export_dir=latest_export(model_dir),
+                         model_dir=model_dir)
     return RunResult(
         metrics=metrics, export_dir=latest_export(model_dir),
         model_dir=model_dir, towers=self.towers, skipped=self.skipped,

@@ -18,11 +18,12 @@ counted per group restart; they resume from the chief's last checkpoint.
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from absl import logging
 
@@ -33,6 +34,11 @@ from trainer.cluster import private_network
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # The tasks of a synchronous cluster's group.
 _TRAINING_JOBS = ('chief', 'worker')
+# The chief's lines the launcher repeats on its stdout: its progress (absl
+# log lines of trainer.step_logging and the like) and its last line.
+_ECHOED = re.compile(
+    r'\] ((?:step \d+: |trained \d+ steps|evaluated step |Resuming from |'
+    r'Stopping training).*)$|^((?:eval|done): .*)$')
 
 
 @dataclasses.dataclass
@@ -49,6 +55,38 @@ class Task:
   @property
   def name(self) -> str:
     return f'{self.type}:{self.index}'
+
+
+class LogEcho:
+  """Prints a task's progress and final lines as its log file grows.
+
+  Args:
+    task: The task (its log file and name).
+    write: Where the lines go (print by default).
+  """
+
+  def __init__(self, task: Task,
+               write: Optional[Callable[[str], None]] = None):
+    self._task = task
+    self._write = write or (lambda line: print(line, flush=True))
+    self._offset = 0
+    self._partial = ''
+
+  def poll(self) -> None:
+    """Prints the matching complete lines written since the last poll."""
+    try:
+      with open(self._task.log_path, errors='replace') as f:
+        f.seek(self._offset)
+        text = f.read()
+        self._offset = f.tell()
+    except OSError:
+      return  # Not written yet.
+    lines = (self._partial + text).split('\n')
+    self._partial = lines.pop()  # A line still being written.
+    for line in lines:
+      match = _ECHOED.search(line)
+      if match:
+        self._write(f'{self._task.name}: {match.group(1) or match.group(2)}')
 
 
 class ClusterFailed(RuntimeError):
@@ -100,12 +138,14 @@ class Supervisor:
     grace_secs: How long a task gets to stop after SIGTERM before SIGKILL.
     restart_together: A synchronous cluster: a chief or worker that dies
       restarts them all, and `max_restarts` counts these group restarts.
+    echo: Print the chief's progress and final lines (its log has all).
   """
 
   def __init__(self, tasks: Sequence[Task], task_args: Sequence[str],
                max_restarts: int, state_path: str, grace_secs: float = 10.0,
-               restart_together: bool = False):
+               restart_together: bool = False, echo: bool = False):
     self._tasks = list(tasks)
+    self._echoes = [LogEcho(t) for t in tasks if t.type == 'chief' and echo]
     self._args = list(task_args)
     self._max_restarts = max_restarts
     self._state_path = state_path
@@ -125,9 +165,15 @@ class Supervisor:
       self._write_state()
       while not self._finished():
         time.sleep(poll_secs)
+        self._echo()
         self._check_tasks()
     finally:
       self.stop_all()
+      self._echo()  # The chief's last lines.
+
+  def _echo(self) -> None:
+    for echo in self._echoes:
+      echo.poll()
 
   def _start(self, task: Task) -> None:
     env = {**os.environ, 'TF_CONFIG': json.dumps(task.tf_config)}

@@ -73,7 +73,7 @@ def run(argv) -> None:
   supervisor = cluster_launch.Supervisor(
       tasks, _task_args(argv), cli.value('max-restarts'),
       os.path.join(log_dir, 'cluster.json'), cli.value('grace-secs'),
-      restart_together=cluster_launch.is_synchronous(spec))
+      restart_together=cluster_launch.is_synchronous(spec), echo=True)
   supervisor.run()
 
 
