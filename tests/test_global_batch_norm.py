@@ -161,7 +161,12 @@ def _differences(model_fn, examples, towers, batch, **wrapper_kwargs):
 def _assert_as_one_device(model_fn, examples, towers, batch, aggregation):
   expected, actual = _differences(model_fn, examples, towers, batch,
                                   aggregation=aggregation)
-  assert_same_variables(expected, actual, rtol=1e-4, atol=1e-6)
+  # A batch smaller than the tower count leaves one example per tower: the
+  # moments of two examples make the gradients ill-conditioned, and float32
+  # round-off reaches 7e-6 in dense/kernel on AVX2 CPUs (normalising per
+  # tower instead differs by 0.58).
+  atol = 1e-5 if batch < towers else 1e-6
+  assert_same_variables(expected, actual, rtol=1e-4, atol=atol)
   assert any(name.endswith('moving_mean') for name in expected)
 
 

@@ -55,11 +55,18 @@ _UPDATE_PREFIXES = ('ApplyGradient', 'ResourceApply', 'ResourceSparseApply',
                     'Apply', 'SparseApply')
 _STRIDED_ASSIGNS = frozenset(['StridedSliceAssign',
                               'ResourceStridedSliceAssign'])
-# Ops whose output shares its input's buffer: a ref variable's value read
-# through them is still the variable's memory, which a write changes in place.
-_ALIASING = frozenset(['Identity', 'Reshape', 'ExpandDims', 'Squeeze',
-                       'Bitcast', 'StopGradient', 'PreventGradient',
-                       'EnsureShape'])
+# Ops whose output may share its input's buffer: a ref variable's value read
+# through them is still the variable's memory, which a write changes in
+# place. Slices and splits along the first dimension, an identity transpose,
+# a same-type cast, a one-input concat or add pass the buffer on too.
+_ALIASING = frozenset([
+    'Identity', 'IdentityN', 'Reshape', 'ExpandDims', 'Squeeze',
+    'Bitcast', 'StopGradient', 'PreventGradient', 'EnsureShape',
+    'CheckNumerics', 'CheckNumericsV2', 'Print', 'PlaceholderWithDefault',
+    'StridedSlice', 'Slice', 'Split', 'SplitV', 'Unpack', 'Transpose',
+    'ConjugateTranspose', 'BroadcastTo', 'Cast', 'ConcatV2', 'Concat', 'AddN',
+    'Switch', 'RefSwitch', 'Merge', 'RefMerge', 'Enter', 'RefEnter', 'Exit',
+    'RefExit'])
 
 
 def order_writes(fetches: Sequence, update_results: Iterable[tf.Operation],
