@@ -55,7 +55,7 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-posi
 
 import bench_towers  # pylint: disable=g-import-not-at-top,wrong-import-position
 import estimator_towers  # pylint: disable=g-import-not-at-top,wrong-import-position
-from estimator_towers import aggregation as aggregation_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from estimator_towers.aggregation import strategies as aggregation_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 tf1 = tf.compat.v1
 ModeKeys = tf.estimator.ModeKeys

@@ -434,7 +434,7 @@ def _sum_graph(task_group, device, prefix, shapes, packed):
 def run_pack_task(spec):
   """One of the two processes of the packing benchmark."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from estimator_towers import task_sync  # pylint: disable=g-import-not-at-top
+  from estimator_towers.cluster import task_sync  # pylint: disable=g-import-not-at-top
   tf1 = tf.compat.v1
   cluster, index = spec['cluster'], spec['index']
   job = 'chief' if index == 0 else 'worker'

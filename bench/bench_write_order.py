@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from bench import resnet_steps
 import estimator_towers
-from estimator_towers import write_order
+from estimator_towers.update import write_order
 
 _ORDERED = write_order.order_writes
 

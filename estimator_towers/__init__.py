@@ -28,7 +28,7 @@ if not (3, 9) <= sys.version_info[:2] <= (3, 11):
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from estimator_towers.replicate import replicate_model_fn
 from estimator_towers.run_config import make_run_config
-from estimator_towers.task_input import task_slice
+from estimator_towers.cluster.task_input import task_slice
 from estimator_towers.tower import tower_context
 from estimator_towers.tower import TowerContext
 

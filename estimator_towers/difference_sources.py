@@ -24,10 +24,10 @@ from typing import Any, Dict, List, Sequence, Tuple
 import tensorflow as tf
 from tensorflow.python.framework import config as tf_framework_config  # pylint: disable=g-direct-tensorflow-import
 
-from estimator_towers import moving_statistics
-from estimator_towers import op_ledger
+from estimator_towers.towers import moving_statistics
+from estimator_towers.graph import op_ledger
 from estimator_towers import replicate
-from estimator_towers import tower_effects
+from estimator_towers.towers import tower_effects
 
 tf1 = tf.compat.v1
 

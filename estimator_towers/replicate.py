@@ -15,30 +15,29 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence
 import tensorflow as tf
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
-from estimator_towers import aggregation as aggregation_lib
-from estimator_towers import global_batch_norm
-from estimator_towers import loss_reduction as reduction_lib
-from estimator_towers import loss_scaling
-from estimator_towers import metric_adds
-from estimator_towers import micro_batches as micro_batches_lib
-from estimator_towers import moving_statistics
-from estimator_towers import one_machine
-from estimator_towers import one_update
-from estimator_towers import op_ledger
-from estimator_towers import optimizer_iterations
-from estimator_towers import peer_watch
-from estimator_towers import random_draws
-from estimator_towers import replicas as replicas_lib
-from estimator_towers import scoped_collections
-from estimator_towers import sharding
-from estimator_towers import spec_merge
-from estimator_towers import table_sharing
-from estimator_towers import task_sync
+from estimator_towers.aggregation import strategies as aggregation_lib
+from estimator_towers.towers import global_batch_norm
+from estimator_towers.towers import loss_reduction as reduction_lib
+from estimator_towers.update import loss_scaling
+from estimator_towers.merge import metric_adds
+from estimator_towers.update import micro_batches as micro_batches_lib
+from estimator_towers.towers import moving_statistics
+from estimator_towers.cluster import one_machine
+from estimator_towers.update import one_update
+from estimator_towers.graph import op_ledger
+from estimator_towers.towers import optimizer_iterations
+from estimator_towers.cluster import peer_watch
+from estimator_towers.towers import random_draws
+from estimator_towers.towers import scoped_collections
+from estimator_towers.towers import sharding
+from estimator_towers.merge import spec_merge
+from estimator_towers.towers import table_sharing
+from estimator_towers.cluster import task_sync
 from estimator_towers import tower as tower_lib
-from estimator_towers import tower_effects
-from estimator_towers import tpu_spec
-from estimator_towers import variable_sharing
-from estimator_towers import write_order
+from estimator_towers.towers import tower_effects
+from estimator_towers.merge import tpu_spec
+from estimator_towers.towers import variable_sharing
+from estimator_towers.update import write_order
 from estimator_towers.run_config import session_device_counts
 
 tf1 = tf.compat.v1
@@ -242,8 +241,8 @@ def replicate_model_fn(model_fn: ModelFn,
       aggregation_lib.check_tasks(aggregation, config)
     if variables_device is not None:
       _check_variables_device(variables_device, config)
-    placement = aggregation_lib.make(aggregation, tower_devices,
-                                     variables_device)
+    strategy = aggregation_lib.make(aggregation, tower_devices,
+                                    variables_device)
     agreement = task_agreement
     if batch_norm == 'global':
       # Each tower exchanges its moments with the towers of its index on
@@ -251,7 +250,7 @@ def replicate_model_fn(model_fn: ModelFn,
       agreement = {**(task_agreement or {}),
                    'towers per task (batch_norm=global)': len(tower_devices)}
     task_group = _task_group(mode, config, tower_devices[0],
-                             sync_timeout_secs, placement, agreement)
+                             sync_timeout_secs, strategy, agreement)
     kwargs = {'mode': mode, 'params': params, 'config': config}
     kwargs = {k: v for k, v in kwargs.items() if k in accepted}
     if labels is not None and 'labels' not in accepted:
@@ -278,10 +277,10 @@ def replicate_model_fn(model_fn: ModelFn,
         return tpu_spec.as_estimator_spec(
             model_fn(features=features, **kwargs))
       with tf1.get_default_graph().device(
-          _placer(0, tower_devices[0], placement, lambda: False)):
+          _placer(0, tower_devices[0], strategy, lambda: False)):
         return tpu_spec.as_estimator_spec(
             model_fn(features=features, **kwargs))
-    builder = _TowerBuilder(model_fn, tower_devices, placement, task_group,
+    builder = _TowerBuilder(model_fn, tower_devices, strategy, task_group,
                             loss_reduction, mode,
                             loss_scaling.automatic(config),
                             random_draws.make(random_ops, task_group),
@@ -341,7 +340,8 @@ class _TowerBuilder:
   Args:
     model_fn: The one-device model_fn.
     devices: The tower devices.
-    placement: The aggregation strategy's aggregation.Placement.
+    strategy: The aggregation strategy (strategies.Strategy): where
+      variables live, and the towers' gradient path to the one update.
     task_group: The tasks training together (task_sync.TaskGroup or
       one_machine.OneMachine).
     loss_reduction: 'auto', 'mean' or 'sum' (see loss_reduction).
@@ -355,7 +355,7 @@ class _TowerBuilder:
   """
 
   def __init__(self, model_fn, devices: Sequence[str],
-               placement: aggregation_lib.Placement, task_group,
+               strategy: aggregation_lib.Strategy, task_group,
                loss_reduction: str, mode, automatic_loss_scale: bool,
                draws,
                micro: Optional[micro_batches_lib.MicroBatches] = None,
@@ -364,7 +364,7 @@ class _TowerBuilder:
     self._draws = draws
     self._micro = micro
     self._devices = micro.tower_devices if micro else devices
-    self._placement = placement
+    self._strategy = strategy
     self._task_group = task_group
     self._reduction = loss_reduction
     self._mode = mode
@@ -373,12 +373,11 @@ class _TowerBuilder:
     self._towers = op_ledger.TowerLedger()
     self._sharing = variable_sharing.VariableSharing()
     self._tpu_parts = []  # Of towers that return a TPUEstimatorSpec.
-    self._replicas = None
-    if placement.replicates_variables and mode == ModeKeys.TRAIN:
-      # Other modes read the primaries, which are tower 0's variables.
-      self._replicas = replicas_lib.Replicas(devices, self._sharing.unshared,
-                                             placement, task_group)
-      self._sharing.copies = self._replicas
+    # One shared set of variables, or (all_reduce in TRAIN) a copy per
+    # tower device, which the sharing hands to each tower.
+    self._path = strategy.gradient_path(mode == ModeKeys.TRAIN,
+                                        self._sharing.unshared, task_group)
+    self._sharing.copies = self._path
 
   def build(self, features, labels, kwargs) -> tf.estimator.EstimatorSpec:
     """The merged spec of the towers of one model_fn call."""
@@ -442,7 +441,7 @@ class _TowerBuilder:
         [split.shard(i) for i in range(num_towers)], self._towers,
         self._task_group, in_advance=self._micro is not None)
     update = one_update.OneUpdate(
-        num_towers, weights, self._sharing.unshared, self._replicas,
+        num_towers, weights, self._sharing.unshared, self._path,
         has_rows, training=self._mode == ModeKeys.TRAIN,
         automatic_loss_scale=self._automatic_loss_scale)
     self._draws.split(split.sizes, split.padded)
@@ -450,7 +449,7 @@ class _TowerBuilder:
     if self._mode == ModeKeys.TRAIN:
       if self._batch_norm == 'global':
         moments = global_batch_norm.GlobalMoments(
-            self._devices, split.sizes, self._task_group, self._placement)
+            self._devices, split.sizes, self._task_group, self._strategy)
       statistics = moving_statistics.MovingStatistics(
           num_towers, split.sizes, self._task_group, moments)
     return _Step(split, weights, update,
@@ -528,9 +527,7 @@ class _TowerBuilder:
   def _finish_update(self, step: _Step, spec,
                      one_update_ops) -> tf.estimator.EstimatorSpec:
     """Phase 5 (TRAIN): the one update's copies, sums and write order."""
-    if self._replicas is not None:
-      self._replicas.check_no_other_writes(self._towers.first)
-      spec = spec._replace(scaffold=self._replicas.scaffold(spec.scaffold))
+    spec = self._path.finish(spec, self._towers.first)
     # The loss logged (and checked for NaN) is the global batch's.
     spec = spec._replace(loss=self._task_group.sum([spec.loss])[0])
     # Towers change the schedule: reads the model_fn left unordered with
@@ -604,7 +601,7 @@ class _TowerBuilder:
         stack.enter_context(graph.name_scope(name_scope))
       stack.enter_context(scoped_collections.tower(name_scope))
       stack.enter_context(graph.device(_placer(
-          index, device, self._placement, lambda: update.applying)))
+          index, device, self._strategy, lambda: update.applying)))
       stack.enter_context(self._sharing.tower(index))
       stack.enter_context(step.tables.tower(index))
       stack.enter_context(update.tower(index, name_scope))
@@ -629,7 +626,7 @@ class _TowerBuilder:
 
 
 def _task_group(mode, config, tower_device: str, timeout_secs: float,
-                placement: aggregation_lib.Placement,
+                strategy: aggregation_lib.Strategy,
                 agreement: Optional[Mapping[str, Any]]):
   """The tasks training together: a synchronous cluster's, else this one.
 
@@ -637,13 +634,13 @@ def _task_group(mode, config, tower_device: str, timeout_secs: float,
   with ps tasks, run as on one machine.
   """
   if mode == ModeKeys.TRAIN and task_sync.is_sync_cluster(config):
-    return task_sync.TaskGroup(config, tower_device, timeout_secs, placement,
+    return task_sync.TaskGroup(config, tower_device, timeout_secs, strategy,
                                agreement)
   return one_machine.OneMachine()
 
 
 def _placer(tower: int, tower_device: str,
-            placement: aggregation_lib.Placement,
+            strategy: aggregation_lib.Strategy,
             applying: Callable[[], bool]):
   """A device function: variables where the aggregation strategy puts them,
   the rest on the tower's device, except the one update, which goes where
@@ -651,10 +648,10 @@ def _placer(tower: int, tower_device: str,
   itself (all-reduce)."""
 
   def place(op):
-    if placement.is_deferring:
+    if strategy.is_deferring:
       return op.device
     if op.type in _VARIABLE_OPS:
-      return placement.variable_device(op, tower, applying())
+      return strategy.variable_device(op, tower, applying())
     return '' if applying() else tower_device
 
   return place

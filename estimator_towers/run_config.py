@@ -30,8 +30,8 @@ from tensorflow.core.protobuf import rewriter_config_pb2
 from tensorflow.python.client import pywrap_tf_session
 from tensorflow.python.util import _pywrap_util_port
 
-from estimator_towers import cluster_server
-from estimator_towers import task_sync
+from estimator_towers.cluster import cluster_server
+from estimator_towers.cluster import task_sync
 
 # A named logger, not absl's functions: their first call in a script
 # configures the root logger, after which every TensorFlow record prints

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import tensorflow as tf
 
-from estimator_towers.task_input import task_slice
+from estimator_towers.cluster.task_input import task_slice
 from input_fns import pipeline
 from input_fns import serving
 

@@ -10,8 +10,8 @@ import tensorflow as tf
 
 from helpers import (assert_same_variables, dataset_input_fn, make_estimator,
                      seeded, variables_of)
-from estimator_towers import loss_reduction
-from estimator_towers import op_ledger
+from estimator_towers.towers import loss_reduction
+from estimator_towers.graph import op_ledger
 
 tf1 = tf.compat.v1
 Reduction = tf1.losses.Reduction

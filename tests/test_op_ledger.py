@@ -3,7 +3,7 @@
 import pytest
 import tensorflow as tf
 
-from estimator_towers import op_ledger
+from estimator_towers.graph import op_ledger
 
 pytestmark = pytest.mark.fast
 

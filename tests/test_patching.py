@@ -15,9 +15,9 @@ import tensorflow as tf
 
 from cli_helpers import ROOT
 import estimator_towers
-from estimator_towers import cluster_server
-from estimator_towers import gradient_routing
-from estimator_towers import patching
+from estimator_towers.cluster import cluster_server
+from estimator_towers.update import gradient_routing
+from estimator_towers.graph import patching
 
 tf1 = tf.compat.v1
 

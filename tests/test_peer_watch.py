@@ -11,7 +11,7 @@ import threading
 import pytest
 import tensorflow as tf
 
-from estimator_towers import peer_watch
+from estimator_towers.cluster import peer_watch
 
 pytestmark = pytest.mark.fast
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from estimator_towers import sharding
+from estimator_towers.towers import sharding
 
 pytestmark = pytest.mark.fast
 

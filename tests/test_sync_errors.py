@@ -7,7 +7,7 @@ gives them (tests/test_sync_faults.py raises the real ones in processes).
 import pytest
 import tensorflow as tf
 
-from estimator_towers import task_sync
+from estimator_towers.cluster import task_sync
 from trainer import sync_errors
 
 pytestmark = pytest.mark.fast

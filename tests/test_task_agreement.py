@@ -8,7 +8,7 @@ import json
 import pytest
 import tensorflow as tf
 
-from estimator_towers import task_agreement
+from estimator_towers.cluster import task_agreement
 
 pytestmark = pytest.mark.fast
 tf1 = tf.compat.v1

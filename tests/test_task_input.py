@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from estimator_towers import task_input
+from estimator_towers.cluster import task_input
 
 pytestmark = pytest.mark.fast
 

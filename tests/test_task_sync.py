@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import estimator_towers
-from estimator_towers import task_sync
+from estimator_towers.cluster import task_sync
 from tests import helpers
 from tests import sync_cluster_task
 from trainer.cluster import private_network

@@ -1,7 +1,7 @@
 """What the tasks of a synchronous cluster must have been started with alike.
 
 `replicate_model_fn(task_agreement=...)` compares these values across the
-tasks before the first step (estimator_towers.task_agreement). They are the
+tasks before the first step (estimator_towers.cluster.task_agreement). They are the
 options that change what is trained -- the model and its sizes, the
 optimizer, batch size, steps, seed, data schema and vocabularies, precision
 -- and the training files with their sizes. What may differ per task is

@@ -14,13 +14,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import flags
 
-from estimator_towers import micro_batches as micro_batches_lib
-from estimator_towers.aggregation import AGGREGATIONS
-from estimator_towers.aggregation import check_tasks
-from estimator_towers.global_batch_norm import BATCH_NORMS
-from estimator_towers.random_draws import RANDOM_OPS
+from estimator_towers.update import micro_batches as micro_batches_lib
+from estimator_towers.aggregation.strategies import AGGREGATIONS
+from estimator_towers.aggregation.strategies import check_tasks
+from estimator_towers.towers.global_batch_norm import BATCH_NORMS
+from estimator_towers.towers.random_draws import RANDOM_OPS
 from estimator_towers.run_config import session_device_counts
-from estimator_towers.task_sync import is_sync_cluster
+from estimator_towers.cluster.task_sync import is_sync_cluster
 from estimator_towers.run_config import MIXED_PRECISIONS
 from trainer import cli
 from trainer import hptuning
@@ -498,7 +498,7 @@ def aggregation_for(options: TaskOptions, config) -> str:
 
   Raises:
     OptionError: the aggregation cannot train in this cluster
-      (aggregation.check_tasks says why), or with --micro-batches.
+      (strategies.check_tasks says why), or with --micro-batches.
   """
   aggregation = options.aggregation
   if aggregation is None:

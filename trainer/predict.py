@@ -35,7 +35,7 @@ from input_fns import data as data_lib
 from estimator_towers.replicate import replicate_model_fn
 from estimator_towers.run_config import make_run_config
 from estimator_towers.run_config import session_device_counts
-from estimator_towers.saved_model_towers import SavedModelTowers
+from estimator_towers.merge.saved_model_towers import SavedModelTowers
 from trainer import assembly
 from trainer import cli
 from trainer import faults

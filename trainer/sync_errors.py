@@ -1,6 +1,6 @@
 """Failures of a synchronous cluster, as one line for the command line.
 
-In a cluster of a chief and workers without ps (estimator_towers.task_sync)
+In a cluster of a chief and workers without ps (estimator_towers.cluster.task_sync)
 no task can train without the others. When one dies, stops, starts too late
 or ends its input early, the others fail with TensorFlow errors whose
 messages are pages of graph context:
@@ -28,8 +28,8 @@ from typing import Any, Dict, Optional
 
 import tensorflow as tf
 
-from estimator_towers import task_agreement
-from estimator_towers import task_sync
+from estimator_towers.cluster import task_agreement
+from estimator_towers.cluster import task_sync
 
 _GUARD = re.compile(r'\S+: ' + re.escape(task_sync.RESTARTED) +
                     r'[^\n]*?checkpoint\.')

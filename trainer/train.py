@@ -19,7 +19,7 @@ from model_fns import hparams
 from estimator_towers.replicate import replicate_model_fn
 from estimator_towers.run_config import make_run_config
 from estimator_towers.run_config import session_device_counts
-from estimator_towers import task_sync
+from estimator_towers.cluster import task_sync
 from trainer import assembly
 from trainer import checkpoint_check
 from trainer import cluster_agreement

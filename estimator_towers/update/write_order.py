@@ -47,8 +47,8 @@ from typing import Collection, Dict, Iterable, List, Sequence, Set, Tuple
 
 import tensorflow as tf
 
-from estimator_towers import op_ledger
-from estimator_towers import tower_effects
+from estimator_towers.graph import op_ledger
+from estimator_towers.towers import tower_effects
 
 # Ops that pass a variable's handle or ref on unchanged.
 _FORWARDING = frozenset(['Identity', 'RefIdentity', 'Enter', 'RefEnter',

@@ -52,10 +52,10 @@ from typing import Any, ContextManager, Iterator, List, NamedTuple, Set
 
 import tensorflow as tf
 
-from estimator_towers import loss_reduction
-from estimator_towers import op_ledger
-from estimator_towers import sharding
-from estimator_towers import tower_effects
+from estimator_towers.towers import loss_reduction
+from estimator_towers.graph import op_ledger
+from estimator_towers.towers import sharding
+from estimator_towers.towers import tower_effects
 
 tf1 = tf.compat.v1
 

@@ -23,6 +23,9 @@ identical. Each step then gives every copy the same update:
 
 Non-trainable variables (batch-norm statistics, counters) are not copied:
 every tower uses the primary, as with the other strategies.
+
+replica_path.ReplicaPath takes the towers' gradients and updates through
+these copies: it is the all_reduce strategy's gradient path in TRAIN.
 """
 
 import contextlib
@@ -31,10 +34,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import tensorflow as tf
 
-from estimator_towers import aggregation
-from estimator_towers import cross_device
-from estimator_towers import op_ledger
-from estimator_towers import task_sync
+from estimator_towers.collectives import cross_device
+from estimator_towers.graph import op_ledger
+from estimator_towers.cluster import task_sync
 from tensorflow.python.ops import variables as variables_lib  # pylint: disable=g-direct-tensorflow-import,g-bad-import-order
 
 tf1 = tf.compat.v1
@@ -58,8 +60,8 @@ class Replicas:
     devices: The tower devices; tower i's copies live on devices[i].
     unshared: A context factory inside which variables may be created
       freely (see `VariableSharing.unshared`).
-    placement: The aggregation.AllReduce placement, which lets the all-reduce
-      ops keep the devices given here.
+    placement: The strategies.AllReduce strategy, which lets the
+      all-reduce ops keep the devices given here.
     task_group: The training tasks: in a synchronous cluster a
       task_sync.TaskGroup, over which gradients are also summed and to
       which the chief's variables are broadcast at the start; on one
@@ -336,7 +338,7 @@ class Replicas:
           raise ValueError(
               f"aggregation='all_reduce': {what} writes "
               f'{copies[target].op.name}, a per-device copy, itself. '
-              + aggregation.instead_of_all_reduce(
+              + instead_of_all_reduce(
                   self.task_group.across_tasks))
         if target in primaries:
           written[target] = primaries[target]
@@ -394,7 +396,7 @@ class Replicas:
             f'variable {self.primary_of(handles[target]).op.name} itself '
             f'({op.type} {op.name}), which would reach only one of its '
             'copies. ' +
-            aggregation.instead_of_all_reduce(self.task_group.across_tasks))
+            instead_of_all_reduce(self.task_group.across_tasks))
 
   def sync_op(self, after: tf.Operation) -> tf.Operation:
     """Sets every copy and copy slot from its primary, after `after`."""
@@ -461,6 +463,23 @@ class _SyncingScaffold(tf1.train.Scaffold):
     if self._init_op is None:
       return tf1.global_variables_initializer()
     return self._init_op
+
+
+def instead_of_all_reduce(in_cluster: bool) -> str:
+  """What an error that refuses 'all_reduce' advises instead.
+
+  Args:
+    in_cluster: Whether the towers are those of a synchronous cluster,
+      where no other aggregation trains (see `strategies.check_tasks`).
+
+  Returns:
+    A sentence.
+  """
+  if in_cluster:
+    return ("A synchronous cluster trains only with 'all_reduce': train "
+            "with ps tasks (asynchronous, aggregation='global_loss') or on "
+            'one machine.')
+  return "Use aggregation='global_loss' or 'round_robin'."
 
 
 def _copy_scope(tower: int) -> str:

@@ -39,8 +39,8 @@ from typing import Callable, Dict, List, Sequence
 
 import tensorflow as tf
 
-from estimator_towers import loss_reduction
-from estimator_towers import tower_effects
+from estimator_towers.towers import loss_reduction
+from estimator_towers.towers import tower_effects
 
 # Adds into a metric's state: position of the value they add.
 _ADDS = {'AssignAdd': 1, 'AssignAddVariableOp': 1}

@@ -47,8 +47,9 @@ class VariableSharing:
     self._keras_counts: Dict[str, int] = {}
     self._named = set()  # What tower 0 asked get_variable for.
     self._local = threading.local()
-    # The all_reduce aggregation's replicas.Replicas: `tower_variable`
-    # (primary, tower index) -> what that tower uses, `primary_name`.
+    # The aggregation strategy's gradient path (the builder sets it):
+    # `tower_variable` (primary, tower index) -> what that tower uses,
+    # `primary_name`; all_reduce's replica_path.ReplicaPath hands out copies.
     self.copies = None
 
   def _for_tower(self, variable, index: int):

@@ -30,7 +30,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import rewriter_config_pb2
 from tensorflow.python.training.experimental import loss_scale_optimizer
 
-from estimator_towers import gradient_routing as calls
+from estimator_towers.update import gradient_routing as calls
 
 __all__ = ['AutomaticScaling', 'automatic', 'loss_scale_wrappers']
 

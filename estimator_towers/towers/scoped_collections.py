@@ -17,7 +17,7 @@ from typing import Iterator
 
 import tensorflow as tf
 
-from estimator_towers import patching
+from estimator_towers.graph import patching
 
 
 @contextlib.contextmanager

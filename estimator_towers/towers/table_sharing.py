@@ -34,9 +34,9 @@ from typing import Callable, Iterator, List, Optional
 
 import tensorflow as tf
 
-from estimator_towers import op_ledger
-from estimator_towers import patching
-from estimator_towers import write_order
+from estimator_towers.graph import op_ledger
+from estimator_towers.graph import patching
+from estimator_towers.update import write_order
 
 tf1 = tf.compat.v1
 _TABLE_CLASSES = (tf.lookup.experimental.MutableHashTable,

@@ -66,9 +66,9 @@ from keras.src.utils import control_flow_util
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 
-from estimator_towers import collective_keys
-from estimator_towers import moving_statistics
-from estimator_towers import patching
+from estimator_towers.collectives import collective_keys
+from estimator_towers.towers import moving_statistics
+from estimator_towers.graph import patching
 
 tf1 = tf.compat.v1
 _Base = keras_bn.BatchNormalizationBase
@@ -127,7 +127,7 @@ class GlobalMoments:
     task_group: The training tasks (task_sync.TaskGroup in a synchronous
       cluster, whose towers exchange their moments too;
       one_machine.OneMachine else).
-    placement: The tower builder's aggregation.Placement, whose device
+    placement: The tower builder's strategies.Strategy, whose device
       function must let the collectives keep their tower's device.
   """
 

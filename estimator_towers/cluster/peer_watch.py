@@ -45,7 +45,7 @@ from typing import Callable, List, Optional
 from absl import logging
 import tensorflow as tf
 
-from estimator_towers import task_sync
+from estimator_towers.cluster import task_sync
 
 tf1 = tf.compat.v1
 EXIT_CODE = 1

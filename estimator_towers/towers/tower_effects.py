@@ -34,8 +34,8 @@ from typing import Callable, Collection, Iterable, List, Optional, Set
 
 import tensorflow as tf
 
-from estimator_towers import loss_reduction
-from estimator_towers import op_ledger
+from estimator_towers.towers import loss_reduction
+from estimator_towers.graph import op_ledger
 
 _CHECKS = frozenset(['Assert', 'Print', 'PrintV2'])
 # A `tf.debugging.assert_*` whose outcome is not known while the graph is

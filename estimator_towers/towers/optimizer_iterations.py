@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 
 import tensorflow as tf
 
-from estimator_towers import patching
+from estimator_towers.graph import patching
 
 
 def _keras_legacy_optimizer() -> Optional[type]:

@@ -30,8 +30,8 @@ method is there and refuses loudly otherwise.
 import tensorflow as tf
 from tensorflow_estimator.python.estimator import training as training_lib  # pylint: disable=g-direct-tensorflow-import
 
-from estimator_towers import patching
-from estimator_towers import task_sync
+from estimator_towers.graph import patching
+from estimator_towers.cluster import task_sync
 
 _executor = training_lib._TrainingExecutor  # pylint: disable=protected-access
 _original = getattr(_executor, '_start_std_server', None)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import tensorflow as tf
 
-from estimator_towers import patching
+from estimator_towers.graph import patching
 
 tf1 = tf.compat.v1
 

@@ -23,7 +23,7 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import nccl_ops  # pylint: disable=g-direct-tensorflow-import
 
-from estimator_towers import collective_keys
+from estimator_towers.collectives import collective_keys
 
 Gradient = Union[tf.Tensor, tf.IndexedSlices]
 

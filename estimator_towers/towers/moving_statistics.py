@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Sequence
 from keras.src.layers.normalization import batch_normalization as keras_bn
 import tensorflow as tf
 
-from estimator_towers import patching
+from estimator_towers.graph import patching
 
 tf1 = tf.compat.v1
 _Base = keras_bn.BatchNormalizationBase

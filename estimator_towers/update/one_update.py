@@ -28,11 +28,12 @@ matched by their order within each tower. Gradients the routing returned
 must not feed back into a tower's loss or predictions (a penalty on the
 weights' gradient): earlier towers hold zeros there, so that is an error.
 
-With the 'all_reduce' aggregation (`replicas` given), a gradient call
-differentiates the global loss w.r.t. each tower's copies and all-reduces
-the gradients, and the base `apply_gradients` updates every copy; an
-overriding `apply_gradients` (or `minimize`) updates the primaries, after
-which each copy is set from its primary. See replicas.py.
+What a gradient or update call does with the variables is the aggregation
+strategy's gradient path (see aggregation/strategies.py): with one shared
+set, a gradient call differentiates the global loss once and an update runs
+as made; with the 'all_reduce' copies, a gradient call differentiates each
+tower's part w.r.t. its copies and all-reduces the gradients, and the base
+`apply_gradients` updates every copy (see aggregation/replicas.py).
 
 Loss-scale optimizers are such wrappers. When the session's float16 rewrite
 is on, the last tower's outermost call is made on a loss-scale wrapper of
@@ -42,16 +43,15 @@ the model_fn's optimizer instead; see loss_scaling.py.
 import contextlib
 import logging
 import threading
-from typing import (Any, Callable, Dict, Iterator, List, Optional, Set,
-                    Tuple)
+from typing import (Any, Callable, Dict, Iterator, List, NamedTuple,
+                    Optional, Set, Tuple)
 
 import tensorflow as tf
 
-from estimator_towers import aggregation
-from estimator_towers import gradient_routing as calls
-from estimator_towers import loss_scaling
-from estimator_towers import op_ledger
-from estimator_towers import write_order
+from estimator_towers.update import gradient_routing as calls
+from estimator_towers.update import loss_scaling
+from estimator_towers.graph import op_ledger
+from estimator_towers.update import write_order
 
 # A named logger, not absl's functions: their first call in a script
 # configures the root logger, after which every TensorFlow record prints
@@ -77,8 +77,9 @@ class OneUpdate:
       whose weighted terms add up to the global-batch loss.
     unshared: A context factory inside which new variables (slots) may be
       created in any tower; see `VariableSharing.unshared`.
-    replicas: For the 'all_reduce' aggregation, the towers' copies of the
-      variables (a `replicas.Replicas`); None for one shared set.
+    path: The aggregation strategy's gradient path: one shared set of
+      variables (strategies.SharedVariables) or a copy per tower device
+      (replica_path.ReplicaPath); see `strategies.Strategy.gradient_path`.
     has_rows: Whether this task's batch has any example (a bool scalar),
       for the gradients summed over the tasks of a cluster.
     training: False in EVAL and PREDICT: `tf.gradients` then stays each
@@ -90,7 +91,7 @@ class OneUpdate:
   def __init__(self, num_towers: int,
                weights,
                unshared: Callable[[], contextlib.AbstractContextManager],
-               replicas, has_rows: tf.Tensor, training: bool = True,
+               path, has_rows: tf.Tensor, training: bool = True,
                automatic_loss_scale: bool = False):
     self._num_towers = num_towers
     self._training = training
@@ -99,7 +100,7 @@ class OneUpdate:
     self._weights = weights
     self._has_rows = has_rows
     self._unshared = unshared
-    self._replicas = replicas
+    self._path = path
     # Ops the model_fn made the optimizer calls depend on, per tower.
     self.call_dependencies: List[List[tf.Operation]] = [
         [] for _ in range(num_towers)]
@@ -113,7 +114,6 @@ class OneUpdate:
         [] for _ in range(num_towers)]
     self._graph = None
     self._thread = None
-    self._syncing = False  # Inside an overriding update under all_reduce.
     # The global loss of the call being made, and its per-tower terms.
     self._total: Optional[tf.Tensor] = None
     self._terms: List[tf.Tensor] = []
@@ -151,10 +151,8 @@ class OneUpdate:
       return call.run()
     graph = tf1.get_default_graph()
     if graph is not self._graph:
-      if self._replicas is not None and not self.applying:
-        _refuse_inside_control_flow(
-            call, graph, self._graph,
-            self._replicas.task_group.across_tasks)
+      if not self.applying:
+        self._path.check_nested_call(call, graph, self._graph)
       return call.run()
     if call.name == 'gradients':
       if not self._training:
@@ -337,17 +335,14 @@ class OneUpdate:
 
   def _differentiate(self, call: calls.Call, loss: tf.Tensor) -> Any:
     """A base gradient method's result for `loss`, on the towers' devices."""
-    variables, per_tower, pack, direct = _gradient_parts(call)
+    parts = _gradient_parts(call)
     with self._whole_batch():
-      if self._replicas is None:
-        return direct(loss)
-      return pack(self._replicas.gradients(self._tower_terms(loss),
-                                           variables, per_tower,
-                                           self._has_rows))
+      return self._path.differentiate(loss, parts, self._tower_terms,
+                                      self._has_rows)
 
   def _tower_terms(self, loss: tf.Tensor) -> List[tf.Tensor]:
     """Per tower, a loss whose gradient w.r.t. the tower's copies is its
-    part of `loss`'s gradient (all_reduce).
+    part of `loss`'s gradient (asked by the all_reduce path).
 
     Each tower's weighted loss is differentiated w.r.t. its own copies only,
     as one device differentiates its loss once per variable. A loss derived
@@ -359,58 +354,14 @@ class OneUpdate:
     slopes = calls.TF1_GRADIENTS(loss, self._terms)
     if all(slope is None for slope in slopes):
       return [loss] * self._num_towers  # Not of the towers' loss.
-    return self._replicas.on_tower_devices(
+    return self._path.on_tower_devices(
         lambda t: self._terms[t] * tf.stop_gradient(slopes[t])
         if slopes[t] is not None else tf.zeros_like(self._terms[t]))
 
   def _update(self, call: calls.Call,
               replace: Optional[Dict[int, Any]] = None) -> Any:
     """An update call (minimize, get_updates, apply_gradients) made once."""
-    replace = dict(replace or {})
-    if self._replicas is None:
-      return call.run(replace)
-    if call.kind == calls.APPLY:
-      grads_and_vars = list(call.get(0))
-      if call.overriding or self._syncing:
-        replace[0] = [(g, self._replicas.primary_of(v))
-                      for g, v in grads_and_vars]
-      else:
-        return self._update_every_copy(call, grads_and_vars)
-    if call.overriding and not self._syncing:
-      return self._update_then_sync(call, replace)
-    return call.run(replace)
-
-  def _update_every_copy(self, call: calls.Call, grads_and_vars) -> Any:
-    """The base apply_gradients, once for a list holding every copy."""
-    with op_ledger.region() as update:
-      with self._replicas.local_slots():
-        # One call for every copy: slots, Adam's powers, Keras's iterations
-        # and global_step advance once.
-        op = call.run({0: self._replicas.expand(grads_and_vars)})
-      unused = self._replicas.unused_sums()
-      if unused:
-        op = tf.group(op, *unused)
-    self._replicas.applied(call.optimizer, update)
-    return op
-
-  def _update_then_sync(self, call: calls.Call, replace: Dict) -> Any:
-    """An overriding update of the primaries, then copies set from them.
-
-    Its own code may create variables (slots) and write them in ways the
-    copies cannot mirror, so it updates only the primaries.
-    """
-    with op_ledger.region() as update:
-      self._syncing = True
-      try:
-        result = call.run(replace)
-      finally:
-        self._syncing = False
-      synced = self._replicas.sync_written(result, update.start,
-                                           call.qualified_name)
-    self._replicas.applied(None, update)
-    if isinstance(result, (list, tuple)):
-      return [synced]
-    return synced
+    return self._path.update(call, dict(replace or {}))
 
   # --------------------------------------------------------------------------
   # Bookkeeping.
@@ -419,10 +370,7 @@ class OneUpdate:
     """The weighted sum of the towers' losses of optimizer call `call`."""
     losses = [self._losses[call][t] for t in range(self._num_towers)]
     with tf.name_scope('global_loss'), self._whole_batch():
-      # Each tower's term on its device (all_reduce): its copies' gradients
-      # start there.
-      self._terms = self._weights.terms(
-          losses, self._replicas.on_tower_devices if self._replicas else None)
+      self._terms = self._path.weighted_terms(self._weights, losses)
       self._total = tf.add_n(self._terms)
       return self._total
 
@@ -599,15 +547,24 @@ def _ops_of(result) -> List[tf.Operation]:
   return ops
 
 
-def _gradient_parts(call: calls.Call):
+class GradientParts(NamedTuple):
   """How a base gradient method computes the towers' gradients.
 
-  Returns:
-    (variables, per_tower, pack, direct): the variables; (loss, variables)
-    -> one gradient (or None) each, on the forward ops' devices; a list of
-    such gradients -> the method's result; loss -> the method's result for
-    one set of variables.
+  Attributes:
+    variables: The variables it differentiates with respect to.
+    per_tower: (loss, variables) -> one gradient (or None) each, on the
+      forward ops' devices.
+    pack: A list of such gradients -> the method's result.
+    direct: loss -> the method's result for one set of variables.
   """
+  variables: List
+  per_tower: Callable[[tf.Tensor, List], List[Optional[tf.Tensor]]]
+  pack: Callable[[List], Any]
+  direct: Callable[[tf.Tensor], Any]
+
+
+def _gradient_parts(call: calls.Call) -> GradientParts:
+  """The parts of the base gradient method `call` (see GradientParts)."""
   variables = _gradient_variables(call)
   opt = call.optimizer
   if call.name == 'compute_gradients':
@@ -621,10 +578,11 @@ def _gradient_parts(call: calls.Call):
     def compute(loss, var_list):
       return call.run({0: loss, 'var_list': var_list, **options})
 
-    return (variables,
-            lambda loss, vs: [g for g, _ in compute(loss, vs)],
-            lambda grads: list(zip(grads, variables)),
-            lambda loss: compute(loss, var_list))
+    return GradientParts(
+        variables,
+        lambda loss, vs: [g for g, _ in compute(loss, vs)],
+        lambda grads: list(zip(grads, variables)),
+        lambda loss: compute(loss, var_list))
   if call.name == 'gradients':
     options = {'grad_ys': call.argument('grad_ys'),
                'gate_gradients': call.argument('gate_gradients'),
@@ -636,8 +594,8 @@ def _gradient_parts(call: calls.Call):
       return calls.TF1_GRADIENTS(loss, vs, colocate_gradients_with_ops=True,
                                    **options)
 
-    return (variables, differentiate, list,
-            lambda loss: differentiate(loss, variables))
+    return GradientParts(variables, differentiate, list,
+                         lambda loss: differentiate(loss, variables))
   require_all = call.name == 'get_gradients'
   grad_loss = None if require_all else call.argument('grad_loss')
 
@@ -645,32 +603,11 @@ def _gradient_parts(call: calls.Call):
     return _keras_gradients(opt, loss, vs, grad_loss, require_all)
 
   if require_all:
-    return (variables, keras, list, lambda loss: keras(loss, variables))
+    return GradientParts(variables, keras, list,
+                         lambda loss: keras(loss, variables))
   pair = lambda grads: list(zip(grads, variables))  # pylint: disable=unnecessary-lambda-assignment
-  return variables, keras, pair, lambda loss: pair(keras(loss, variables))
-
-
-def _refuse_inside_control_flow(call: calls.Call, graph: tf.Graph,
-                                towers_graph: tf.Graph,
-                                in_cluster: bool) -> None:
-  """Refuses an optimizer call of the model_fn inside its `tf.cond`,
-  `tf.while_loop` or `tf.function` (a graph nested in the towers' graph):
-  it cannot be routed there, and run as it is under 'all_reduce' it would
-  update one tower's variables (or hang on the all-reduce)."""
-  while graph is not None and graph is not towers_graph:
-    graph = getattr(graph, 'outer_graph', None)
-  if graph is None:
-    return  # Another graph altogether: not the towers' business.
-  if call.name == 'gradients' and (
-      calls.variables_of_gradients_call(call) is None):
-    return  # Gradients w.r.t. tensors: the tower's own.
-  raise ValueError(
-      f"aggregation='all_reduce': the model_fn calls {call.qualified_name} "
-      'inside a tf.cond, tf.while_loop or tf.function, where '
-      'replicate_model_fn cannot turn it into the one update of every '
-      "device's copy of the variables. Make the call outside control flow; "
-      'for an update made only on some steps: ' +
-      aggregation.instead_of_all_reduce(in_cluster))
+  return GradientParts(variables, keras, pair,
+                       lambda loss: pair(keras(loss, variables)))
 
 
 def _variables(var_list) -> List[tf.Variable]:

@@ -47,10 +47,10 @@ from typing import Dict, List, Optional, Sequence, Set
 
 import tensorflow as tf
 
-from estimator_towers import op_ledger
-from estimator_towers import sharding
+from estimator_towers.graph import op_ledger
+from estimator_towers.towers import sharding
 from estimator_towers import tower as tower_lib
-from estimator_towers import write_order
+from estimator_towers.update import write_order
 
 # A named logger, as in replicate.py: absl's functions would configure the
 # root logger.

@@ -25,8 +25,8 @@ from typing import Any, Tuple
 
 import tensorflow as tf
 
-from estimator_towers import sharding
-from estimator_towers import task_sync
+from estimator_towers.towers import sharding
+from estimator_towers.cluster import task_sync
 
 # Dataset ops drawing random numbers; both seeds 0 means an unseeded op
 # (tf.data turns any seeded pair into something else).

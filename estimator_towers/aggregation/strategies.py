@@ -14,21 +14,25 @@
   own copy, the gradients are summed across devices by an all-reduce
   (cross_device.py), and every copy takes the same update.
 
-Each strategy is a small class deciding the device of a variable op; the
-all_reduce one also owns the replicated variables.
-
-Not done yet (issue 25, item 3): the strategies decide placement only. The
-gradient path still branches on whether there are replicas (one_update's
-`_differentiate`, `_update`, `_global_loss` and the control-flow refusal;
-the builder's scaffold and write check); a strategy object owning that
-path (shared variables vs replicas) would replace those branches.
+Each strategy is an object chosen once per model_fn call and handed to the
+tower builder: it decides the device of a variable op, and it gives the
+build its gradient path, the code through which the towers' gradients
+become the one update. 'global_loss' and 'round_robin' (and every strategy
+outside TRAIN, where the towers read tower 0's variables) take
+`SharedVariables`, one set of variables that the update writes directly;
+'all_reduce' in TRAIN takes `replica_path.ReplicaPath`, over a copy per
+tower device (`replicas.Replicas`).
+The one update and the builder call the path the same way whichever it is.
 """
 
 import contextlib
 import threading
-from typing import Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import tensorflow as tf
+
+from estimator_towers.aggregation import replica_path
+from estimator_towers.aggregation import replicas as replicas_lib
 
 AGGREGATIONS = ('global_loss', 'round_robin', 'all_reduce')
 DEFAULT_VARIABLES_DEVICE = '/device:CPU:0'
@@ -53,23 +57,6 @@ def check(aggregation: str, variables_device: Optional[str]) -> None:
         f'variables_device={variables_device!r} cannot be combined with '
         f"aggregation={aggregation!r}, which places the variables on the "
         "tower devices itself; use aggregation='global_loss' to pin them.")
-
-
-def instead_of_all_reduce(in_cluster: bool) -> str:
-  """What an error that refuses 'all_reduce' advises instead.
-
-  Args:
-    in_cluster: Whether the towers are those of a synchronous cluster,
-      where no other aggregation trains (see `check_tasks`).
-
-  Returns:
-    A sentence.
-  """
-  if in_cluster:
-    return ("A synchronous cluster trains only with 'all_reduce': train "
-            "with ps tasks (asynchronous, aggregation='global_loss') or on "
-            'one machine.')
-  return "Use aggregation='global_loss' or 'round_robin'."
 
 
 def check_tasks(aggregation: str, config) -> None:
@@ -106,17 +93,14 @@ def check_tasks(aggregation: str, config) -> None:
         'training.')
 
 
-class Placement:
-  """Decides the device of variable ops; base of the strategies.
+class Strategy:
+  """An aggregation strategy: its placement and its gradient path.
 
   Attributes:
     name: The strategy's name, one of AGGREGATIONS.
-    replicates_variables: Whether each tower device holds its own copy of
-      the trainable variables in TRAIN (see replicas.py).
   """
 
   name = ''
-  replicates_variables = False
 
   def __init__(self):
     self._local = threading.local()
@@ -125,6 +109,24 @@ class Placement:
                       applying: bool) -> str:
     """The device of a variable op made in `tower` (or by the one update)."""
     raise NotImplementedError
+
+  def gradient_path(self, training: bool,
+                    unshared: Callable[[], contextlib.AbstractContextManager],
+                    task_group) -> Any:
+    """The path of the towers' gradients to the one update of a build.
+
+    Args:
+      training: Whether the build is TRAIN's (only its update writes).
+      unshared: A context factory inside which variables may be created
+        freely (see `VariableSharing.unshared`).
+      task_group: The tasks training together (task_sync.TaskGroup or
+        one_machine.OneMachine).
+
+    Returns:
+      A `SharedVariables` here; see AllReduce for the other path.
+    """
+    del training, unshared, task_group  # One shared set needs none of them.
+    return SharedVariables()
 
   @contextlib.contextmanager
   def deferring(self) -> Iterator[None]:
@@ -141,7 +143,83 @@ class Placement:
     return getattr(self._local, 'deferring', False)
 
 
-class GlobalLoss(Placement):
+class SharedVariables:
+  """The gradient path of one set of variables that every tower uses.
+
+  Its counterpart for 'all_reduce' in TRAIN is `replica_path.ReplicaPath`,
+  with the same methods: the builder and the one update call whichever they are
+  given, and never ask which it is.
+  """
+
+  def tower_variable(self, primary, tower: int):
+    """What tower `tower` uses for `primary`: `primary` itself."""
+    del tower
+    return primary
+
+  def primary_name(self, name: str, tower: int) -> str:
+    """`name`: no tower's variables have names of their own."""
+    del tower
+    return name
+
+  def check_nested_call(self, call, graph: tf.Graph,
+                        towers_graph: tf.Graph) -> None:
+    """Accepts an optimizer call inside the model_fn's control flow: run
+    as it is, it updates the one set of variables."""
+    del call, graph, towers_graph
+
+  def weighted_terms(self, weights, losses: List[tf.Tensor]
+                     ) -> List[tf.Tensor]:
+    """The towers' weighted losses, under the current device.
+
+    Args:
+      weights: The towers' loss weights (loss_reduction.TowerWeights).
+      losses: The towers' losses of one optimizer call.
+
+    Returns:
+      One term per tower.
+    """
+    return weights.terms(losses)
+
+  def differentiate(self, loss: tf.Tensor, parts,
+                    tower_terms: Callable[[tf.Tensor], List[tf.Tensor]],
+                    has_rows: tf.Tensor) -> Any:
+    """A base gradient method's result for the global `loss`: one backward
+    pass, each gradient summed where `tf.gradients` sums it.
+
+    Args:
+      loss: The loss to differentiate (the global loss, or one derived
+        from it by a wrapper).
+      parts: The call's one_update.GradientParts.
+      tower_terms: Unused (per-tower terms are for copies).
+      has_rows: Unused (no sum over copies).
+
+    Returns:
+      What the gradient method returns.
+    """
+    del tower_terms, has_rows
+    return parts.direct(loss)
+
+  def update(self, call, replace: dict) -> Any:
+    """An update call (minimize, get_updates, apply_gradients), run once
+    with `replace` for its arguments."""
+    return call.run(replace)
+
+  def finish(self, spec: tf.estimator.EstimatorSpec,
+             since) -> tf.estimator.EstimatorSpec:
+    """`spec` unchanged: nothing to keep in step.
+
+    Args:
+      spec: The merged TRAIN spec.
+      since: An op_ledger.Mark taken before the towers were built.
+
+    Returns:
+      `spec`.
+    """
+    del since
+    return spec
+
+
+class GlobalLoss(Strategy):
   """Every variable on one device."""
 
   name = 'global_loss'
@@ -155,7 +233,7 @@ class GlobalLoss(Placement):
     return self._device
 
 
-class RoundRobin(Placement):
+class RoundRobin(Strategy):
   """Each new variable on the tower device with the fewest bytes so far."""
 
   name = 'round_robin'
@@ -179,11 +257,10 @@ class RoundRobin(Placement):
     return self._placed[op.name]
 
 
-class AllReduce(Placement):
+class AllReduce(Strategy):
   """Each tower's variables on its own device; see replicas.py."""
 
   name = 'all_reduce'
-  replicates_variables = True
 
   def __init__(self, devices: Sequence[str]):
     super().__init__()
@@ -194,10 +271,19 @@ class AllReduce(Placement):
     # A copy's slots are colocated with the copy; '' lets that decide.
     return '' if applying else self._devices[tower]
 
+  def gradient_path(self, training, unshared, task_group):
+    """Copies per tower device in TRAIN (`replica_path.ReplicaPath` over
+    `replicas.Replicas`); other modes read the primaries, which are tower
+    0's variables (`SharedVariables`)."""
+    if not training:
+      return SharedVariables()
+    return replica_path.ReplicaPath(
+        replicas_lib.Replicas(self._devices, unshared, self, task_group))
+
 
 def make(aggregation: str, devices: Sequence[str],
-         variables_device: Optional[str]) -> Placement:
-  """The placement of one model_fn call.
+         variables_device: Optional[str]) -> Strategy:
+  """The aggregation strategy of one model_fn call.
 
   Args:
     aggregation: One of AGGREGATIONS (checked by `check`).
@@ -206,7 +292,7 @@ def make(aggregation: str, devices: Sequence[str],
       default.
 
   Returns:
-    A new Placement (round_robin counts bytes per graph build).
+    A new Strategy (round_robin counts bytes per graph build).
   """
   if aggregation == 'round_robin':
     return RoundRobin(devices)

@@ -40,8 +40,8 @@ from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional,
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 
-from estimator_towers import collective_keys
-from estimator_towers import task_agreement
+from estimator_towers.collectives import collective_keys
+from estimator_towers.cluster import task_agreement
 
 # A prime far from small seeds: task k's graph seed is seed + k * stride.
 _SEED_STRIDE = 1_000_003
@@ -113,7 +113,7 @@ class TaskGroup:
       collectives run on that device of every task.
     timeout_secs: How long the start's broadcast may wait for the other
       tasks (the steps are bounded by peer_watch.StepWatch).
-    placement: The tower builder's aggregation.Placement: its device
+    placement: The tower builder's strategies.Strategy: its device
       functions must let the collectives keep this task's collective device.
   """
 

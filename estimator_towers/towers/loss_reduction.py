@@ -27,8 +27,8 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import tensorflow as tf
 
-from estimator_towers import op_ledger
-from estimator_towers import sharding
+from estimator_towers.graph import op_ledger
+from estimator_towers.towers import sharding
 
 SUM = 'sum'
 RATIO = 'ratio'
