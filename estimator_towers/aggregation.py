@@ -30,7 +30,8 @@ from typing import Iterator, List, Optional, Sequence
 
 import tensorflow as tf
 
-AGGREGATIONS = ('global_loss', 'round_robin', 'all_reduce')
+from estimator_towers.choices import AGGREGATIONS
+
 DEFAULT_VARIABLES_DEVICE = '/device:CPU:0'
 
 
