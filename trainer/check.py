@@ -63,6 +63,7 @@ def main(argv):
   del argv  # cli.run has refused any left-over arguments.
   options = options_lib.from_flags()
   num_towers, device_type = towers(options)
+  # pylint: disable=g-import-not-at-top
   import tensorflow as tf
   import model_fns
   from estimator_towers import equivalence
@@ -110,7 +111,7 @@ def towers(options: options_lib.TaskOptions):
   elif options.cpu_towers is not None:
     count, flag, device_type = options.cpu_towers, 'cpu-towers', 'CPU'
   else:
-    from estimator_towers.run_config import available_gpu_count
+    from estimator_towers.run_config import available_gpu_count  # pylint: disable=g-import-not-at-top
     return max(_DEFAULT_TOWERS, available_gpu_count()), None
   if count < 2:
     raise cli.UsageError(f'--{flag}={count}: the check compares one device '
