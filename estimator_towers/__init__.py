@@ -12,8 +12,9 @@ Public API:
   task_slice: a task's part of each global batch in a synchronous cluster.
   TowerContext: what tower_context returns.
 
-Importing it patches nothing; `make_run_config` installs the cluster server
-hook for a TF_CONFIG cluster (see cluster_server.py).
+Importing it patches nothing and loads nothing: each public name imports its
+module (and TensorFlow) on first use. `make_run_config` installs the cluster
+server hook for a TF_CONFIG cluster (see cluster_server.py).
 """
 
 import sys
@@ -26,11 +27,32 @@ if not (3, 9) <= sys.version_info[:2] <= (3, 11):
       'with python3.11 (run.sh does this).')
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from estimator_towers.replicate import replicate_model_fn
-from estimator_towers.run_config import make_run_config
-from estimator_towers.cluster.task_input import task_slice
-from estimator_towers.tower import tower_context
-from estimator_towers.tower import TowerContext
+import importlib
+from typing import Any
 
-__all__ = ['TowerContext', 'make_run_config', 'replicate_model_fn',
-           'task_slice', 'tower_context']
+# Public name -> the module that defines it. Each loads on first use, so
+# that importing a TensorFlow-free module of the package (choices) does not
+# load TensorFlow.
+_EXPORTS = {
+    'TowerContext': 'estimator_towers.tower',
+    'make_run_config': 'estimator_towers.run_config',
+    'replicate_model_fn': 'estimator_towers.replicate',
+    'task_slice': 'estimator_towers.cluster.task_input',
+    'tower_context': 'estimator_towers.tower',
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+  """Imports a public name on first use; the import loads TensorFlow."""
+  module = _EXPORTS.get(name)
+  if module is None:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  value = getattr(importlib.import_module(module), name)
+  globals()[name] = value  # Later lookups skip this function.
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_EXPORTS))

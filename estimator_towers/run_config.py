@@ -30,6 +30,7 @@ from tensorflow.core.protobuf import rewriter_config_pb2
 from tensorflow.python.client import pywrap_tf_session
 from tensorflow.python.util import _pywrap_util_port
 
+from estimator_towers.choices import MIXED_PRECISIONS
 from estimator_towers.cluster import cluster_server
 from estimator_towers.cluster import task_sync
 
@@ -48,7 +49,6 @@ __all__ = [
 
 _GPU = 'GPU'
 _CPU = 'CPU'
-MIXED_PRECISIONS = ('float16', 'bfloat16')
 _ON = rewriter_config_pb2.RewriterConfig.ON
 
 # Without this, a session's global_jit_level compiles GPU clusters only. It is

@@ -1,38 +1,28 @@
-"""A synchronous loopback cluster, for tests/test_task_sync.py.
-
-    python tests/sync_cluster_task.py pair MODEL_DIR STEPS ROWS...
-
-(run inside a network namespace of its own: `unshare --net`) starts a chief
-and a worker on free loopback ports and waits for both; it exits non-zero
-if either fails or both are not done within 240 s.
+"""One task of a synchronous loopback cluster, for tests/test_task_sync.py.
 
     python tests/sync_cluster_task.py task MODEL_DIR STEPS ROWS...
 
-is one task; TF_CONFIG names the cluster and the task. Each step's global batch is
+is one task; TF_CONFIG names the cluster and the task (tests/sync_cluster_pair.py
+starts a chief and a worker of them). Each step's global batch is
 `sum(ROWS)` rows of `global_batches`; task k (chief first, then workers by
 index, as `global_id_in_cluster` counts them) trains on rows
 [sum(ROWS[:k]), sum(ROWS[:k+1])) of it, on 2 virtual CPU towers, through
 `tf.estimator.train_and_evaluate`.
 
-    python tests/sync_cluster_task.py dropout-pair MODEL_DIR STEPS ROWS...
+    python tests/sync_cluster_task.py dropout-task MODEL_DIR STEPS ROWS...
 
-is the pair training `dropout_model_fn` with random_ops='one_device' and
-tf_random_seed 7 (`dropout-task` is one of them).
+trains `dropout_model_fn` with random_ops='one_device' and tf_random_seed 7.
 
-    python tests/sync_cluster_task.py sliced-pair MODEL_DIR BATCH TOTAL
+    python tests/sync_cluster_task.py sliced-task MODEL_DIR BATCH TOTAL
 
-is the same pair, training the model with momentum (which updates only the
-embedding rows a sparse gradient names) on one pass over TOTAL rows in
-global batches of BATCH, each task keeping its part with
-`estimator_towers.task_slice` (`sliced-task` is one of them). A last batch
+trains the model with momentum (which updates only the embedding rows a
+sparse gradient names) on one pass over TOTAL rows in global batches of
+BATCH, keeping its part with `estimator_towers.task_slice`. A last batch
 of fewer rows than tasks leaves the worker nothing.
 """
 
-import json
 import os
-import subprocess
 import sys
-import time
 
 import numpy as np
 import tensorflow as tf
@@ -40,7 +30,6 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import estimator_towers  # pylint: disable=g-import-not-at-top
 from model_fns import head  # pylint: disable=g-import-not-at-top
-from trainer.cluster import private_network  # pylint: disable=g-import-not-at-top
 
 tf1 = tf.compat.v1
 VOCAB = 7
@@ -198,40 +187,6 @@ def run_task(argv, sliced=False, dropout=False):
   print('TASK DONE', flush=True)
 
 
-def run_pair(argv, timeout_secs=240, mode='task', script=__file__):
-  """Starts a chief and a worker of `script` in this namespace; their exit
-  code."""
-  private_network.bring_up_loopback()
-  cluster = {'chief': [f'127.0.0.1:{private_network.free_port()}'],
-             'worker': [f'127.0.0.1:{private_network.free_port()}']}
-  children = []
-  for job in ('chief', 'worker'):
-    tf_config = {'cluster': cluster, 'task': {'type': job, 'index': 0}}
-    children.append(subprocess.Popen(
-        [sys.executable, os.path.abspath(script), mode, *argv],
-        env={**os.environ, 'TF_CONFIG': json.dumps(tf_config)},
-        stdin=subprocess.DEVNULL,
-        preexec_fn=private_network.die_with_parent))
-  deadline = time.monotonic() + timeout_secs
-  try:
-    while time.monotonic() < deadline:
-      codes = [child.poll() for child in children]
-      if any(code not in (None, 0) for code in codes):
-        return 1
-      if all(code == 0 for code in codes):
-        return 0
-      time.sleep(0.5)
-    print(f'the cluster was not done within {timeout_secs} s', flush=True)
-    return 1
-  finally:
-    for child in children:
-      if child.poll() is None:
-        child.kill()
-        child.wait()
-
-
 if __name__ == '__main__':
-  if sys.argv[1].endswith('pair'):
-    sys.exit(run_pair(sys.argv[2:], mode=sys.argv[1].replace('pair', 'task')))
   run_task(sys.argv[2:], sliced=sys.argv[1] == 'sliced-task',
            dropout=sys.argv[1] == 'dropout-task')

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from trainer import hptuning
+from trainer import hypertune_reporter
 
 
 @pytest.mark.fast
@@ -107,7 +108,7 @@ def test_reporter_writes_summary_and_metric_file(tmp_path, monkeypatch):
   metric_file = tmp_path / 'hp' / 'metrics'
   monkeypatch.setenv('CLOUD_ML_HP_METRIC_FILE', str(metric_file))
   monkeypatch.setenv('CLOUD_ML_HP_METRIC_TAG', 'custom/tag')
-  reporter = hptuning.HypertuneReporter('accuracy')
+  reporter = hypertune_reporter.HypertuneReporter('accuracy')
   eval_dir = str(tmp_path / 'eval')
   for step, value in ((10, 0.5), (20, 0.75)):
     reporter.export(_FakeEstimator(eval_dir), None, f'ckpt-{step}',
@@ -124,7 +125,7 @@ def test_reporter_writes_summary_and_metric_file(tmp_path, monkeypatch):
 
 @pytest.mark.training
 def test_reporter_names_the_metrics_there_are(tmp_path):
-  reporter = hptuning.HypertuneReporter('auc', report_file=False)
+  reporter = hypertune_reporter.HypertuneReporter('auc', report_file=False)
   with pytest.raises(ValueError, match=r"'auc'.*\['accuracy', 'loss'\]"):
     reporter.export(_FakeEstimator(str(tmp_path)), None, None,
                     {'accuracy': 1.0, 'loss': 0.1}, False)

@@ -72,3 +72,20 @@ def test_an_unknown_name_is_an_attribute_error():
   import trainer  # pylint: disable=g-import-not-at-top
   with pytest.raises(AttributeError, match='no_such_name'):
     trainer.no_such_name  # pylint: disable=pointless-statement
+
+
+@pytest.mark.cli
+def test_a_bad_task_flag_is_refused_before_tensorflow_loads():
+  # -X importtime lists every module the process imported, on stderr.
+  result = subprocess.run(
+      [sys.executable, '-X', 'importtime', '-m', 'trainer.task',
+       '--train-steps=0'],
+      cwd=ROOT, env={**os.environ, 'PYTHONPATH': ROOT}, capture_output=True,
+      text=True, timeout=120, check=False)
+  assert result.returncode == 2
+  assert 'task: error: flag --train-steps=0' in result.stderr
+  imported = [line.rpartition('|')[2].strip()
+              for line in result.stderr.splitlines()
+              if line.startswith('import time:')]
+  assert 'trainer.options' in imported  # The listing is there...
+  assert 'tensorflow' not in imported  # ...without TensorFlow.

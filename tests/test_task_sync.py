@@ -20,17 +20,18 @@ import tensorflow as tf
 import estimator_towers
 from estimator_towers.cluster import task_sync
 from tests import helpers
+from tests import sync_cluster_pair
 from tests import sync_cluster_task
 from trainer.cluster import private_network
 
-_TASK_SCRIPT = sync_cluster_task.__file__
+_PAIR_SCRIPT = sync_cluster_pair.__file__
 _STEPS = 4
 _ROWS = (5, 4)  # Chief, worker: towers of 3+2 and 2+2, as one process's 9.
 
 
 def _run_pair(model_dir, steps=_STEPS, rows=_ROWS, mode='pair'):
   command = private_network.unshare_command() + [
-      '--', sys.executable, _TASK_SCRIPT, mode, str(model_dir), str(steps),
+      '--', sys.executable, _PAIR_SCRIPT, mode, str(model_dir), str(steps),
       *map(str, rows)]
   return subprocess.run(command, capture_output=True, text=True, timeout=300,
                         stdin=subprocess.DEVNULL,

@@ -37,14 +37,10 @@ if __name__ == '__main__':
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
 from absl import logging
-import tensorflow as tf
 
-import model_fns
-from estimator_towers import equivalence
-from estimator_towers.run_config import available_gpu_count
-from trainer import assembly
+# No TensorFlow before the flags parse and the tower count checks out (as
+# trainer.task): main imports the rest.
 from trainer import cli
-from trainer import faults
 from trainer import options as options_lib
 
 options_lib.define_flags()
@@ -65,16 +61,22 @@ _DEFAULT_TOWERS = 2
 
 def main(argv):
   del argv  # cli.run has refused any left-over arguments.
+  options = options_lib.from_flags()
+  num_towers, device_type = towers(options)
+  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+  import model_fns
+  from estimator_towers import equivalence
+  from trainer import assembly
+  from trainer import faults
   environment.quiet_python_logs(flags.FLAGS['verbosity'].present,
                                 logging.get_verbosity())
-  options = options_lib.from_flags()
   seed = options.tf_random_seed or 0
   # Keras initializers without a seed draw from Python's and numpy's
   # generators, which the graph-level seed does not reach: seeded, the
   # same command checks the same start (as trainer.train seeds them).
   tf.keras.utils.set_random_seed(seed)
   with faults.handled('check'):
-    num_towers, device_type = towers(options)
     data = assembly.build_data(options, model_fns.model_kind(options.model))
     report = equivalence.compare(
         model_fns.get_model_fn(options.model),
@@ -109,6 +111,7 @@ def towers(options: options_lib.TaskOptions):
   elif options.cpu_towers is not None:
     count, flag, device_type = options.cpu_towers, 'cpu-towers', 'CPU'
   else:
+    from estimator_towers.run_config import available_gpu_count  # pylint: disable=g-import-not-at-top
     return max(_DEFAULT_TOWERS, available_gpu_count()), None
   if count < 2:
     raise cli.UsageError(f'--{flag}={count}: the check compares one device '

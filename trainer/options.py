@@ -14,14 +14,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import flags
 
-from estimator_towers.update import micro_batches as micro_batches_lib
-from estimator_towers.aggregation.strategies import AGGREGATIONS
-from estimator_towers.aggregation.strategies import check_tasks
-from estimator_towers.towers.global_batch_norm import BATCH_NORMS
-from estimator_towers.towers.random_draws import RANDOM_OPS
-from estimator_towers.run_config import session_device_counts
-from estimator_towers.cluster.task_sync import is_sync_cluster
-from estimator_towers.run_config import MIXED_PRECISIONS
+# TensorFlow-free: the entry points define and check these flags before
+# they load TensorFlow (aggregation_for imports the library when called).
+from estimator_towers.choices import AGGREGATIONS
+from estimator_towers.choices import BATCH_NORMS
+from estimator_towers.choices import MIXED_PRECISIONS
+from estimator_towers.choices import RANDOM_OPS
 from trainer import cli
 from trainer import hptuning
 from trainer import stop_at as stop_at_lib
@@ -500,6 +498,12 @@ def aggregation_for(options: TaskOptions, config) -> str:
     OptionError: the aggregation cannot train in this cluster
       (strategies.check_tasks says why), or with --micro-batches.
   """
+  # pylint: disable=g-import-not-at-top
+  from estimator_towers.update import micro_batches as micro_batches_lib
+  from estimator_towers.aggregation.strategies import check_tasks
+  from estimator_towers.run_config import session_device_counts
+  from estimator_towers.cluster.task_sync import is_sync_cluster
+  # pylint: enable=g-import-not-at-top
   aggregation = options.aggregation
   if aggregation is None:
     sync = ((config.num_worker_replicas or 1) > 1 and

@@ -21,13 +21,11 @@ if __name__ == '__main__':
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
 from absl import logging
-import tensorflow as tf
 
+# No TensorFlow before the flags parse: a bad command line gets its one
+# line without the seconds TensorFlow takes to load. main imports the rest.
 from trainer import cli
-from trainer import faults
 from trainer import options as options_lib
-from trainer import preemption
-from trainer import train
 
 options_lib.define_flags()
 # Not a TaskOptions field: it says what to do with the options, and a
@@ -47,9 +45,11 @@ flags.adopt_module_key_flags(cli)
 
 def main(argv):
   del argv  # cli.run has refused any left-over arguments.
+  options = options_lib.from_flags()
+  # pylint: disable=g-import-not-at-top
+  from trainer import faults, preemption, train  # They load TensorFlow.
   environment.quiet_python_logs(flags.FLAGS['verbosity'].present,
                                 logging.get_verbosity())
-  options = options_lib.from_flags()
   # The writers are closed after a failure is phrased: phrasing a full
   # disk frees it first.
   with _summaries_flushed(), faults.handled('task'):
@@ -75,10 +75,11 @@ def _summaries_flushed():
   try:
     yield
   finally:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
     tf.compat.v1.summary.FileWriterCache.clear()
 
 
-def _summary_line(result: train.RunResult) -> str:
+def _summary_line(result: 'train.RunResult') -> str:
   """The task's last line: eval metrics, or what this cluster task did."""
   where = f' task={result.task}' if result.task else ''
   if result.metrics is None:

@@ -30,6 +30,7 @@ from trainer.cluster import private_network
 from trainer import faults
 from trainer import finite_weights
 from trainer import hptuning
+from trainer import hypertune_reporter
 from trainer import job_dir as job_dir_lib
 from trainer import limits
 from trainer import options as options_lib
@@ -154,7 +155,7 @@ def _exporters(options, data, metric, final: bool = True,
                run_log: Optional[run_log_lib.RunLog] = None):
   receiver = data.serving_input_receiver_fn(options.export_format)
   exporters = ([tf.estimator.FinalExporter('final', receiver)] if final
-               else []) + [hptuning.HypertuneReporter(
+               else []) + [hypertune_reporter.HypertuneReporter(
                    metric, options.hypertune_summary_tag)]
   if run_log:
     exporters.append(run_log_lib.EvalRecorder(run_log))

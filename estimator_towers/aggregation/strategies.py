@@ -33,8 +33,8 @@ import tensorflow as tf
 
 from estimator_towers.aggregation import replica_path
 from estimator_towers.aggregation import replicas as replicas_lib
+from estimator_towers.choices import AGGREGATIONS
 
-AGGREGATIONS = ('global_loss', 'round_robin', 'all_reduce')
 DEFAULT_VARIABLES_DEVICE = '/device:CPU:0'
 
 

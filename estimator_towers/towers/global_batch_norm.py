@@ -66,6 +66,7 @@ from keras.src.utils import control_flow_util
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 
+from estimator_towers.choices import BATCH_NORMS
 from estimator_towers.collectives import collective_keys
 from estimator_towers.towers import moving_statistics
 from estimator_towers.graph import patching
@@ -73,7 +74,6 @@ from estimator_towers.graph import patching
 tf1 = tf.compat.v1
 _Base = keras_bn.BatchNormalizationBase
 
-BATCH_NORMS = ('global', 'per_tower')
 DEFAULT = 'global'
 
 

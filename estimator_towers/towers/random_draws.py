@@ -52,6 +52,7 @@ from typing import Any, ContextManager, Iterator, List, NamedTuple, Set
 
 import tensorflow as tf
 
+from estimator_towers.choices import RANDOM_OPS
 from estimator_towers.towers import loss_reduction
 from estimator_towers.graph import op_ledger
 from estimator_towers.towers import sharding
@@ -59,7 +60,6 @@ from estimator_towers.towers import tower_effects
 
 tf1 = tf.compat.v1
 
-RANDOM_OPS = ('per_tower', 'one_device')
 # Random ops whose first input is the shape drawn and whose other inputs
 # are per-op scalars: drawing the global shape and slicing is exact.
 _SHAPE_FIRST = frozenset(['RandomUniform', 'RandomUniformInt',
