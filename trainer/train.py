@@ -300,10 +300,10 @@ def run(options: TaskOptions, clean: bool = False) -> RunResult:
         '--clean empties the job dir of a local run; a cluster\'s tasks '
         'share theirs while they start: remove it before starting the '
         'cluster.')
-  # Before any server starts: the runtime fails late and unreadably (or
-  # crashes) on tasks given different clusters.
-  cluster_rendezvous.check_same_cluster(model_dir, tf_config)
   run_ = _Run(options, model_dir, task)
+  # After the options are checked, before any server starts: the runtime
+  # fails late and unreadably (or crashes) on tasks given different clusters.
+  cluster_rendezvous.check_same_cluster(model_dir, tf_config)
   # trainer.faults phrases a port taken or a full disk with these.
   with faults.run_noted(model_dir, tf_config):
     if task.get('type') not in (None, 'chief', 'master'):
