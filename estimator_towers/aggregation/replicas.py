@@ -204,8 +204,10 @@ class Replicas:
       towers' sums are remembered for `expand`.
     """
     primaries = [self.primary_of(v) for v in variables]
-    per_tower = [self._tower_gradients(loss, primaries, tower, differentiate)
-                 for tower, loss in enumerate(weighted_losses)]
+    per_tower = []
+    for tower, loss in enumerate(weighted_losses):
+      per_tower.append(differentiate(
+          loss, [self.tower_variable(p, tower) for p in primaries]))
     if self.task_group.across_tasks:
       # A local collective would be resolved by the cluster's group leader,
       # where every task's local group has the same key: see task_sync.
@@ -226,26 +228,6 @@ class Replicas:
         sums = cross_device.all_sum(grads, self._devices)
         result.append(_running_all(sums, self._devices[0]))
         self._sums[id(result[-1])] = sums
-    return result
-
-  def _tower_gradients(self, loss: tf.Tensor, primaries: List, tower: int,
-                       differentiate: Callable[[tf.Tensor, List], List]
-                       ) -> List:
-    """Tower `tower`'s gradients, one per primary, w.r.t. its copies.
-
-    A tower reads its copies through its layers, but it can also read a
-    primary itself: `tf.compat.v1.trainable_variables()` lists only the
-    primaries, which is how most model_fns add weight decay. That use is
-    part of the tower's loss too, so its gradient is added to the copy's
-    (the towers after the first lost theirs: 0.05 in dense/kernel).
-    """
-    copies = [self.tower_variable(p, tower) for p in primaries]
-    read = [(k, p) for k, (p, c) in enumerate(zip(primaries, copies))
-            if c is not p]
-    grads = differentiate(loss, copies + [p for _, p in read])
-    result = list(grads[:len(copies)])
-    for (k, _), direct in zip(read, grads[len(copies):]):
-      result[k] = _added(result[k], direct)
     return result
 
   def _gradients_over_tasks(self, primaries: List, per_tower: List[List],
@@ -498,18 +480,6 @@ def instead_of_all_reduce(in_cluster: bool) -> str:
             "with ps tasks (asynchronous, aggregation='global_loss') or on "
             'one machine.')
   return "Use aggregation='global_loss' or 'round_robin'."
-
-
-def _added(grad, other):
-  """The sum of two gradients of one variable, either of them None."""
-  if grad is None or other is None:
-    return other if grad is None else grad
-  if isinstance(grad, tf.IndexedSlices) and isinstance(other,
-                                                       tf.IndexedSlices):
-    return tf.IndexedSlices(tf.concat([grad.values, other.values], 0),
-                            tf.concat([grad.indices, other.indices], 0),
-                            grad.dense_shape)
-  return tf.convert_to_tensor(grad) + tf.convert_to_tensor(other)
 
 
 def _copy_scope(tower: int) -> str:
