@@ -376,7 +376,8 @@ class _TowerBuilder:
     # One shared set of variables, or (all_reduce in TRAIN) a copy per
     # tower device, which the sharing hands to each tower.
     self._path = strategy.gradient_path(mode == ModeKeys.TRAIN,
-                                        self._sharing.unshared, task_group)
+                                        self._sharing.unshared, task_group,
+                                        self._towers)
     self._sharing.copies = self._path
 
   def build(self, features, labels, kwargs) -> tf.estimator.EstimatorSpec:

@@ -70,8 +70,10 @@ class Replicas:
 
   def __init__(self, devices: Sequence[str],
                unshared: Callable[[], contextlib.AbstractContextManager],
-               placement, task_group):
+               placement, task_group,
+               ledger: Optional[op_ledger.TowerLedger] = None):
     self._devices = list(devices)
+    self._ledger = ledger  # Which tower made an op: its own primary reads.
     self.task_group = task_group
     self._unshared = unshared
     self._placement = placement
@@ -204,10 +206,8 @@ class Replicas:
       towers' sums are remembered for `expand`.
     """
     primaries = [self.primary_of(v) for v in variables]
-    per_tower = []
-    for tower, loss in enumerate(weighted_losses):
-      per_tower.append(differentiate(
-          loss, [self.tower_variable(p, tower) for p in primaries]))
+    per_tower = [self._tower_gradients(loss, primaries, tower, differentiate)
+                 for tower, loss in enumerate(weighted_losses)]
     if self.task_group.across_tasks:
       # A local collective would be resolved by the cluster's group leader,
       # where every task's local group has the same key: see task_sync.
@@ -229,6 +229,36 @@ class Replicas:
         result.append(_running_all(sums, self._devices[0]))
         self._sums[id(result[-1])] = sums
     return result
+
+  def _tower_gradients(self, loss: tf.Tensor, primaries: List, tower: int,
+                       differentiate: Callable[[tf.Tensor, List], List]
+                       ) -> List:
+    """Tower `tower`'s gradients, one per primary, w.r.t. its copies.
+
+    A tower reads its copies through its layers, but its own ops can also
+    read a primary: `tf.compat.v1.trainable_variables()` lists only the
+    primaries, which is how many model_fns add weight decay. The gradient
+    through those reads is the tower's too, so it is added to the copy's
+    (the later towers' share was lost: 0.05 off in a kernel, every run).
+    Reads made before the tower (a regularizer op every tower's total loss
+    shares) belong to tower 0's copy, which is the primary.
+    """
+    copies = [self.tower_variable(p, tower) for p in primaries]
+    grads = list(differentiate(loss, copies))
+    if self._ledger is None or tower == 0:
+      return grads
+    position = {_handle_name(p): k for k, (p, c)
+                in enumerate(zip(primaries, copies)) if c is not p}
+    reads = [(position[op.inputs[0].name], op.outputs[0])
+             for op in op_ledger.ancestors([loss.op],
+                                           since=self._ledger.start(tower))
+             if op.type == 'ReadVariableOp' and op.inputs[0].name in position
+             and self._ledger.tower_of(op) == tower]
+    if reads:
+      direct = tf.gradients(loss, [value for _, value in reads])
+      for (k, _), grad in zip(reads, direct):
+        grads[k] = _added(grads[k], grad)
+    return grads
 
   def _gradients_over_tasks(self, primaries: List, per_tower: List[List],
                             has_rows: tf.Tensor) -> List:
@@ -480,6 +510,13 @@ def instead_of_all_reduce(in_cluster: bool) -> str:
             "with ps tasks (asynchronous, aggregation='global_loss') or on "
             'one machine.')
   return "Use aggregation='global_loss' or 'round_robin'."
+
+
+def _added(grad, other):
+  """The sum of two gradients of one variable, either of them None."""
+  if grad is None or other is None:
+    return other if grad is None else grad
+  return tf.convert_to_tensor(grad) + tf.convert_to_tensor(other)
 
 
 def _copy_scope(tower: int) -> str:

@@ -112,7 +112,7 @@ class Strategy:
 
   def gradient_path(self, training: bool,
                     unshared: Callable[[], contextlib.AbstractContextManager],
-                    task_group) -> Any:
+                    task_group, ledger=None) -> Any:
     """The path of the towers' gradients to the one update of a build.
 
     Args:
@@ -121,6 +121,7 @@ class Strategy:
         freely (see `VariableSharing.unshared`).
       task_group: The tasks training together (task_sync.TaskGroup or
         one_machine.OneMachine).
+      ledger: The build's op_ledger.TowerLedger (which tower made an op).
 
     Returns:
       A `SharedVariables` here; see AllReduce for the other path.
@@ -271,14 +272,15 @@ class AllReduce(Strategy):
     # A copy's slots are colocated with the copy; '' lets that decide.
     return '' if applying else self._devices[tower]
 
-  def gradient_path(self, training, unshared, task_group):
+  def gradient_path(self, training, unshared, task_group, ledger=None):
     """Copies per tower device in TRAIN (`replica_path.ReplicaPath` over
     `replicas.Replicas`); other modes read the primaries, which are tower
     0's variables (`SharedVariables`)."""
     if not training:
       return SharedVariables()
     return replica_path.ReplicaPath(
-        replicas_lib.Replicas(self._devices, unshared, self, task_group))
+        replicas_lib.Replicas(self._devices, unshared, self, task_group,
+                              ledger))
 
 
 def make(aggregation: str, devices: Sequence[str],
