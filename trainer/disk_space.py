@@ -8,11 +8,34 @@ removes such directories and says where space ran out and how much is left.
 
 import os
 import shutil
+import threading
 from typing import List, Optional
 
+from absl import logging
 import tensorflow as tf
 
 NO_SPACE = 'No space left on device'
+
+
+def summary_writer_failures_in_one_line() -> None:
+  """Makes a summary writer thread that finds the disk full say so in one
+  log line instead of a traceback.
+
+  TensorFlow's event writer flushes from a thread of its own; on a full disk
+  that thread dies with a traceback on stderr, beside the step's own failure,
+  which `no_space_failure` already phrases. Other threads' failures keep
+  the default report.
+  """
+  previous = threading.excepthook
+
+  def hook(args):
+    if NO_SPACE in str(args.exc_value) and args.thread is not None and (
+        args.thread.name == 'EventLoggerThread'):
+      logging.error('Summaries not written: %s', args.exc_value)
+      return
+    previous(args)
+
+  threading.excepthook = hook
 
 
 def no_space_failure(message: str, model_dir: str) -> Optional[str]:

@@ -47,9 +47,11 @@ def main(argv):
   del argv  # cli.run has refused any left-over arguments.
   options = options_lib.from_flags()
   # pylint: disable=g-import-not-at-top
-  from trainer import faults, preemption, train  # They load TensorFlow.
+  # They load TensorFlow.
+  from trainer import disk_space, faults, preemption, train
   environment.quiet_python_logs(flags.FLAGS['verbosity'].present,
                                 logging.get_verbosity())
+  disk_space.summary_writer_failures_in_one_line()
   # The writers are closed after a failure is phrased: phrasing a full
   # disk frees it first.
   with _summaries_flushed(), faults.handled('task'):

@@ -536,6 +536,16 @@ class _Run:
         raise warm_start.phrased(e, start) from e
       raise
 
+  def _record_failure(self, error: Exception) -> None:
+    """Writes the 'failed' record; if that fails too (the disk the run
+    failed on is full), says so in one log line and leaves the run's own
+    failure to be reported."""
+    try:
+      self.run_log.write('failed', error=f'{type(error).__name__}: {error}')
+    except (OSError, tf.errors.OpError) as e:
+      logging.error('The run log %s could not record the failure: %s',
+                    self.run_log.path, e)
+
   def train_and_evaluate(self) -> RunResult:
     """Trains, evaluates and exports; returns what `run` returns."""
     task, model_dir = self._task, self._model_dir
@@ -568,7 +578,7 @@ class _Run:
         result = self._train_and_evaluate()
     except Exception as e:
       if is_chief:  # A reader of the log learns how the run ended.
-        self.run_log.write('failed', error=f'{type(e).__name__}: {e}')
+        self._record_failure(e)
       raise
     # Local runs and the evaluator get (metrics, exports); other cluster
     # tasks get None.
