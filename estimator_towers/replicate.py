@@ -432,6 +432,9 @@ class _TowerBuilder:
           features, sizes, num_towers, pad)]
       label_shards = [self._draws.shard(s) for s in sharding.split_batch(
           labels, sizes, num_towers, pad)]
+      if self._mode == ModeKeys.EVAL:
+        feature_shards = [sharding.unknown_rows(s) for s in feature_shards]
+        label_shards = [sharding.unknown_rows(s) for s in label_shards]
     return _Split(feature_shards, label_shards, sizes, pad), has_rows
 
   def _step(self, split: _Split, has_rows: tf.Tensor) -> _Step:

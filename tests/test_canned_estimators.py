@@ -159,7 +159,9 @@ def _token_input_fn():
   indices = tf.where(tf.ones_like(dense, tf.bool))
   tokens = tf.SparseTensor(indices, tf.gather_nd(dense, indices), [7, 3])
   labels = tf.constant((ids[:, 0] > 4).astype(np.int64)[:, None])
-  return tf.data.Dataset.from_tensors(({'tokens': tokens}, labels)).repeat()
+  context = tf.constant(np.arange(7, dtype=np.float32)[:, None])
+  return tf.data.Dataset.from_tensors(
+      ({'tokens': tokens, 'context': context}, labels)).repeat()
 
 
 def test_canned_rnn_with_sequence_columns_equals_one_device(tmp_path):
@@ -169,9 +171,20 @@ def test_canned_rnn_with_sequence_columns_equals_one_device(tmp_path):
   column = tf.feature_column.embedding_column(
       tf.feature_column.sequence_categorical_column_with_identity(
           'tokens', num_buckets=10), dimension=4)
+  # Evaluating it on the static batch of 7 counted only tower 0's examples
+  # in its Keras metrics (accuracy 0.5 for 0.29) or refused its
+  # 'prediction/mean' as a per-batch value.
   model_fn = tf.estimator.experimental.RNNClassifier(
-      sequence_feature_columns=[column], units=[5], cell_type='lstm').model_fn
+      sequence_feature_columns=[column], units=[5], cell_type='lstm',
+      context_feature_columns=[tf.feature_column.numeric_column('context')]
+  ).model_fn
   one, many = _pair(tmp_path, model_fn, 2, _token_input_fn)
   one.train(_token_input_fn, steps=STEPS)
   many.train(_token_input_fn, steps=STEPS)
   assert_same_variables(variables_of(one), variables_of(many))
+  expected = one.evaluate(_token_input_fn, steps=2)
+  actual = many.evaluate(_token_input_fn, steps=2)
+  assert sorted(actual) == sorted(expected)
+  for name in expected:
+    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
+                               atol=1e-6, err_msg=name)

@@ -27,9 +27,10 @@ def _data():
   return x, y
 
 
-def _input_fn():
+def _input_fn(drop_remainder=False):
   x, y = _data()
-  return tf.data.Dataset.from_tensor_slices(({'x': x}, y)).batch(_BATCH)
+  return tf.data.Dataset.from_tensor_slices(({'x': x}, y)).batch(
+      _BATCH, drop_remainder=drop_remainder)
 
 
 def _classifier(features, labels, mode, params):
@@ -64,14 +65,15 @@ def _per_batch_metrics(per_example):
   }
 
 
-def _evaluate(model_fn, model_dir, towers, params=None, wrap=lambda e: e):
+def _evaluate(model_fn, model_dir, towers, params=None, wrap=lambda e: e,
+              input_fn=_input_fn):
   config = estimator_towers.make_run_config(str(model_dir),
                                             cpu_devices=towers)
   if towers > 1:
     model_fn = estimator_towers.replicate_model_fn(model_fn)
   estimator = wrap(tf.estimator.Estimator(model_fn, config=config,
                                           params=params or {}))
-  return estimator.evaluate(_input_fn, name=f'towers{towers}')
+  return estimator.evaluate(input_fn, name=f'towers{towers}')
 
 
 @pytest.fixture(scope='module')
@@ -93,6 +95,37 @@ def test_per_batch_values_average_as_on_one_device(checkpoint, towers):
   for name in ('batch_sum', 'batch_mean', 'example_mean', 'loss'):
     np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
                                err_msg=name)
+
+
+@pytest.mark.parametrize('towers', [2, 3])
+def test_a_static_batch_size_counts_every_towers_examples(checkpoint, towers):
+  # drop_remainder=True gives the shards static sizes, and TF folds a
+  # metric's count of examples (tf.size of the values) into a constant,
+  # which looked like a count per call: only tower 0's examples were
+  # counted (accuracy 1.375 on 2 towers). The per-call count of
+  # `batch_sum` must still count once per step.
+  def metrics(per_example):
+    return {**_per_batch_metrics(per_example),
+            'keras_mean': _keras_mean(per_example)}
+
+  def input_fn():
+    return _input_fn(drop_remainder=True)
+
+  params = {'metrics': metrics}
+  expected = _evaluate(_classifier, checkpoint, 1, params, input_fn=input_fn)
+  actual = _evaluate(_classifier, checkpoint, towers, params,
+                     input_fn=input_fn)
+  for name in ('batch_sum', 'batch_mean', 'example_mean', 'keras_mean',
+               'loss'):
+    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
+                               err_msg=name)
+
+
+def _keras_mean(values):
+  """A Keras Mean with a scalar sample weight, as the v2 heads make it."""
+  metric = tf.keras.metrics.Mean()
+  metric.update_state(values, sample_weight=1.0)
+  return metric  # EstimatorSpec initializes a Keras metric's variables.
 
 
 @pytest.mark.parametrize('towers', [2, 3])

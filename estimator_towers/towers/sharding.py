@@ -212,6 +212,39 @@ def split_batch(structure: Any, sizes: tf.Tensor, num_towers: int,
           for i in range(num_towers)]
 
 
+def unknown_rows(structure: Any) -> Any:
+  """`structure` with the first dimension of every batched leaf unknown.
+
+  A static batch size (`drop_remainder=True`) gives the shards static
+  sizes, and TensorFlow folds a count of a shard's examples
+  (`tf.size(values)`, `ones_like(values)`) into a constant while building.
+  A constant looks like a count per call, which metric_adds lets only
+  tower 0 add: evaluation counted only tower 0's examples (an accuracy
+  above 1). With the rows unknown, as for an epoch's short last batch,
+  such counts stay computed from the shard.
+
+  Args:
+    structure: One tower's shard: batched leaves (and scalar features,
+      kept as they are) in dicts, lists and tuples.
+
+  Returns:
+    The same values, with shapes `[None, ...]`.
+  """
+  def loosen(leaf):
+    if is_per_batch(leaf):
+      return leaf
+    if isinstance(leaf, tf.SparseTensor):
+      shape = tf.compat.v1.placeholder_with_default(
+          leaf.dense_shape, leaf.dense_shape.shape)
+      return tf.SparseTensor(leaf.indices, leaf.values, shape)
+    if isinstance(leaf, tf.Tensor) and leaf.shape.rank:
+      return tf.compat.v1.placeholder_with_default(
+          leaf, [None] + leaf.shape.as_list()[1:])
+    return leaf  # Ragged rows come from row_splits, already run-time.
+
+  return map_leaves(loosen, structure)
+
+
 def shard_rows(sizes: tf.Tensor,
                pad_empty: bool) -> Tuple[tf.Tensor, tf.Tensor]:
   """Where each tower's shard starts in the batch, and its rows.
