@@ -141,12 +141,13 @@ def test_head_equals_one_device(tmp_path, data, train):
 
 def test_new_keras_optimizer_error_names_the_legacy_one(tmp_path, data):
   def model_fn(features, labels, mode):
-    logits = tf1.layers.dense(features['x'], 1)
-    loss = tf1.losses.sigmoid_cross_entropy(labels, logits)
+    layer = tf.keras.layers.Dense(1)
+    with tf.GradientTape() as tape:  # As a TF2 training loop writes it.
+      loss = tf1.losses.sigmoid_cross_entropy(labels, layer(features['x']))
     optimizer = tf.keras.optimizers.SGD(0.1)  # Not legacy: no graph mode.
-    grads = tf1.gradients(loss, tf1.trainable_variables())
+    grads = tape.gradient(loss, layer.trainable_variables)
     train_op = optimizer.apply_gradients(
-        zip(grads, tf1.trainable_variables()))
+        zip(grads, layer.trainable_variables))
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
   x, y = data
@@ -154,22 +155,29 @@ def test_new_keras_optimizer_error_names_the_legacy_one(tmp_path, data):
       trainer.replicate_model_fn(model_fn),
       config=trainer.make_run_config(str(tmp_path), cpu_devices=2))
   with pytest.raises(ValueError, match=r'never updates the weights.*'
-                     r'tf\.keras\.optimizers\.legacy\.SGD'):
+                     r'tf\.keras\.optimizers\.legacy\.SGD or a '
+                     r'tf\.compat\.v1\.train optimizer'):
     estimator.train(dataset_input_fn({'x': x}, y[:, None], BATCH), steps=1)
 
 
-def test_a_new_keras_optimizer_does_not_train_in_graph_mode_on_one_device():
+@pytest.mark.parametrize('gradients', ['tf.gradients', 'GradientTape'])
+def test_a_new_keras_optimizer_does_not_train_in_graph_mode_on_one_device(
+    gradients):
   # Why the refusal above is not a false one: unwrapped, in the graph mode
-  # tf.estimator builds, the update runs and the weights stay as they were.
-  # Should a TensorFlow release change that, towers must support it.
+  # tf.estimator builds, the update runs and the weights stay as they were,
+  # however the gradients are taken. Should a TensorFlow release change
+  # that, towers must support it.
   with tf.Graph().as_default():
     x = tf.constant(np.arange(30, dtype=np.float32).reshape(10, 3) / 30)
     layer = tf.keras.layers.Dense(1, kernel_initializer='ones')
-    loss = tf.reduce_mean(tf.square(layer(x)[:, 0] - 2.0))
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(tf.square(layer(x)[:, 0] - 2.0))
+    if gradients == 'GradientTape':
+      grads = tape.gradient(loss, layer.trainable_variables)
+    else:
+      grads = tf.gradients(loss, layer.trainable_variables)
     optimizer = tf.keras.optimizers.Adam(0.1)
-    update = optimizer.apply_gradients(zip(
-        tf.gradients(loss, layer.trainable_variables),
-        layer.trainable_variables))
+    update = optimizer.apply_gradients(zip(grads, layer.trainable_variables))
     with tf1.Session() as session:
       session.run(tf1.global_variables_initializer())
       losses = [session.run([loss, update])[0] for _ in range(3)]

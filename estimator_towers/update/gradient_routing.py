@@ -316,8 +316,9 @@ def refusal(call: Call) -> Optional[str]:
         f'{name} is one of the new (non-legacy) tf.keras.optimizers. In a '
         'graph-mode model_fn its apply_gradients returns only the increment '
         'of its step counter and never updates the weights: one device '
-        'would run without training. Use '
-        f'tf.keras.optimizers.legacy.{name}.')
+        'would run without training (its minimize fails there). Use '
+        f'tf.keras.optimizers.legacy.{name} or a tf.compat.v1.train '
+        'optimizer.')
   if isinstance(optimizer, tf1.train.SyncReplicasOptimizer):
     return (
         f'{name} aggregates gradients across worker replicas itself (it '
