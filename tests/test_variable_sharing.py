@@ -70,6 +70,31 @@ def test_later_tower_making_fewer_variables_is_an_error():
     build_replicated(model_fn, 2)
 
 
+@pytest.mark.parametrize('mode', ['train', 'eval'])
+def test_a_model_fn_importing_its_variables_is_refused(tmp_path, mode):
+  # SavedModelEstimator's pattern: every call imports the saved graph with
+  # its variables, which no creator sees. Tower 1's import failed with its
+  # own "global step before the SavedModel is loaded" error.
+  with tf.Graph().as_default():
+    x = tf1.placeholder(tf.float32, [None, 4], name='x')
+    tf1.layers.dense(x, 2, name='saved')
+    meta = str(tmp_path / 'model.meta')
+    tf1.train.export_meta_graph(meta)
+
+  def model_fn(features, labels, mode):
+    tf1.train.import_meta_graph(meta, input_map={'x:0': features['x']})
+    graph = tf1.get_default_graph()
+    scope = graph.get_name_scope()  # Imported names take the tower's.
+    logits = graph.get_tensor_by_name(
+        f'{scope}/saved/BiasAdd:0' if scope else 'saved/BiasAdd:0')
+    return classifier_spec(mode, logits, labels)
+
+  with pytest.raises(ValueError, match=r'made variables without tf\.Variable '
+                     r'or get_variable \(saved/kernel, saved/bias\).*imports '
+                     r'a graph.*without replicate_model_fn'):
+    build_replicated(model_fn, 2, mode=mode, num_features=4)
+
+
 def classifier_spec(mode, logits, labels):
   loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
   train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(

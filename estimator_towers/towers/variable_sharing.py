@@ -36,7 +36,11 @@ from typing import Dict, Iterator, List
 from keras.src import backend as keras_backend
 import tensorflow as tf
 
+from estimator_towers.graph import op_ledger
+
 tf1 = tf.compat.v1
+# Op types that make a variable.
+_VARIABLE_OPS = frozenset(['VarHandleOp', 'VariableV2', 'Variable'])
 
 
 class VariableSharing:
@@ -44,6 +48,7 @@ class VariableSharing:
 
   def __init__(self):
     self._created: List[tf.Variable] = []
+    self._made_ops = set()  # Every variable tower 0 made through a creator.
     self._keras_counts: Dict[str, int] = {}
     self._named = set()  # What tower 0 asked get_variable for.
     self._local = threading.local()
@@ -110,6 +115,7 @@ class VariableSharing:
     self._local.index = index
     root = tf1.get_variable_scope()
     self._keras_names(index)
+    start = op_ledger.position()
     with tf1.variable_scope(root, reuse=tf1.AUTO_REUSE if index else None,
                             custom_getter=self._counting_getter,
                             auxiliary_name_scope=False):
@@ -117,6 +123,8 @@ class VariableSharing:
         yield
     if index:
       self._check_all_reused(index)
+    else:
+      self._check_none_imported(start)
 
   def _keras_names(self, index: int) -> None:
     """Starts Keras' layer-name counters where tower 0's started."""
@@ -127,8 +135,31 @@ class VariableSharing:
       counts.clear()
       counts.update(self._keras_counts)
 
+  def _check_none_imported(self, start: op_ledger.Mark) -> None:
+    """Refuses variables tower 0 made past every creator (an import).
+
+    A model_fn that imports a graph with its variables (SavedModelEstimator,
+    `import_meta_graph`) makes them from the graph's protos: no creator sees
+    them, so no later tower could reuse them, and each would hold a model of
+    its own (SavedModelEstimator's second import fails on global_step).
+    """
+    graph = tf1.get_default_graph()
+    imported = [op.name for op in graph.get_operations()
+                if op.type in _VARIABLE_OPS and op_ledger.made_after(op, start)
+                and op.name not in self._made_ops]
+    if imported:
+      raise ValueError(
+          f'The model_fn made variables without tf.Variable or get_variable '
+          f'({", ".join(imported[:3])}): it imports a graph with its '
+          'variables (SavedModelEstimator, import_meta_graph), so every '
+          'tower would import a model of its own instead of sharing one. Run '
+          'it without replicate_model_fn; to predict from a SavedModel on '
+          'several devices, use '
+          'estimator_towers.merge.saved_model_towers.SavedModelTowers.')
+
   def _record(self, next_creator, **kwargs):
     variable = next_creator(**kwargs)
+    self._made_ops.add(variable.op.name)
     if not self._get_variable_depth and not getattr(self._local, 'unshared',
                                                     False):
       self._created.append(variable)
