@@ -26,7 +26,7 @@ import json
 import os
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from absl import logging
 import tensorflow as tf
@@ -82,14 +82,20 @@ class _Files:
     except tf.errors.NotFoundError:
       return None
 
-  def read(self, member: str) -> Optional[Dict[str, Any]]:
-    """The other task's record: its name for itself and its cluster."""
+  def read(self, member: str) -> Optional[Tuple[Dict[str, Any], float]]:
+    """The other task's record (its name for itself and its cluster) and
+    when it was written; None while it is missing or being replaced."""
+    # The time is taken before and after the reading: a file replaced in
+    # between would pair an earlier start's cluster with this start's time.
+    written = self.mtime(member)
     try:
       with tf.io.gfile.GFile(_path(self._folder, member)) as f:
         record = json.loads(f.read())
-      return record if {'task', 'cluster'} <= set(record) else None
     except (tf.errors.NotFoundError, ValueError):
       return None  # Gone or being replaced: read again at the next poll.
+    if written is None or self.mtime(member) != written:
+      return None
+    return (record, written) if {'task', 'cluster'} <= set(record) else None
 
 
 def check_same_cluster(model_dir: str, tf_config: Optional[Dict[str, Any]],
@@ -119,12 +125,12 @@ def check_same_cluster(model_dir: str, tf_config: Optional[Dict[str, Any]],
   last_beat, mine = time.monotonic(), files.beat()
   while pending:
     for member in list(pending):
-      theirs = files.read(member)
-      if theirs is None:
+      found = files.read(member)
+      if found is None:
         continue
+      theirs, written = found
       if theirs['cluster'] != cluster:
-        written = files.mtime(member)
-        if written is None or written < mine - FRESH_SECS:
+        if written < mine - FRESH_SECS:
           continue  # An earlier start's: wait for this start's file.
         raise ValueError(
             f'TF_CONFIG differs between the tasks: {theirs["task"]} has the '
