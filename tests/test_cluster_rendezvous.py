@@ -44,12 +44,11 @@ def _together(model_dir, configs, wait_secs=20.0):
 
 
 @pytest.mark.fast
-def test_tasks_with_the_same_cluster_go_on(tmp_path):
+def test_tasks_with_the_same_cluster_go_on(tmp_path, caplog):
   configs = [_config(TWO_WORKERS, 'chief'), _config(TWO_WORKERS, 'worker', 0),
              _config(TWO_WORKERS, 'worker', 1)]
-  start = time.monotonic()
   assert _together(tmp_path, configs) == [None, None, None]
-  assert time.monotonic() - start < 15  # Not the whole wait: all came.
+  assert 'not compared' not in caplog.text  # All came: none waited it out.
 
 
 @pytest.mark.fast
@@ -82,7 +81,8 @@ def test_a_stale_file_of_an_earlier_start_is_not_compared(tmp_path):
 
 
 @pytest.mark.fast
-def test_a_task_restarted_alone_goes_on_at_once_beside_running_ones(tmp_path):
+def test_a_task_restarted_alone_goes_on_at_once_beside_running_ones(tmp_path,
+                                                                    caplog):
   # The chief started long ago and no longer rewrites its file.
   folder = tmp_path / cluster_rendezvous.FOLDER
   folder.mkdir()
@@ -90,11 +90,10 @@ def test_a_task_restarted_alone_goes_on_at_once_beside_running_ones(tmp_path):
   running.write_text(json.dumps({'task': 'chief:0', 'cluster': CHIEF}))
   old = time.time() - 600
   os.utime(running, (old, old))
-  start = time.monotonic()
   cluster_rendezvous.check_same_cluster(str(tmp_path),
                                         _config(CHIEF, 'worker'),
                                         wait_secs=20.0)
-  assert time.monotonic() - start < 5
+  assert 'not compared' not in caplog.text  # It did not wait the 20 s out.
 
 
 @pytest.mark.fast
@@ -103,7 +102,7 @@ def test_a_task_that_never_comes_is_waited_for_a_bounded_time(tmp_path,
   start = time.monotonic()
   cluster_rendezvous.check_same_cluster(str(tmp_path), _config(CHIEF, 'chief'),
                                         wait_secs=1.0)
-  assert 1.0 <= time.monotonic() - start < 5
+  assert time.monotonic() - start >= 1.0
   assert 'not compared with worker:0' in caplog.text
 
 

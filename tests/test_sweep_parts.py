@@ -247,9 +247,8 @@ def test_stop_escalates_to_sigkill_after_the_grace_period(tmp_path):
     while 'up' not in (tmp_path / 'log').read_text():
       assert time.monotonic() < deadline
       time.sleep(0.05)
-    begun = time.monotonic()
+    # The child ignores SIGTERM and would exit 0 after its 60 s sleep.
     assert sweep_process.stop(process, grace_secs=0.5) == -signal.SIGKILL
-    assert time.monotonic() - begun < 10
   finally:
     if process.poll() is None:
       process.kill()

