@@ -5,6 +5,8 @@ from there, never from this file. Test tiers (markers) are described in
 tests/README.md.
 """
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -12,20 +14,34 @@ from cli_helpers import CSV_FLAGS, run_module, write_tabular_csv
 from helpers import NUM_EXAMPLES, NUM_FEATURES
 
 TIERS = ('fast', 'training', 'cli', 'cluster')
+# A rough cost of one test per tier, in the fast tier's units: enough to
+# tell a file of cluster launches from a file of graph checks.
+_TIER_COST = {'fast': 1, 'training': 3, 'cli': 10, 'cluster': 40}
 
 
 def pytest_collection_modifyitems(items):
-  """Refuses a test without exactly one tier, so `-m` selections stay whole.
+  """Checks the tiers, then puts the costliest test files first.
 
-  A test left untiered would silently drop out of `-m "fast or training"`.
+  Args:
+    items: The collected tests, reordered in place.
+
+  Raises:
+    pytest.UsageError: A test has no tier or several: it would silently
+      drop out of `-m "fast or training"`.
   """
-  wrong = [f'{item.nodeid}: {tiers or "no tier"}'
-           for item in items
-           for tiers in [[t for t in TIERS if item.get_closest_marker(t)]]
-           if len(tiers) != 1]
+  tiers = {item: [t for t in TIERS if item.get_closest_marker(t)]
+           for item in items}
+  wrong = [f'{item.nodeid}: {found or "no tier"}'
+           for item, found in tiers.items() if len(found) != 1]
   if wrong:
     raise pytest.UsageError('each test needs exactly one tier marker '
                             f'{TIERS} (tests/README.md):\n' + '\n'.join(wrong))
+  # pytest-xdist hands whole files to its workers in this order: a costly
+  # file left for the end would run alone while the other workers idle.
+  cost = collections.Counter()
+  for item, (tier,) in tiers.items():
+    cost[item.path] += _TIER_COST[tier]
+  items.sort(key=lambda item: -cost[item.path])  # Stable: a file stays whole.
 
 
 @pytest.fixture(scope='session')
