@@ -29,6 +29,9 @@ what `disable_v2_behavior()` builds) can make the step hang or skip work, so
 no edge touches their ops: a read inside TF1 conds is counted as a read by
 the cond's exits (its Merge ops), which run whichever branch is taken;
 writes inside them and everything inside a TF1 while_loop are left alone.
+The same holds for ops behind a Switch outside any context (a TF1 cond's
+gradient): the executor skips them in some steps, and an edge from one
+would skip the write too.
 Under TF 2.x, conditionals are `If` ops (those count as a write when their
 functions write, else as a read).
 
