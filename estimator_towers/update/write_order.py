@@ -28,7 +28,8 @@ control-flow context (`tf.compat.v1.cond`/`while_loop` with control flow v1,
 what `disable_v2_behavior()` builds) can make the step hang or skip work, so
 no edge touches their ops: a read inside TF1 conds is counted as a read by
 the cond's exits (its Merge ops), which run whichever branch is taken;
-writes inside them and everything inside a TF1 while_loop are left alone.
+a write inside them waits for the reads (an edge into a branch from an op
+that always runs is safe); everything inside a TF1 while_loop is left alone.
 The same holds for ops behind a Switch outside any context (a TF1 cond's
 gradient): the executor skips them in some steps, and an edge from one
 would skip the write too.
@@ -206,7 +207,10 @@ class _Step:
     exits = None
     for variable, written in _accesses(op):
       if written:
-        continue  # A write inside a branch is left alone (module doc).
+        # An edge into a branch from an op that always runs is safe: the
+        # write still runs only when its branch does.
+        self.writes.setdefault(variable, []).append(op)
+        continue
       if exits is None:
         exits = _cond_exits([op, *_aliased_reads(op, self.ops)], self.ops,
                             self._may_be_dead)
