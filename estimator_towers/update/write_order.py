@@ -28,7 +28,11 @@ control-flow context (`tf.compat.v1.cond`/`while_loop` with control flow v1,
 what `disable_v2_behavior()` builds) can make the step hang or skip work, so
 no edge touches their ops: a read inside TF1 conds is counted as a read by
 the cond's exits (its Merge ops), which run whichever branch is taken;
-writes inside them and everything inside a TF1 while_loop are left alone.
+a write inside them waits for the reads (an edge into a branch from an op
+that always runs is safe); everything inside a TF1 while_loop is left alone.
+The same holds for ops behind a Switch outside any context (a TF1 cond's
+gradient): the executor skips them in some steps, and an edge from one
+would skip the write too.
 Under TF 2.x, conditionals are `If` ops (those count as a write when their
 functions write, else as a read).
 
@@ -180,8 +184,9 @@ class _Step:
     self.writes: Dict[str, List[tf.Operation]] = {}
     # Ops that some write was made to wait for (for keep_whole).
     self.waited_for: List[tf.Operation] = []
+    self._may_be_dead = _may_be_dead(self.ops)
     for op in self.ops:
-      if _in_v1_control_flow(op):
+      if _in_v1_control_flow(op) or op in self._may_be_dead:
         self._add_cond_reads(op)
         continue
       for variable, written in _accesses(op):
@@ -202,9 +207,13 @@ class _Step:
     exits = None
     for variable, written in _accesses(op):
       if written:
-        continue  # A write inside a branch is left alone (module doc).
+        # An edge into a branch from an op that always runs is safe: the
+        # write still runs only when its branch does.
+        self.writes.setdefault(variable, []).append(op)
+        continue
       if exits is None:
-        exits = _cond_exits([op, *_aliased_reads(op, self.ops)], self.ops)
+        exits = _cond_exits([op, *_aliased_reads(op, self.ops)], self.ops,
+                            self._may_be_dead)
       self.reads.setdefault(variable, []).extend(exits)
 
   def order_before(self, before: Iterable[tf.Operation],
@@ -363,19 +372,46 @@ def _in_v1_cond_only(op: tf.Operation) -> bool:
   return True
 
 
-def _cond_exits(ops: Sequence[tf.Operation],
-                within: Set[tf.Operation]) -> List[tf.Operation]:
-  """The first ops outside every TF1 context that wait for `ops`."""
+def _cond_exits(ops: Sequence[tf.Operation], within: Set[tf.Operation],
+                may_be_dead: Set[tf.Operation]) -> List[tf.Operation]:
+  """The first ops outside every TF1 context that wait for `ops` and run
+  in every step (see `_may_be_dead`)."""
   found, seen, pending = [], set(ops), list(ops)
   while pending:
     for successor in _successors(pending.pop(), within):
       if successor in seen:
         continue
       seen.add(successor)
-      if _in_v1_control_flow(successor):
+      if _in_v1_control_flow(successor) or successor in may_be_dead:
         pending.append(successor)
       else:
         found.append(successor)
+  return found
+
+
+# A Merge runs when any input is live; a loop's Exit when the loop ends.
+_REVIVING = frozenset(['Merge', 'RefMerge', 'Exit', 'RefExit'])
+
+
+def _may_be_dead(within: Set[tf.Operation]) -> Set[tf.Operation]:
+  """The ops the executor skips in some steps: those after a Switch up to
+  the Merge that joins its branches, inside a TF1 cond's context or not.
+
+  The gradient of a TF1 cond puts its branches' gradient ops outside any
+  context, behind a Switch. A control edge from such an op makes its
+  consumer skipped too: an update made to wait for one (it takes the
+  weights' handle for a zeros_like) never ran, and on towers global_step
+  stayed 0 in 10 of 10 runs.
+  """
+  found = set()
+  pending = [c for op in within if op.type in ('Switch', 'RefSwitch')
+             for t in op.outputs for c in t.consumers()]
+  while pending:
+    op = pending.pop()
+    if op in found or op not in within or op.type in _REVIVING:
+      continue
+    found.add(op)
+    pending.extend(_successors(op, within))
   return found
 
 
