@@ -496,6 +496,30 @@ def test_a_running_max_of_the_shard_is_refused():
     _build(model_fn, 2)
 
 
+@pytest.mark.fast
+def test_a_shard_statistic_written_under_a_tf1_cond_names_its_variable():
+  # The handle reaches the write through the cond's Switch: the refusal
+  # named 'cond/ReadVariableOp/Switch' instead of the variable.
+  def model_fn(features, labels, mode):
+    latest = tf1.get_variable('latest_mean', initializer=_fixed(1))
+    predictions = tf1.layers.dense(features['x'], 1)
+    loss = tf1.losses.mean_squared_error(labels, predictions[:, 0])
+    update = tf1.train.GradientDescentOptimizer(0.01).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    written = tf1.cond(tf.reduce_sum(labels) > -1e9,
+                       lambda: latest.assign([tf.reduce_mean(labels)]),
+                       lambda: tf.identity(latest))
+    return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                      train_op=tf.group(update, written))
+
+  tf1.disable_control_flow_v2()
+  try:
+    with pytest.raises(ValueError, match='writes variable latest_mean '):
+      _build(model_fn, 2)
+  finally:
+    tf1.enable_control_flow_v2()
+
+
 @pytest.mark.training
 def test_a_snapshot_under_a_cond_trains_as_one_device_in_every_run():
   # The reference orders the snapshot first: one device's unordered graph
