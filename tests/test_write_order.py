@@ -496,6 +496,43 @@ def test_a_running_max_of_the_shard_is_refused():
     _build(model_fn, 2)
 
 
+def _loop_increment_model_fn(features, labels, mode, ordered=False):
+  """BERT's hand-stepped global_step, incremented in a TF1 while_loop."""
+  step = tf1.train.get_or_create_global_step()
+  rate = 0.05 * tf.cast(step + 1, tf.float32)
+  predictions = tf1.layers.dense(features['x'], 1)
+  loss = tf1.losses.mean_squared_error(labels, predictions[:, 0])
+  weights = tf1.trainable_variables()
+  update = tf1.train.GradientDescentOptimizer(rate).apply_gradients(
+      zip(tf.gradients(loss, weights), weights))
+
+  def body(i):
+    with tf.control_dependencies([step.assign_add(1)]):
+      return i + 1
+
+  with tf.control_dependencies([update] if ordered else []):
+    loop = tf1.while_loop(lambda i: i < 1, body, [0])
+  return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                    train_op=tf.group(update, loop))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('aggregation', AGGREGATIONS)
+def test_a_step_written_inside_a_tf1_while_loop_is_refused(aggregation):
+  # No edge can enter a TF1 loop's frame: the learning rate's read of the
+  # step raced the loop's increment, silently, before this refusal.
+  tf1.disable_control_flow_v2()
+  try:
+    with pytest.raises(ValueError, match=r'(?s)writes variable global_step '
+                       r'.*while_loop.*enable_control_flow_v2'):
+      _build(_loop_increment_model_fn, 2, aggregation)
+    # Ordered by the model_fn itself (the loop waits for the update, which
+    # waits for the read): nothing to refuse.
+    _build(functools.partial(_loop_increment_model_fn, ordered=True), 2,
+           aggregation)
+  finally:
+    tf1.enable_control_flow_v2()
+
 @pytest.mark.fast
 def test_a_shard_statistic_written_under_a_tf1_cond_names_its_variable():
   # The handle reaches the write through the cond's Switch: the refusal

@@ -29,7 +29,9 @@ what `disable_v2_behavior()` builds) can make the step hang or skip work, so
 no edge touches their ops: a read inside TF1 conds is counted as a read by
 the cond's exits (its Merge ops), which run whichever branch is taken;
 a write inside them waits for the reads (an edge into a branch from an op
-that always runs is safe); everything inside a TF1 while_loop is left alone.
+that always runs is safe). No edge can enter a TF1 while_loop's frame: its
+reads are left as they are, and a write inside it that the step's other
+accesses of the variable are not ordered with is refused.
 The same holds for ops behind a Switch outside any context (a TF1 cond's
 gradient): the executor skips them in some steps, and an edge from one
 would skip the write too.
@@ -90,6 +92,7 @@ def order_writes(fetches: Sequence, update_results: Iterable[tf.Operation],
     How many control edges were added.
   """
   step = _Step(fetches)
+  step.check_loop_writes()
   added = 0
   for variable, writes in step.writes.items():
     for write in writes:
@@ -184,6 +187,8 @@ class _Step:
     self.writes: Dict[str, List[tf.Operation]] = {}
     # Ops that some write was made to wait for (for keep_whole).
     self.waited_for: List[tf.Operation] = []
+    # (variable, op) for each write inside a TF1 while_loop.
+    self._loop_writes: List[Tuple[str, tf.Operation]] = []
     self._may_be_dead = _may_be_dead(self.ops)
     for op in self.ops:
       if _in_v1_control_flow(op) or op in self._may_be_dead:
@@ -203,6 +208,8 @@ class _Step:
     into or out of a branch (a Lookahead-style snapshot under a TF1 cond
     read the updated weights in 7-9 of 20 runs on towers)."""
     if not _in_v1_cond_only(op):
+      self._loop_writes.extend((variable, op) for variable, written
+                               in _accesses(op) if written)
       return
     exits = None
     for variable, written in _accesses(op):
@@ -215,6 +222,38 @@ class _Step:
         exits = _cond_exits([op, *_aliased_reads(op, self.ops)], self.ops,
                             self._may_be_dead)
       self.reads.setdefault(variable, []).extend(exits)
+
+  def check_loop_writes(self) -> None:
+    """Refuses a write inside a TF1 while_loop that the step's other
+    accesses of its variable are not ordered with.
+
+    No control edge may enter or leave a TF1 loop's frame, so such a write
+    cannot be ordered after the step's reads as one device's executor
+    happens to order them: on towers some runs would see it, some not.
+
+    Raises:
+      ValueError: Naming the variable and the loop's write.
+    """
+    for variable, write in self._loop_writes:
+      others = [op for op in self.reads.get(variable, []) +
+                self.writes.get(variable, []) if op is not write]
+      if not others:
+        continue
+      ordered = op_ledger.ancestors([write]) | self._descendants(
+          write, len(self.ops))
+      loose = [op for op in others if op not in ordered]
+      if loose:
+        raise ValueError(
+            f'The train_op writes variable {variable} (op {write.name}) '
+            'inside a tf.compat.v1.while_loop built with control flow v1 '
+            f'(disable_v2_behavior or disable_control_flow_v2), and '
+            f'{loose[0].name} reads or writes it in the same step with no '
+            'order between them. replicate_model_fn cannot order a write '
+            "inside a TF1 loop, so towers would see it before or after at "
+            'random. Build the loop with control flow v2 (call '
+            'tf.compat.v1.enable_control_flow_v2() before the model_fn), '
+            'move the write out of the loop, or order it yourself with '
+            'tf.control_dependencies.')
 
   def order_before(self, before: Iterable[tf.Operation],
                    op: tf.Operation) -> int:
