@@ -496,6 +496,37 @@ def test_a_running_max_of_the_shard_is_refused():
     _build(model_fn, 2)
 
 
+def _mean_teacher_model_fn(features, labels, mode):
+  """A teacher reading the weights' EMA shadows in the forward pass; the
+  shadows' update is grouped beside the student's."""
+  weights = tf1.get_variable('w', initializer=_fixed(4, 1))
+  ema = tf1.train.ExponentialMovingAverage(0.5)
+  average = ema.apply([weights])
+  teacher = tf.matmul(features['x'], ema.average(weights))[:, 0]
+  student = tf.matmul(features['x'], weights)[:, 0]
+  loss = tf1.losses.mean_squared_error(labels, student) + tf.reduce_mean(
+      tf.square(student - tf.stop_gradient(teacher)))
+  update = tf1.train.GradientDescentOptimizer(0.05).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                    train_op=tf.group(update, average))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('aggregation', AGGREGATIONS)
+def test_a_mean_teacher_reading_ema_shadows_trains_as_one_device(aggregation):
+  # Issue 24's audit listed EMA shadows read in the forward pass as refused
+  # under all_reduce; they train as one device does under every aggregation.
+  # One run per graph: re-running the initializer in the same session would
+  # start the shadows from the trained weights (initialized_value).
+  expected = _final_variables(_mean_teacher_model_fn, 0, runs=1)[0]
+  for run in range(2):
+    actual = _final_variables(_mean_teacher_model_fn, 3, aggregation,
+                              runs=1)[0]
+    for name in ('w', 'w/ExponentialMovingAverage'):
+      np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
+                                 err_msg=f'{name}, run {run}')
+
 def _loop_increment_model_fn(features, labels, mode, ordered=False):
   """BERT's hand-stepped global_step, incremented in a TF1 while_loop."""
   step = tf1.train.get_or_create_global_step()
