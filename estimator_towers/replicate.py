@@ -33,6 +33,7 @@ from estimator_towers.towers import sharding
 from estimator_towers.merge import spec_merge
 from estimator_towers.towers import table_sharing
 from estimator_towers.cluster import task_sync
+from estimator_towers.cluster import stop_request
 from estimator_towers import tower as tower_lib
 from estimator_towers.towers import tower_effects
 from estimator_towers.merge import tpu_spec
@@ -533,7 +534,12 @@ class _TowerBuilder:
     """Phase 5 (TRAIN): the one update's copies, sums and write order."""
     spec = self._path.finish(spec, self._towers.first)
     # The loss logged (and checked for NaN) is the global batch's.
-    spec = spec._replace(loss=self._task_group.sum([spec.loss])[0])
+    if self._task_group.across_tasks:
+      # The tasks' stop requests ride in the loss's collective.
+      loss = stop_request.sum_loss_with_flags(self._task_group, spec.loss)
+    else:
+      loss = spec.loss
+    spec = spec._replace(loss=loss)
     # Towers change the schedule: reads the model_fn left unordered with
     # the step's writes must still see the values from before the step.
     write_order.order_writes([spec.train_op, spec.loss],

@@ -13,7 +13,8 @@ fault to its exit, and the last line of its log.
 is one task (TF_CONFIG names it): tests/sync_cluster_task.py's model on 2
 virtual CPU towers through `tf.estimator.train_and_evaluate`, with
 replicate_model_fn's sync_timeout_secs=JSON's `timeout`. After each step it
-writes its global step to MODEL_DIR/step-<task> and sleeps `step_secs`, so
+writes its global step to MODEL_DIR/step-<task> (the step it started
+from to step-<task>.start) and sleeps `step_secs`, so
 that a fault lands mid-training. A failure trainer.sync_errors explains
 ends it with that one line, as `trainer.task` would.
 
@@ -28,6 +29,9 @@ Scenarios (the fault happens once both tasks trained a step, unless said):
   disagree: both start at once with JSON's `agreement` (job -> values) and
     `extra_variable_on` (a job whose model has one more variable); the
     fault is the start.
+  sigterm_worker: SIGTERM the worker; the tasks stop on signals as
+    `trainer.task` does (trainer.preemption, trainer.faults).
+  resume: no fault; the tasks train on from the job dir's checkpoint.
 """
 
 import json
@@ -41,6 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainer.cluster import private_network  # pylint: disable=g-import-not-at-top
 
 ROWS = (3, 2)  # The chief's and the worker's rows of each global batch.
+_SIGNALS = {'stop_worker': signal.SIGSTOP, 'sigterm_worker': signal.SIGTERM,
+            'resume': None}
 
 
 def run_task(args):
@@ -49,6 +55,8 @@ def run_task(args):
   import estimator_towers  # pylint: disable=g-import-not-at-top
   from tests import sync_cluster_task  # pylint: disable=g-import-not-at-top
   from trainer import cluster_config  # pylint: disable=g-import-not-at-top
+  from trainer import faults  # pylint: disable=g-import-not-at-top
+  from trainer import preemption  # pylint: disable=g-import-not-at-top
   from trainer import sync_errors  # pylint: disable=g-import-not-at-top
   tf1 = tf.compat.v1
 
@@ -60,6 +68,9 @@ def run_task(args):
 
     def after_create_session(self, session, coord):
       self._step = tf1.train.get_global_step()
+      # The step this run starts from (a restart resumes a checkpoint's).
+      with open(self._path + '.start', 'w') as f:
+        f.write(str(session.run(self._step)))
 
     def after_run(self, run_context, run_values):
       step = run_context.session.run(self._step)
@@ -87,19 +98,24 @@ def run_task(args):
     batches = args.get('worker_batches', steps)
   input_fn = sync_cluster_task.task_input_fn(ROWS, steps)
   task = f'{config.task_type}-{config.task_id}'
-  try:
-    tf.estimator.train_and_evaluate(
-        estimator, tf.estimator.TrainSpec(
-            lambda config: input_fn(config).take(batches), max_steps=steps,
-            hooks=[Pace(os.path.join(args['model_dir'], f'step-{task}'),
-                        args.get('step_secs', 0.0))]),
-        tf.estimator.EvalSpec(input_fn, steps=1))
-  except tf.errors.OpError as e:
-    line = sync_errors.cli_message(e, cluster_config.load_tf_config())
-    if line is None:
-      raise
-    sys.stderr.write(line + '\n')
-    sys.exit(1)
+  # Pace first: the preemption hook's stop skips the hooks after it.
+  hooks = [Pace(os.path.join(args['model_dir'], f'step-{task}'),
+                args.get('step_secs', 0.0)),
+           preemption.PreemptionHook(args['model_dir'], config.is_chief)]
+  # A signal ends the task as trainer.task ends it: faults' one line.
+  with faults.handled(task), preemption.sigterm_handled():
+    try:
+      tf.estimator.train_and_evaluate(
+          estimator, tf.estimator.TrainSpec(
+              lambda config: input_fn(config).take(batches), max_steps=steps,
+              hooks=hooks),
+          tf.estimator.EvalSpec(input_fn, steps=1))
+    except tf.errors.OpError as e:
+      line = sync_errors.cli_message(e, cluster_config.load_tf_config())
+      if line is None:
+        raise
+      sys.stderr.write(line + '\n')
+      sys.exit(1)
   print('TASK DONE', flush=True)
 
 
@@ -182,8 +198,9 @@ def run_scenario(scenario, args, deadline_secs=150):
       elif fault is None and pair.trained():
         fault = time.monotonic()
         victim = pair.children['worker' if 'worker' in scenario else 'chief']
-        victim.send_signal(signal.SIGSTOP if scenario == 'stop_worker'
-                           else signal.SIGKILL)
+        signum = _SIGNALS.get(scenario, signal.SIGKILL)
+        if signum is not None:
+          victim.send_signal(signum)
         if scenario == 'stop_worker':
           pair.ended['worker'] = fault  # It would never end by itself.
   finally:
@@ -195,7 +212,8 @@ def run_scenario(scenario, args, deadline_secs=150):
         'code': child.returncode if ended else None,
         'secs': round(ended - fault, 1) if ended and fault else None,
         'line': _last_line(pair.log(job)),
-        'step': _step_of(args['model_dir'], f'{job}-0')}
+        'step': _step_of(args['model_dir'], f'{job}-0'),
+        'start': _step_of(args['model_dir'], f'{job}-0.start')}
   print(json.dumps(report), flush=True)
   return 0
 

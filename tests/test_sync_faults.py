@@ -9,6 +9,7 @@ starts late, but within the timeout, trains the numbers of one process.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -127,3 +128,22 @@ def test_tasks_started_differently_stop_before_the_first_step(tmp_path, args,
     assert line.startswith(_DISAGREE) and says in line, report
     assert report[task]['step'] == 0, report  # Nothing trained.
 
+
+
+def test_sigterm_to_the_worker_stops_both_after_one_step_saved(tmp_path):
+  # The worker alone got the signal; the chief must still save, and both
+  # must stop after the same step and say to restart every task.
+  report = _scenario(tmp_path, 'sigterm_worker', steps=200, step_secs=0.2)
+  step = report['chief']['step']
+  for task in ('chief', 'worker'):
+    assert report[task]['code'] == 128 + signal.SIGTERM, report
+    assert report[task]['step'] == step, report
+    assert 'restart every task' in report[task]['line'], report
+  assert f'at step {step}.' in report['chief']['line'], report
+  assert tf.train.latest_checkpoint(str(tmp_path)).endswith(f'-{step}')
+  # Restarting both resumes from that step.
+  resumed = _scenario(tmp_path, 'resume', steps=step + 2)
+  for task in ('chief', 'worker'):
+    assert resumed[task]['code'] == 0, resumed
+    assert resumed[task]['start'] == step, resumed
+    assert resumed[task]['step'] == step + 2, resumed
