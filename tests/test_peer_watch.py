@@ -6,14 +6,40 @@ tests/test_sync_faults.py; here the watch probes a plain loopback socket.
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
 import tensorflow as tf
 
+from cli_helpers import ROOT
 from estimator_towers.cluster import peer_watch
 
-pytestmark = pytest.mark.fast
+# A child process that asks for the main thread's frame from another
+# thread while freeing cyclic garbage that holds a threading.local (the GC
+# threshold low, so the frame's allocation starts a collection): before
+# peer_watch held collection off, CPython 3.11 deadlocked there holding the
+# GIL - a hung test worker that pytest-timeout could not end.
+_FRAMES_UNDER_GC = """
+import gc, sys, threading
+from estimator_towers.cluster import peer_watch
+main = threading.get_ident()
+
+def probe():
+  for threshold in (1, 2, 3, 4, 5):
+    gc.set_threshold(threshold)
+    for _ in range(2000):
+      holder = {'local': threading.local()}
+      holder['self'] = holder
+      del holder
+      assert peer_watch._current_frame(main) is not None
+
+thread = threading.Thread(target=probe)
+thread.start()
+thread.join()
+print('done')
+"""
 
 
 class _Chief:
@@ -41,6 +67,7 @@ def _watch(address, reports, timeout_secs=0.3):
   return watch, done
 
 
+@pytest.mark.fast
 def test_a_chief_that_stops_answering_is_reported_once():
   chief, reports = _Chief(), []
   watch, lost = _watch(chief.address, reports)
@@ -59,6 +86,7 @@ def test_a_chief_that_stops_answering_is_reported_once():
       'checkpoint.']
 
 
+@pytest.mark.fast
 def test_the_watch_ends_with_training():
   chief, reports = _Chief(), []
   watch, lost = _watch(chief.address, reports)
@@ -68,6 +96,7 @@ def test_the_watch_ends_with_training():
   assert not lost.wait(1.0), reports
 
 
+@pytest.mark.fast
 def test_the_watch_ends_when_training_fails():
   # A failing session skips end(); its caller may catch the error and go
   # on, and must not be ended for a chief it no longer needs.
@@ -91,6 +120,7 @@ def _config(monkeypatch, task_type):
   return tf.estimator.RunConfig()
 
 
+@pytest.mark.fast
 def test_every_task_times_its_steps_and_workers_watch_the_chief(
     monkeypatch):
   (chief_watch,) = peer_watch.for_task(_config(monkeypatch, 'chief'), 5)
@@ -112,6 +142,7 @@ def _step_watch(reports, timeout_secs=0.3):
                               on_stuck=on_stuck), done
 
 
+@pytest.mark.fast
 def test_a_step_longer_than_the_timeout_is_reported_and_short_ones_not():
   reports = []
   watch, stuck = _step_watch(reports)
@@ -133,6 +164,7 @@ def test_a_step_longer_than_the_timeout_is_reported_and_short_ones_not():
   assert reports[0].endswith("resume from the chief's last checkpoint.")
 
 
+@pytest.mark.fast
 def test_the_step_watch_ends_when_training_fails():
   reports = []
   watch, stuck = _step_watch(reports)
@@ -145,3 +177,13 @@ def test_the_step_watch_ends_when_training_fails():
   with pytest.raises(RuntimeError):
     train()
   assert not stuck.wait(1.0), reports
+
+
+@pytest.mark.cli
+def test_looking_for_the_training_call_survives_a_collection():
+  done = subprocess.run([sys.executable, '-c', _FRAMES_UNDER_GC],
+                        capture_output=True, text=True, timeout=120,
+                        cwd=ROOT, stdin=subprocess.DEVNULL,
+                        env={'PYTHONPATH': ROOT, 'TF_CPP_MIN_LOG_LEVEL': '2',
+                             'PATH': '/usr/bin:/bin'})
+  assert done.returncode == 0 and done.stdout.strip() == 'done', done.stderr

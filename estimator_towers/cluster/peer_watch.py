@@ -35,6 +35,7 @@ A stuck (e.g. stopped) chief still accepts connections; the workers' step
 watch ends them instead.
 """
 
+import gc
 import os
 import socket
 import sys
@@ -58,6 +59,25 @@ def _exit_process(line: str) -> None:
   sys.stdout.flush()
   logging.flush()
   os._exit(EXIT_CODE)  # pylint: disable=protected-access
+
+
+def _current_frame(thread: int):
+  """The frame `thread` is running, with garbage collection held off.
+
+  CPython 3.11's sys._current_frames() makes frame objects while it holds
+  the interpreter's thread-list lock; a collection started by one of those
+  allocations that frees a threading.local takes the same lock again, and
+  the process stops for good holding the GIL (a test worker hung so, the
+  watch thread's C stack ending in local_clear under
+  _PyFrame_GetFrameObject).
+  """
+  enabled = gc.isenabled()
+  gc.disable()
+  try:
+    return sys._current_frames().get(thread)  # pylint: disable=protected-access
+  finally:
+    if enabled:
+      gc.enable()
 
 
 class _Watch(tf1.train.SessionRunHook):
@@ -104,7 +124,7 @@ class _Watch(tf1.train.SessionRunHook):
   def _training(trainer) -> bool:
     """Whether the call that made the session is still running."""
     thread, maker = trainer
-    frame = sys._current_frames().get(thread)  # pylint: disable=protected-access
+    frame = _current_frame(thread)
     while frame is not None and frame is not maker:
       frame = frame.f_back
     return frame is not None
