@@ -8,6 +8,7 @@ graph - no read of a variable the step runs is left unordered with a write
 of it, which fails every time - or compares with one device over many runs.
 """
 
+import contextlib
 import functools
 import json
 
@@ -288,6 +289,15 @@ def _batches():
       ({'x': x, 'ids': ids}, y)).batch(_BATCH).repeat()
 
 
+@contextlib.contextmanager
+def _v1_control_flow():
+  """Builds TF1 conds and while_loops inside (disable_v2_behavior's)."""
+  tf1.disable_control_flow_v2()
+  try:
+    yield
+  finally:
+    tf1.enable_control_flow_v2()
+
 def _build(model_fn, towers, aggregation='global_loss'):
   """(graph, spec, session config): `model_fn` on `towers` virtual CPUs,
   replicated unless towers == 0 (then as one device, unwrapped)."""
@@ -464,15 +474,12 @@ def test_a_tf1_while_loop_in_the_step_builds_and_trains_as_one_device():
     return tf.estimator.EstimatorSpec(
         mode, loss=loss, train_op=_advanced_by_hand(update, step, ordered))
 
-  tf1.disable_control_flow_v2()
-  try:
+  with _v1_control_flow():
     expected = _final_variables(functools.partial(model_fn, ordered=True), 0,
                                 runs=1)[0]
     graph, _, _ = _build(model_fn, 2)
     assert any(op.type == 'NextIteration' for op in graph.get_operations())
     actual = _final_variables(model_fn, 2, runs=3)
-  finally:
-    tf1.enable_control_flow_v2()
   for run in actual:
     np.testing.assert_allclose(run['dense/kernel'], expected['dense/kernel'],
                                rtol=1e-5)
@@ -552,8 +559,7 @@ def _loop_increment_model_fn(features, labels, mode, ordered=False):
 def test_a_step_written_inside_a_tf1_while_loop_is_refused(aggregation):
   # No edge can enter a TF1 loop's frame: the learning rate's read of the
   # step raced the loop's increment, silently, before this refusal.
-  tf1.disable_control_flow_v2()
-  try:
+  with _v1_control_flow():
     with pytest.raises(ValueError, match=r'(?s)writes variable global_step '
                        r'.*while_loop.*enable_control_flow_v2'):
       _build(_loop_increment_model_fn, 2, aggregation)
@@ -561,8 +567,6 @@ def test_a_step_written_inside_a_tf1_while_loop_is_refused(aggregation):
     # waits for the read): nothing to refuse.
     _build(functools.partial(_loop_increment_model_fn, ordered=True), 2,
            aggregation)
-  finally:
-    tf1.enable_control_flow_v2()
 
 @pytest.mark.fast
 def test_a_shard_statistic_written_under_a_tf1_cond_names_its_variable():
@@ -580,12 +584,9 @@ def test_a_shard_statistic_written_under_a_tf1_cond_names_its_variable():
     return tf.estimator.EstimatorSpec(mode, loss=loss,
                                       train_op=tf.group(update, written))
 
-  tf1.disable_control_flow_v2()
-  try:
+  with _v1_control_flow():
     with pytest.raises(ValueError, match='writes variable latest_mean '):
       _build(model_fn, 2)
-  finally:
-    tf1.enable_control_flow_v2()
 
 
 @pytest.mark.training
@@ -704,11 +705,8 @@ def test_a_ref_variable_read_through_its_alias_trains_as_one_device():
 def test_a_snapshot_under_a_tf1_cond_is_read_before_the_update(aggregation):
   # disable_v2_behavior() builds TF1 conds; nothing ordered the branch's read
   # of the weights before the update (7-9 of 20 tower runs read new ones).
-  tf1.disable_control_flow_v2()
-  try:
+  with _v1_control_flow():
     _, spec, _ = _build(_cond_snapshot_model_fn, 2, aggregation)
-  finally:
-    tf1.enable_control_flow_v2()
   step = _ancestors([spec.train_op])
   reads = [op for op in step if op.type == 'ReadVariableOp' and
            op._control_flow_context is not None and  # pylint: disable=protected-access
@@ -766,13 +764,10 @@ def test_a_tf1_cond_in_the_forward_pass_trains_as_one_device(aggregation):
   # The gradient of a TF1 cond puts its branches' gradient ops outside any
   # context, behind a Switch: the update was made to wait for one of them
   # and was skipped with it, every step (global_step stayed 0, 10/10 runs).
-  tf1.disable_control_flow_v2()
-  try:
+  with _v1_control_flow():
     expected = _final_variables(_forward_snapshot_model_fn, 0, runs=1)[0]
     actual = _final_variables(_forward_snapshot_model_fn, 2, aggregation,
                               runs=3)
-  finally:
-    tf1.enable_control_flow_v2()
   assert expected['global_step'] == _STEPS
   for run, values in enumerate(actual):
     for name, value in expected.items():
@@ -802,9 +797,6 @@ def _cond_advanced_step_model_fn(features, labels, mode, ordered=False):
 def test_a_write_inside_a_tf1_cond_waits_for_the_reads(aggregation):
   # Left unordered, the increment under a TF1 cond raced the learning
   # rate's read: 45 of 60 runs at 2-3 towers differed by up to 0.054.
-  tf1.disable_control_flow_v2()
-  try:
+  with _v1_control_flow():
     _, spec, _ = _build(_cond_advanced_step_model_fn, 2, aggregation)
-  finally:
-    tf1.enable_control_flow_v2()
   assert unordered_accesses([spec.train_op, spec.loss]) == []
