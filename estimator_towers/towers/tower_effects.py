@@ -179,18 +179,19 @@ def random_draws(graph: tf.Graph, tower: op_ledger.Region
           if op.type in RANDOM and tower.contains(op)]
 
 
-# Ops that hand a variable's handle (or ref) on unchanged: a TF1 cond's
-# Switch, a while loop's Enter, an Identity.
-_PASS_THROUGH = frozenset(['Switch', 'RefSwitch', 'Enter', 'RefEnter',
-                           'Identity', 'RefIdentity'])
+# Ops that hand a variable's handle (or ref) on unchanged: an Identity, a
+# TF1 cond's Switch, a while loop's Enter.
+_FORWARDING = frozenset(['Identity', 'RefIdentity', 'Enter', 'RefEnter',
+                         'Switch', 'RefSwitch'])
 
 
-def _variable_behind(handle: tf.Tensor) -> str:
-  """The name of the variable a write's handle comes from, for messages."""
+def variable_source(handle: tf.Tensor) -> tf.Operation:
+  """The op that made a variable's handle or ref, through ops that pass it
+  on unchanged."""
   op = handle.op
-  while op.type in _PASS_THROUGH and op.inputs:
+  while op.type in _FORWARDING and op.inputs:
     op = op.inputs[0].op
-  return op.name
+  return op
 
 
 def _check_adds_up(op: tf.Operation, depends_on_shard) -> None:
@@ -208,7 +209,7 @@ def _check_adds_up(op: tf.Operation, depends_on_shard) -> None:
   else:
     why = f'a {op.type} does not add up over shards'
   raise ValueError(
-      f'The train_op writes variable {_variable_behind(op.inputs[0])} (op '
+      f'The train_op writes variable {variable_source(op.inputs[0]).name} (op '
       f"{op.name}) from the tower's shard of the batch, and {why}. Under "
       'replicate_model_fn it would be written once per tower, each time '
       "from that tower's shard, instead of once from the whole batch as on "

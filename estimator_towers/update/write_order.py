@@ -56,9 +56,6 @@ import tensorflow as tf
 from estimator_towers.graph import op_ledger
 from estimator_towers.towers import tower_effects
 
-# Ops that pass a variable's handle or ref on unchanged.
-_FORWARDING = frozenset(['Identity', 'RefIdentity', 'Enter', 'RefEnter',
-                         'Switch', 'RefSwitch'])
 # Optimizer kernels update the variables they take (all of them).
 _UPDATE_PREFIXES = ('ApplyGradient', 'ResourceApply', 'ResourceSparseApply',
                     'Apply', 'SparseApply')
@@ -135,9 +132,10 @@ def keep_whole(ops: Iterable[tf.Operation]) -> None:
   ops = [op for op in dict.fromkeys(ops) if _lowered_write(op)]
   groups = _Groups()
   for op in ops:
-    groups.join([_source(t) for t in op.inputs if _takes_variable(t)])
+    groups.join([tower_effects.variable_source(t) for t in op.inputs
+                 if _takes_variable(t)])
   for op in ops:
-    devices = groups.devices(_source(next(
+    devices = groups.devices(tower_effects.variable_source(next(
         t for t in op.inputs if _takes_variable(t))))
     if len(devices) > 1:
       raise ValueError(
@@ -371,23 +369,16 @@ def _accesses(op: tf.Operation) -> List[Tuple[str, bool]]:
   """
   if op.type in tower_effects.CALLS:
     written = tower_effects.written_inputs(op)
-    return [(_source(t).name, i in written) for i, t in enumerate(op.inputs)
-            if _takes_variable(t)]
+    return [(tower_effects.variable_source(t).name, i in written)
+            for i, t in enumerate(op.inputs) if _takes_variable(t)]
   is_write = writes(op)
   return [(name, is_write) for name in variables_taken(op)]
 
 
 def variables_taken(op: tf.Operation) -> List[str]:
   """Names of the ops that make the variables (or tables) `op` takes."""
-  return [_source(t).name for t in op.inputs if _takes_variable(t)]
-
-
-def _source(tensor: tf.Tensor) -> tf.Operation:
-  """The op that made a handle or ref, through ops that pass it on."""
-  op = tensor.op
-  while op.type in _FORWARDING and op.inputs:
-    op = op.inputs[0].op
-  return op
+  return [tower_effects.variable_source(t).name for t in op.inputs
+          if _takes_variable(t)]
 
 
 def writes(op: tf.Operation) -> bool:
