@@ -7,8 +7,10 @@ batches the raw records (CSV lines, image paths), keeps the task's rows and
 parses only those. This times the chief's input pipeline alone (nothing
 else runs in the step) for W = 1 (one process), 2 and 3 tasks, both ways:
 
-  old  task_slice(source._examples(...).repeat().batch(B)): parse, slice
-  new  source.train_input_fn(B)(config): slice, then parse the share
+  old   task_slice(source._examples(...).repeat().batch(B)): parse, slice
+  new   source.train_input_fn(B)(config): slice, then parse the share
+  read  the new pipeline without its parse: reading, shuffling, batching
+        and slicing the raw records, which every task does for every row
 
 Sources, written to a temporary directory first:
 
@@ -48,6 +50,7 @@ from estimator_towers.cluster.task_input import task_slice  # pylint: disable=g-
 tf1 = tf.compat.v1
 SEED = 1
 TASKS = (1, 2, 3)
+PATHS = ('old', 'new', 'read')
 COLOURS = ['red', 'green', 'blue', 'dark, grey']
 
 
@@ -99,6 +102,10 @@ def _dataset(data, batch_size, num_tasks, path):
   config = _config(num_tasks)
   if path == 'new':
     return data.train_input_fn(batch_size, seed=SEED)(config)
+  if path == 'read':
+    records = data._unparsed('train', shuffle=True, seed=SEED).records  # pylint: disable=protected-access
+    batches = records.repeat().batch(batch_size)
+    return task_slice(batches, config).prefetch(tf.data.AUTOTUNE)
   examples = data._examples('train', shuffle=True, seed=SEED)  # pylint: disable=protected-access
   batches = examples.repeat().batch(batch_size)
   return task_slice(batches, config).prefetch(tf.data.AUTOTUNE)
@@ -141,7 +148,7 @@ def main():
         'image': (_write_images(folder, 100 if args.quick else 600), 48)}
     cells = {(name, tasks, path): _Cell(data, batch, tasks, path)
              for name, (data, batch) in sources.items()
-             for tasks in TASKS for path in ('old', 'new')}
+             for tasks in TASKS for path in PATHS}
     print(f'data and graphs: {time.perf_counter() - start:.1f} s; '
           f'load average {os.getloadavg()[0]:.1f}', flush=True)
     keys = list(cells)
@@ -152,14 +159,14 @@ def main():
       print(f'round {round_index + 1}/{args.rounds} done, load average '
             f'{os.getloadavg()[0]:.1f}', flush=True)
   print(f'{"source":8}{"batch":>7}{"W":>3}{"rows/task":>11}'
-        f'{"old ms":>10}{"new ms":>10}{"new/old":>9}')
+        f'{"old ms":>10}{"new ms":>10}{"read ms":>10}{"new/old":>9}')
   for name, (_, batch) in sources.items():
     for tasks in TASKS:
-      old, new = (statistics.median(cells[name, tasks, path].times) * 1e3
-                  for path in ('old', 'new'))
+      old, new, read = (
+          statistics.median(cells[name, tasks, path].times) * 1e3
+          for path in PATHS)
       print(f'{name:8}{batch:>7}{tasks:>3}{-(-batch // tasks):>11}'
-            f'{old:>10.2f}{new:>10.2f}{new / old:>9.2f}')
-
+            f'{old:>10.2f}{new:>10.2f}{read:>10.2f}{new / old:>9.2f}')
 
 if __name__ == '__main__':
   main()

@@ -6,16 +6,14 @@ and only then parse them. The tasks' parts, in task order, must still be
 exactly the one-process batches, the last partial (and empty parts) too.
 """
 
-import json
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import input_fns
-from estimator_towers.cluster.task_input import task_slice
 from test_input_fns import (bytes_feature, example, float_feature,
                             int_feature, write_png, write_records)
+from test_task_input import _batches, _tasks
 
 pytestmark = pytest.mark.fast
 
@@ -30,31 +28,9 @@ PARSE_OPS = frozenset(['DecodeCSV', 'ParseExampleV2', 'ParseSingleExample',
                        'StatelessRandomNormalV2', 'StatelessRandomNormal'])
 
 
-def _config(monkeypatch, task_type, index, workers):
-  """The RunConfig a task of chief + `workers` workers builds."""
-  cluster = {'chief': ['localhost:1'],
-             'worker': [f'localhost:{2 + i}' for i in range(workers)]}
-  monkeypatch.setenv('TF_CONFIG', json.dumps(
-      {'cluster': cluster, 'task': {'type': task_type, 'index': index}}))
-  return tf.estimator.RunConfig()
-
-
 def _task_configs(monkeypatch, num_tasks):
-  return [_config(monkeypatch, 'chief', 0, num_tasks - 1)] + [
-      _config(monkeypatch, 'worker', i, num_tasks - 1)
-      for i in range(num_tasks - 1)]
-
-
-def _run(dataset):
-  """Every element of a finite dataset, as numpy."""
-  get_next = tf1.data.make_one_shot_iterator(dataset).get_next()
-  with tf1.Session() as session:
-    out = []
-    while True:
-      try:
-        out.append(session.run(get_next))
-      except tf.errors.OutOfRangeError:
-        return out
+  """The RunConfigs of a chief and num_tasks - 1 workers, in task order."""
+  return _tasks(monkeypatch, workers=num_tasks - 1)
 
 
 def _leaf_rows(leaf):
@@ -217,7 +193,7 @@ def _one_process(data):
   with tf.Graph().as_default():
     examples = data._examples('train', shuffle=True, seed=SEED)  # pylint: disable=protected-access
     batches = examples.repeat(EPOCHS).batch(BATCH)
-    return batches.element_spec, _run(batches)
+    return batches.element_spec, _batches(batches)
 
 
 @pytest.mark.parametrize('source', sorted(SOURCES))
@@ -228,7 +204,7 @@ def test_tasks_shares_add_up_to_the_one_process_batches(tmp_path,
   assert len(expected[-1][1]) == 1  # Tasks but the chief get empty parts.
   input_fn = data.train_input_fn(BATCH, seed=SEED, num_epochs=EPOCHS)
   with tf.Graph().as_default():
-    alone = _run(input_fn(None))
+    alone = _batches(input_fn(None))
   assert [_rows(batch) for batch in alone] == [
       _rows(batch) for batch in expected]
   for num_tasks in (2, 3):
@@ -239,7 +215,7 @@ def test_tasks_shares_add_up_to_the_one_process_batches(tmp_path,
         assert dataset.element_spec == spec
         if source not in PARSE_ALL:
           _assert_parses_after_slicing(dataset)
-        tasks.append(_run(dataset))
+        tasks.append(_batches(dataset))
     for task in tasks:
       assert len(task) == len(expected)
     for step, batch in enumerate(expected):
@@ -269,8 +245,8 @@ def test_a_bad_row_fails_only_the_task_that_parses_it(tmp_path, monkeypatch):
   for data, message in first_bad.items():
     input_fn = data.train_input_fn(2, shuffle=False, num_epochs=1)
     with tf.Graph().as_default():
-      assert len(_run(input_fn(chief))) == 6
+      assert len(_batches(input_fn(chief))) == 6
     with tf.Graph().as_default(), pytest.raises(
         tf.errors.InvalidArgumentError, match=message):
-      _run(input_fn(worker))
+      _batches(input_fn(worker))
 
