@@ -1,7 +1,8 @@
 """CSV files with a schema: `csv_data(...)`.
 
 Rows are read with tf.data.TextLineDataset, numbered by line, and parsed in
-parallel map calls (see csv_rows). A malformed row stops the input pipeline
+parallel map calls (see csv_rows); training parses batches of lines, after
+a synchronous cluster's task has kept its share of them. A malformed row stops the input pipeline
 with an InvalidArgumentError that names its file and line, or, with
 `skip_malformed=True`, is left out; `CsvData.skipped_rows()` counts such
 rows per file. A NaN or infinite number makes a row malformed unless
@@ -102,30 +103,50 @@ class CsvData(data_lib.Data):
 
     return pipeline.parallel_map(self._rows(split), parse)
 
-  def _examples(self, split, shuffle=False, seed=0):
+  def _shuffled_rows(self, split: str, shuffle: bool, seed: int
+                    ) -> tf.data.Dataset:
+    rows = self._rows(split, shuffle=shuffle, seed=seed)
+    if shuffle:
+      rows = pipeline.shuffle(rows, self._shuffle_buffer_size, seed)
+    return rows
 
-    def parse_or_fail(path, number, line):
-      features, label, problem = self._parse(line)
-      message = tf.strings.join([
-          'Malformed CSV row ', _location(path, number), ': ', problem,
-          '. Fix the row, or pass skip_malformed=True to skip such rows.'])
-      check = tf.debugging.Assert(tf.equal(problem, ''), [message])
-      with tf.control_dependencies([check]):
-        return tf.nest.map_structure(tf.identity, (features, label))
+  def _parse_or_fail(self, path: tf.Tensor, number: tf.Tensor,
+                     line: tf.Tensor):
+    """(features, label) of one row or a batch; fails on a malformed row."""
+    features, label, problem = self._parse(line)
+    message = tf.strings.join([
+        'Malformed CSV row ', _location(path, number), ': ', problem,
+        '. Fix the row, or pass skip_malformed=True to skip such rows.'])
+    check = pipeline.assert_no_bad_row(tf.not_equal(problem, ''), message)
+    with tf.control_dependencies([check]):
+      return tf.nest.map_structure(tf.identity, (features, label))
+
+  def _unparsed(self, split, shuffle=False, seed=0):
+    if self.skip_malformed:
+      # Which rows make up a batch depends on which are malformed, which
+      # only parsing tells.
+      return None
+    # The same seeded shuffle as _examples': the same order, of lines.
+    return data_lib.Unparsed(self._shuffled_rows(split, shuffle, seed),
+                             self._parse_or_fail)
+
+  def _examples(self, split, shuffle=False, seed=0):
+    if not self.skip_malformed:
+      # Shuffling lines before parsing draws the same order as shuffling
+      # their parses would (the order depends on the seed and the count).
+      return pipeline.parallel_map(self._shuffled_rows(split, shuffle, seed),
+                                   self._parse_or_fail)
 
     def parse(path, number, line):
-      del path, number  # Only a failing row needs its location.
+      del path, number  # A skipped row needs no location.
       return self._parse(line)
 
-    rows = self._rows(split, shuffle=shuffle, seed=seed)
-    if self.skip_malformed:
-      examples = pipeline.parallel_map(rows, parse)
-      examples = examples.filter(
-          lambda features, label, problem: tf.equal(problem, ''))
-      examples = examples.map(lambda features, label, problem:
-                              (features, label))
-    else:
-      examples = pipeline.parallel_map(rows, parse_or_fail)
+    examples = pipeline.parallel_map(
+        self._rows(split, shuffle=shuffle, seed=seed), parse)
+    examples = examples.filter(
+        lambda features, label, problem: tf.equal(problem, ''))
+    examples = examples.map(lambda features, label, problem:
+                            (features, label))
     if shuffle:
       examples = pipeline.shuffle(examples, self._shuffle_buffer_size, seed)
     return examples

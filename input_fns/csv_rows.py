@@ -1,4 +1,4 @@
-"""Parsing one CSV row in the graph, with a reason when it is malformed.
+"""Parsing CSV rows in the graph, with a reason when it is malformed.
 
 `parse_row` never fails: a malformed row (wrong field count, bad quoting, a
 non-number in a numeric column, an empty field without a default, an unknown
@@ -124,10 +124,13 @@ def _label(schema: Schema, field: tf.Tensor,
   empty = tf.equal(field, '')
   problems.add(empty, f'label column `{name}` is empty')
   if schema.label_vocabulary is not None:
-    matches = tf.equal(tf.constant(schema.label_vocabulary), field)
-    problems.add(tf.logical_not(empty | tf.reduce_any(matches)),
+    # Each field (one, or one per row of a batch) against every value.
+    matches = tf.equal(tf.constant(schema.label_vocabulary),
+                       field[..., tf.newaxis])
+    problems.add(tf.logical_not(empty | tf.reduce_any(matches, axis=-1)),
                  'label ', _quote(field), ' is not in label_vocabulary')
-    return tf.argmax(tf.cast(matches, tf.int32), output_type=tf.int32)
+    return tf.argmax(tf.cast(matches, tf.int32), axis=-1,
+                     output_type=tf.int32)
   is_int = tf.strings.regex_full_match(field, _CLASS_ID)
   label = tf.strings.to_number(tf.where(is_int, field, '-1'), tf.int32)
   in_range = is_int & (label >= 0) & (label < schema.n_classes)
@@ -138,21 +141,23 @@ def _label(schema: Schema, field: tf.Tensor,
 
 def parse_row(schema: Schema, line: tf.Tensor, allow_non_finite: bool = False
              ) -> Tuple[Dict[str, tf.Tensor], tf.Tensor, tf.Tensor]:
-  """Parses one CSV line.
+  """Parses one CSV line, or a batch of them.
 
   Fields are stripped of surrounding spaces; an empty field takes its
-  column's default.
+  column's default. Every op works row by row, so a batch parses to the
+  rows' parses, stacked.
 
   Args:
     schema: The file's columns.
-    line: A scalar string Tensor, one line without its newline.
+    line: A string Tensor: one line without its newline (a scalar), or a
+      batch of them ([rows], none included).
     allow_non_finite: Whether a numeric field may be NaN or infinite (or
       overflow float32); otherwise such a row is malformed.
 
   Returns:
-    (features: name -> scalar float32 or string Tensor, label: scalar int32,
-    problem: scalar string, '' when the row is well formed). The features
-    and label of a malformed row are meaningless.
+    (features: name -> float32 or string Tensor, label: int32, problem:
+    string, '' when the row is well formed), each of `line`'s shape. The
+    features and label of a malformed row are meaningless.
   """
   problems = _Problems()
   num_columns = len(schema.columns)

@@ -3,7 +3,10 @@
 A source (digits, CSV, TFRecord, image folder, synthetic) subclasses `Data`
 and says how to read one pass of single examples; `Data` turns that into the
 train, eval and predict input_fns and the serving receivers, the same way for
-every source.
+every source. A source whose examples need parsing (CSV lines, serialized
+Examples, image files) also gives them unparsed, with a batch parse, so that
+in a synchronous cluster each task parses only its own rows of each global
+batch.
 """
 
 import abc
@@ -27,6 +30,22 @@ CSV_RECEIVER_KEY = 'csv_lines'
 EXAMPLE_RECEIVER_KEY = 'examples'
 
 InputFn = Callable[[], tf.data.Dataset]
+
+
+@dataclasses.dataclass(frozen=True)
+class Unparsed:
+  """A source's examples before parsing, and how to parse a batch of them.
+
+  Attributes:
+    records: Single raw records (e.g. (path, line number, line)), in the
+      order `_examples` yields their parses, shuffled the same way.
+    parse_batch: Maps a batch of records (the leaves of a record with a
+      batch dimension in front, as positional arguments when a record is a
+      tuple; any number of rows, none included) to the (features, labels)
+      batch of their examples, equal to batching `_examples`.
+  """
+  records: tf.data.Dataset
+  parse_batch: Callable[..., Tuple[Any, Any]]
 
 
 @dataclasses.dataclass(eq=False)
@@ -82,6 +101,18 @@ class Data(abc.ABC):
       A finite dataset; the features' shapes must be fully known.
     """
 
+  def _unparsed(self, split: str, shuffle: bool = False,
+                seed: int = 0) -> Optional[Unparsed]:
+    """The examples of `_examples(split, shuffle, seed)`, before parsing.
+
+    Returns:
+      None (the default) where there is nothing to parse (arrays in memory),
+      or where parsing decides which records make up a batch (skipping
+      malformed rows): the train input_fn then batches `_examples`.
+    """
+    del split, shuffle, seed
+    return None
+
   @abc.abstractmethod
   def example_ids(self) -> List[str]:
     """One id per example of predict_input_fn, in the same order."""
@@ -121,6 +152,8 @@ class Data(abc.ABC):
       tasks, no ps tasks) every task reads the same batches of
       `batch_size` and keeps its part of each (`task_slice`), so that
       `batch_size` stays the global batch and all tasks stop together.
+      Sources with unparsed records (`_unparsed`) batch and slice those,
+      then parse: each task parses only its own rows.
 
     Raises:
       ValueError: batch_size, seed or num_epochs is not a valid int.
@@ -134,11 +167,19 @@ class Data(abc.ABC):
                        'None to repeat forever.')
 
     def input_fn(config=None):
-      examples = self._examples(TRAIN, shuffle=bool(shuffle), seed=seed)
-      batches = examples.repeat(num_epochs).batch(batch_size)
-      # In a synchronous cluster each task keeps its part of every global
-      # batch; elsewhere this is the batch itself.
-      return task_slice(batches, config).prefetch(pipeline.AUTOTUNE)
+      unparsed = self._unparsed(TRAIN, shuffle=bool(shuffle), seed=seed)
+      if unparsed is None:
+        examples = self._examples(TRAIN, shuffle=bool(shuffle), seed=seed)
+        batches = examples.repeat(num_epochs).batch(batch_size)
+        # In a synchronous cluster each task keeps its part of every global
+        # batch; elsewhere this is the batch itself.
+        return task_slice(batches, config).prefetch(pipeline.AUTOTUNE)
+      records = unparsed.records.repeat(num_epochs).batch(batch_size)
+      # Slicing the raw records first: a task parses (decodes, checks) only
+      # the rows it trains on, not W times as many.
+      mine = task_slice(records, config)
+      return pipeline.parallel_map(mine, unparsed.parse_batch).prefetch(
+          pipeline.AUTOTUNE)
 
     return input_fn
 

@@ -3,7 +3,8 @@
     root/<class name>/<any subfolders>/*.jpg|*.jpeg|*.png
 
 Classes are the sorted subdirectory names (class id = position). Files are
-decoded, resized and scaled to [0, 1] in parallel map calls.
+decoded, resized and scaled to [0, 1] in parallel map calls; for training,
+after a synchronous cluster's task has kept its share of each batch.
 """
 
 import os
@@ -95,18 +96,30 @@ class ImageFolderData(data_lib.Data):
     self.class_names = list(class_names)
     self._splits = {data_lib.TRAIN: train, data_lib.EVAL: evaluation}
 
-  def _load(self, path: tf.Tensor, label: tf.Tensor):
-    image = images.decode(tf.io.read_file(path), self.image_shape)
-    return {'image': image}, label
+  def _image(self, path: tf.Tensor) -> tf.Tensor:
+    return images.decode(tf.io.read_file(path), self.image_shape)
 
-  def _examples(self, split, shuffle=False, seed=0):
+  def _paths(self, split: str, shuffle: bool, seed: int) -> tf.data.Dataset:
+    """(path, label) of each image of `split`."""
     paths, labels = self._splits[split]
     examples = tf.data.Dataset.from_tensor_slices(
         (tf.constant(paths, tf.string), tf.constant(labels, tf.int32)))
     if shuffle:
       # Shuffling paths before decoding: a full shuffle at no memory cost.
       examples = pipeline.shuffle(examples, len(paths), seed)
-    return pipeline.parallel_map(examples, self._load)
+    return examples
+
+  def _examples(self, split, shuffle=False, seed=0):
+    return pipeline.parallel_map(
+        self._paths(split, shuffle, seed),
+        lambda path, label: ({'image': self._image(path)}, label))
+
+  def _unparsed(self, split, shuffle=False, seed=0):
+    spec = tf.TensorSpec(self.image_shape, tf.float32)
+    return data_lib.Unparsed(
+        self._paths(split, shuffle, seed),
+        lambda paths, labels: (
+            {'image': pipeline.map_rows(self._image, paths, spec)}, labels))
 
   def example_ids(self) -> List[str]:
     """The eval images' file paths, in predict order."""

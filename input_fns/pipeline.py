@@ -80,6 +80,44 @@ def parallel_map(dataset: tf.data.Dataset,
   return dataset.map(fn, num_parallel_calls=AUTOTUNE, deterministic=True)
 
 
+def map_rows(fn: Callable[..., Any], rows: Any,
+             signature: Any) -> Any:
+  """`fn` on each row of a batch, the results stacked in order.
+
+  For a parse that works on one row at a time, applied to a batch (e.g. a
+  task's share of a global batch) of any number of rows, none included.
+
+  Args:
+    fn: Maps one row (the leaves of `rows` without their batch dimension,
+      as positional arguments when `rows` is a tuple) to a nest of Tensors.
+    rows: A Tensor, or a tuple of Tensors, with the rows as first dimension.
+    signature: The nest of tf.TensorSpec `fn` returns; fully defined
+      shapes, so that an empty batch still has them.
+
+  Returns:
+    fn's results with a batch dimension in front.
+  """
+  call = (lambda row: fn(*row)) if isinstance(rows, tuple) else fn
+  return tf.map_fn(call, rows, fn_output_signature=signature)
+
+
+def assert_no_bad_row(bad: tf.Tensor, messages: tf.Tensor) -> tf.Operation:
+  """An assert that fails with the message of the first bad row.
+
+  Args:
+    bad: bool Tensor, a scalar (one row) or [rows].
+    messages: string Tensor of the same shape: why each row would be bad
+      (read only for the failing one).
+
+  Returns:
+    The assert op; make the row's values depend on it.
+  """
+  bad, messages = tf.reshape(bad, [-1]), tf.reshape(messages, [-1])
+  # An empty string when no row is bad; the first bad row's message else.
+  first = tf.strings.reduce_join(tf.boolean_mask(messages, bad)[:1])
+  return tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)), [first])
+
+
 def shuffle(dataset: tf.data.Dataset, buffer_size: int,
             seed: int) -> tf.data.Dataset:
   """Shuffles with a seed, in a new order each epoch."""

@@ -135,7 +135,8 @@ class SyntheticImageData(data_lib.Data):
     image = tf.gather(tf.constant(self._patterns), label) + noise
     return {'image': tf.clip_by_value(image, 0.0, 1.0)}, label
 
-  def _examples(self, split, shuffle=False, seed=0):
+  def _indices(self, split: str, shuffle: bool,
+               seed: int) -> tf.data.Dataset:
     if split == data_lib.TRAIN:
       indices = tf.data.Dataset.range(self._num_train)
     else:
@@ -144,7 +145,19 @@ class SyntheticImageData(data_lib.Data):
     if shuffle:
       # Shuffling indices before generating keeps the buffer tiny.
       indices = pipeline.shuffle(indices, self._num_train, seed)
-    return pipeline.parallel_map(indices, self._example)
+    return indices
+
+  def _examples(self, split, shuffle=False, seed=0):
+    return pipeline.parallel_map(self._indices(split, shuffle, seed),
+                                 self._example)
+
+  def _unparsed(self, split, shuffle=False, seed=0):
+    # The indices are the records: a task makes only its own rows' images.
+    signature = ({'image': tf.TensorSpec(self.image_shape, tf.float32)},
+                 tf.TensorSpec([], tf.int32))
+    return data_lib.Unparsed(
+        self._indices(split, shuffle, seed),
+        lambda indices: pipeline.map_rows(self._example, indices, signature))
 
   def example_ids(self) -> List[str]:
     return [str(i) for i in range(self._num_train,

@@ -1,8 +1,9 @@
 """TFRecord files of tf.Example: `tfrecord_data(...)`.
 
-Records are numbered per file and parsed in parallel map calls; a label
-outside [0, n_classes), or unless allowed a NaN or infinite float feature,
-stops the pipeline with an error naming the file and record. The serving
+Records are numbered per file and parsed in parallel map calls (training
+parses batches, after a synchronous cluster's task has kept its share of
+them); a label outside [0, n_classes), or unless allowed a NaN or infinite
+float feature, stops the pipeline with an error naming the file and record. The serving
 'example' format takes Examples like the training records (the label may be
 left out): encoded images stay encoded.
 """
@@ -94,6 +95,21 @@ def _tabular_columns(feature_spec: Mapping[str, Any], label_key: str,
   return columns_lib.tabular_columns(names, categorical, shapes)
 
 
+def _non_finite_rows(value: Any, batched: bool) -> tf.Tensor:
+  """Whether each record (or the one record) has a NaN or inf in `value`."""
+  if isinstance(value, tf.SparseTensor):
+    bad = tf.cast(tf.logical_not(tf.math.is_finite(value.values)), tf.int32)
+    if not batched:
+      return tf.reduce_any(bad > 0)
+    rows = tf.cast(value.dense_shape[0], tf.int32)
+    return tf.math.unsorted_segment_max(bad, value.indices[:, 0], rows) > 0
+  finite = tf.math.is_finite(value)
+  if not batched:
+    return tf.logical_not(tf.reduce_all(finite))
+  return tf.logical_not(tf.reduce_all(finite,
+                                      axis=list(range(1, finite.shape.rank))))
+
+
 class TFRecordData(data_lib.Data):
   """Data read from TFRecord files of tf.Example; see `tfrecord_data`."""
 
@@ -144,8 +160,10 @@ class TFRecordData(data_lib.Data):
         def decode(contents):
           return images.decode(contents, self.image_shape)
 
-        image = (tf.map_fn(decode, stored, fn_output_signature=tf.float32)
-                 if batched else decode(stored))
+        # A full signature: an empty batch (a task's empty share) still
+        # has the image shape.
+        image = (tf.map_fn(decode, stored, fn_output_signature=tf.TensorSpec(
+            self.image_shape, tf.float32)) if batched else decode(stored))
       else:
         shape = list(self.image_shape)
         image = tf.reshape(stored, [-1] + shape if batched else shape)
@@ -171,45 +189,58 @@ class TFRecordData(data_lib.Data):
         self._files[split], self._read_file,
         sequential=split != data_lib.TRAIN, shuffle=shuffle, seed=seed)
 
-  def _finite_checks(self, parsed: Dict[str, Any], location: tf.Tensor
-                    ) -> List[tf.Operation]:
-    """Asserts that the record's float features hold no NaN or inf."""
+  def _finite_checks(self, parsed: Dict[str, Any], location: tf.Tensor,
+                     batched: bool) -> List[tf.Operation]:
+    """Asserts that the records' float features hold no NaN or inf."""
     checks = []
     if self.allow_non_finite:
       return checks
     for key, value in sorted(parsed.items()):
-      values = value.values if isinstance(value, tf.SparseTensor) else value
-      if not values.dtype.is_floating:
+      if not value.dtype.is_floating:
         continue
       message = tf.strings.join([
           f'Feature {key} of TFRecord ', location, ' is nan or inf; pass '
           '--allow-non-finite (allow_non_finite=True) to keep such values.'])
-      checks.append(tf.debugging.Assert(
-          tf.reduce_all(tf.math.is_finite(values)), [message]))
+      checks.append(pipeline.assert_no_bad_row(
+          _non_finite_rows(value, batched), message))
     return checks
 
-  def _examples(self, split, shuffle=False, seed=0):
+  def _parse(self, path: tf.Tensor, number: tf.Tensor, record: tf.Tensor,
+             batched: bool):
+    """(features, label) of one record, or of a batch of records."""
     n_classes = self.n_classes
+    parse = tf.io.parse_example if batched else tf.io.parse_single_example
+    parsed = parse(record, self._feature_spec)
+    label = tf.reshape(parsed[self._label_key], [-1] if batched else [])
+    location = tf.strings.join([path, ':', tf.strings.as_string(number)])
+    message = tf.strings.join([
+        'Bad label ', tf.strings.as_string(label), ' in TFRecord ', location,
+        f': class ids must be in [0, {n_classes}).'])
+    checks = [pipeline.assert_no_bad_row((label < 0) | (label >= n_classes),
+                                         message)]
+    checks += self._finite_checks(parsed, location, batched)
+    with tf.control_dependencies(checks):
+      label = tf.cast(label, tf.int32)
+    return self._to_features(parsed, batched=batched), label
 
-    def parse(path, number, record):
-      parsed = tf.io.parse_single_example(record, self._feature_spec)
-      label = tf.reshape(parsed[self._label_key], [])
-      location = tf.strings.join([path, ':', tf.strings.as_string(number)])
-      message = tf.strings.join([
-          'Bad label ', tf.strings.as_string(label), ' in TFRecord ', location,
-          f': class ids must be in [0, {n_classes}).'])
-      checks = [tf.debugging.Assert((label >= 0) & (label < n_classes),
-                                    [message])]
-      checks += self._finite_checks(parsed, location)
-      with tf.control_dependencies(checks):
-        label = tf.cast(label, tf.int32)
-      return self._to_features(parsed, batched=False), label
-
-    examples = pipeline.parallel_map(
-        self._records(split, shuffle=shuffle, seed=seed), parse)
+  def _shuffled_records(self, split: str, shuffle: bool,
+                        seed: int) -> tf.data.Dataset:
+    records = self._records(split, shuffle=shuffle, seed=seed)
     if shuffle:
-      examples = pipeline.shuffle(examples, self._shuffle_buffer_size, seed)
-    return examples
+      # Serialized records, not their parses: a smaller buffer, and the
+      # same order (it depends on the seed and the count only).
+      records = pipeline.shuffle(records, self._shuffle_buffer_size, seed)
+    return records
+
+  def _examples(self, split, shuffle=False, seed=0):
+    return pipeline.parallel_map(
+        self._shuffled_records(split, shuffle, seed),
+        lambda *record: self._parse(*record, batched=False))
+
+  def _unparsed(self, split, shuffle=False, seed=0):
+    return data_lib.Unparsed(
+        self._shuffled_records(split, shuffle, seed),
+        lambda *records: self._parse(*records, batched=True))
 
   def example_ids(self) -> List[str]:
     """'file:record' (record counted from 0) per predicted example."""

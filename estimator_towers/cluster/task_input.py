@@ -69,6 +69,11 @@ def task_slice(batches: tf.data.Dataset, config) -> tf.data.Dataset:
   Elsewhere (one machine, a cluster with ps tasks, the evaluator, or
   `config` None) it returns `batches` unchanged.
 
+  The cheaper order batches the records before parsing them (lines,
+  serialized Examples, file names), slices, and parses the slice (a map
+  over whole batches): each task then parses only its own rows. Do not
+  unbatch and re-batch the slice: an empty part would vanish.
+
   Args:
     batches: Batches of the global batch size (the last may be smaller):
       Tensors, SparseTensors or RaggedTensors in any nest, all with the
