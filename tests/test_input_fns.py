@@ -12,24 +12,14 @@ import pytest
 import tensorflow as tf
 
 import input_fns
+from input_helpers import (bytes_feature, example, float_feature,
+                           int_feature, run_input_fn, write_png,
+                           write_records)
 
 tf1 = tf.compat.v1
 
 
 # Helpers.
-
-def run_input_fn(input_fn, max_batches=None):
-  """Calls input_fn in a new graph, as Estimator does; returns its batches."""
-  with tf.Graph().as_default():
-    next_batch = tf1.data.make_one_shot_iterator(input_fn()).get_next()
-    batches = []
-    with tf1.Session() as session:
-      while max_batches is None or len(batches) < max_batches:
-        try:
-          batches.append(session.run(next_batch))
-        except tf.errors.OutOfRangeError:
-          break
-  return batches
 
 
 def concat(batches):
@@ -85,31 +75,9 @@ def assert_same_features(actual, expected):
                                  atol=1e-6, err_msg=key)
 
 
-def float_feature(values):
-  return tf.train.Feature(float_list=tf.train.FloatList(
-      value=np.ravel(values).tolist()))
 
 
-def int_feature(values):
-  return tf.train.Feature(int64_list=tf.train.Int64List(
-      value=np.ravel(values).tolist()))
 
-
-def bytes_feature(values):
-  return tf.train.Feature(bytes_list=tf.train.BytesList(
-      value=[v if isinstance(v, bytes) else v.encode() for v in values]))
-
-
-def example(**features):
-  return tf.train.Example(features=tf.train.Features(
-      feature=features)).SerializeToString()
-
-
-def write_records(path, records):
-  with tf.io.TFRecordWriter(str(path)) as writer:
-    for record in records:
-      writer.write(record)
-  return str(path)
 
 
 def input_layer_width(data, features_batch):
@@ -683,11 +651,6 @@ def test_tfrecord_non_finite_floats_fail_unless_allowed(tmp_path):
 
 
 # Image folders.
-
-def write_png(path, pixels):
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tf.io.write_file(str(path), tf.io.encode_png(pixels))
-  return str(path)
 
 
 @pytest.fixture

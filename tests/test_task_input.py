@@ -1,46 +1,18 @@
 """Each task's part of the global batch in a synchronous cluster."""
 
-import json
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from estimator_towers.cluster import task_input
+from input_helpers import dataset_elements, task_config, task_configs
 
 pytestmark = pytest.mark.fast
 
 tf1 = tf.compat.v1
 
 
-def _config(monkeypatch, task_type='worker', index=0, workers=1, ps=0):
-  """A RunConfig read from a TF_CONFIG cluster, as every task builds it."""
-  cluster = {'chief': ['localhost:1'],
-             'worker': [f'localhost:{2 + i}' for i in range(workers)]}
-  if ps:
-    cluster['ps'] = [f'localhost:{9 + i}' for i in range(ps)]
-  if task_type == 'evaluator':
-    cluster.pop('ps', None)
-  monkeypatch.setenv('TF_CONFIG', json.dumps(
-      {'cluster': cluster, 'task': {'type': task_type, 'index': index}}))
-  return tf.estimator.RunConfig()
 
-
-def _tasks(monkeypatch, workers):
-  return [_config(monkeypatch, 'chief', 0, workers)] + [
-      _config(monkeypatch, 'worker', i, workers) for i in range(workers)]
-
-
-def _batches(dataset):
-  """Every element of a finite dataset, as numpy, in a graph of its own."""
-  with tf1.Session() as session:
-    get_next = tf1.data.make_one_shot_iterator(dataset).get_next()
-    out = []
-    while True:
-      try:
-        out.append(session.run(get_next))
-      except tf.errors.OutOfRangeError:
-        return out
 
 
 @pytest.mark.parametrize('rows,tasks', [(9, 2), (9, 3), (10, 4), (1, 2),
@@ -66,7 +38,7 @@ def test_tasks_parts_of_every_batch_add_up_to_it_last_and_empty_too(
   x = np.arange(19, dtype=np.float32).reshape(19, 1)
   ragged = [[i] * (i % 3) for i in range(19)]
   parts = []
-  for config in _tasks(monkeypatch, workers=1):
+  for config in task_configs(monkeypatch, workers=1):
     with tf.Graph().as_default():
       batches = tf.data.Dataset.from_tensor_slices(
           ({'x': x, 'r': tf.ragged.constant(ragged)}, np.arange(19))).batch(9)
@@ -74,7 +46,7 @@ def test_tasks_parts_of_every_batch_add_up_to_it_last_and_empty_too(
           np.eye(19, 4, dtype=np.int64))).batch(9)
       batches = tf.data.Dataset.zip((batches, sparse)).map(
           lambda xy, s: ({**xy[0], 's': s}, xy[1]))
-      parts.append(_batches(task_input.task_slice(batches, config)))
+      parts.append(dataset_elements(task_input.task_slice(batches, config)))
   chief, worker = parts
   assert [len(labels) for _, labels in chief] == [5, 5, 1]
   assert [len(labels) for _, labels in worker] == [4, 4, 0]
@@ -90,18 +62,18 @@ def test_tasks_parts_of_every_batch_add_up_to_it_last_and_empty_too(
 
 
 def test_a_static_batch_keeps_static_parts(monkeypatch):
-  config = _config(monkeypatch, 'worker', 1, workers=2)  # Task 2 of 3.
+  config = task_config(monkeypatch, 'worker', 1, workers=2)  # Task 2 of 3.
   with tf.Graph().as_default():
     batches = tf.data.Dataset.range(20).batch(10, drop_remainder=True)
     part = task_input.task_slice(batches, config)
     assert part.element_spec.shape.as_list() == [3]
-    assert [list(b) for b in _batches(part)] == [[7, 8, 9], [17, 18, 19]]
+    assert [list(b) for b in dataset_elements(part)] == [[7, 8, 9], [17, 18, 19]]
 
 
 @pytest.mark.parametrize('task_type,ps', [('worker', 1), ('evaluator', 0)])
 def test_outside_a_synchronous_cluster_batches_are_kept_whole(monkeypatch,
                                                               task_type, ps):
-  config = _config(monkeypatch, task_type, 0, ps=ps)
+  config = task_config(monkeypatch, task_type, 0, ps=ps)
   with tf.Graph().as_default():
     batches = tf.data.Dataset.range(5).batch(5)
     assert task_input.task_slice(batches, config) is batches
@@ -117,7 +89,7 @@ def test_outside_a_synchronous_cluster_batches_are_kept_whole(monkeypatch,
      'deterministic=False'),
 ])
 def test_orders_left_to_chance_are_refused(monkeypatch, pipeline, error):
-  config = _config(monkeypatch)
+  config = task_config(monkeypatch)
   with tf.Graph().as_default():
     batches = pipeline(tf.data.Dataset.range(10)).batch(4)
     with pytest.raises(ValueError, match=error):
@@ -135,13 +107,13 @@ def test_seeded_shuffles_are_accepted(monkeypatch, op_seed, graph_seed):
     return tf.data.Dataset.range(10).shuffle(10, seed=op_seed).batch(4)
 
   parts = []
-  for config in _tasks(monkeypatch, workers=1):
+  for config in task_configs(monkeypatch, workers=1):
     with tf.Graph().as_default() as graph:
       graph.seed = graph_seed
-      parts.append(_batches(task_input.task_slice(batches(), config)))
+      parts.append(dataset_elements(task_input.task_slice(batches(), config)))
   with tf.Graph().as_default() as graph:
     graph.seed = graph_seed
-    whole = _batches(batches())
+    whole = dataset_elements(batches())
   chief, worker = parts
   assert [len(b) for b in chief] == [2, 2, 1]
   assert [len(b) for b in worker] == [2, 2, 1]
@@ -152,7 +124,7 @@ def test_seeded_shuffles_are_accepted(monkeypatch, op_seed, graph_seed):
 
 def test_examples_that_are_not_batched_are_refused(monkeypatch):
   # Slicing a single example would cut its features, not the batch.
-  config = _config(monkeypatch)
+  config = task_config(monkeypatch)
   with tf.Graph().as_default():
     examples = tf.data.Dataset.from_tensor_slices(
         ({'pixels': np.zeros([10, 64], np.float32)}, np.zeros([10])))

@@ -11,9 +11,9 @@ import pytest
 import tensorflow as tf
 
 import input_fns
-from test_input_fns import (bytes_feature, example, float_feature,
-                            int_feature, write_png, write_records)
-from test_task_input import _batches, _tasks
+from input_helpers import (bytes_feature, dataset_elements, example,
+                           float_feature, int_feature, task_configs,
+                           write_png, write_records)
 
 pytestmark = pytest.mark.fast
 
@@ -30,7 +30,7 @@ PARSE_OPS = frozenset(['DecodeCSV', 'ParseExampleV2', 'ParseSingleExample',
 
 def _task_configs(monkeypatch, num_tasks):
   """The RunConfigs of a chief and num_tasks - 1 workers, in task order."""
-  return _tasks(monkeypatch, workers=num_tasks - 1)
+  return task_configs(monkeypatch, workers=num_tasks - 1)
 
 
 def _leaf_rows(leaf):
@@ -193,7 +193,7 @@ def _one_process(data):
   with tf.Graph().as_default():
     examples = data._examples('train', shuffle=True, seed=SEED)  # pylint: disable=protected-access
     batches = examples.repeat(EPOCHS).batch(BATCH)
-    return batches.element_spec, _batches(batches)
+    return batches.element_spec, dataset_elements(batches)
 
 
 @pytest.mark.parametrize('source', sorted(SOURCES))
@@ -204,7 +204,7 @@ def test_tasks_shares_add_up_to_the_one_process_batches(tmp_path,
   assert len(expected[-1][1]) == 1  # Tasks but the chief get empty parts.
   input_fn = data.train_input_fn(BATCH, seed=SEED, num_epochs=EPOCHS)
   with tf.Graph().as_default():
-    alone = _batches(input_fn(None))
+    alone = dataset_elements(input_fn(None))
   assert [_rows(batch) for batch in alone] == [
       _rows(batch) for batch in expected]
   for num_tasks in (2, 3):
@@ -215,7 +215,7 @@ def test_tasks_shares_add_up_to_the_one_process_batches(tmp_path,
         assert dataset.element_spec == spec
         if source not in PARSE_ALL:
           _assert_parses_after_slicing(dataset)
-        tasks.append(_batches(dataset))
+        tasks.append(dataset_elements(dataset))
     for task in tasks:
       assert len(task) == len(expected)
     for step, batch in enumerate(expected):
@@ -245,8 +245,8 @@ def test_a_bad_row_fails_only_the_task_that_parses_it(tmp_path, monkeypatch):
   for data, message in first_bad.items():
     input_fn = data.train_input_fn(2, shuffle=False, num_epochs=1)
     with tf.Graph().as_default():
-      assert len(_batches(input_fn(chief))) == 6
+      assert len(dataset_elements(input_fn(chief))) == 6
     with tf.Graph().as_default(), pytest.raises(
         tf.errors.InvalidArgumentError, match=message):
-      _batches(input_fn(worker))
+      dataset_elements(input_fn(worker))
 
