@@ -174,3 +174,17 @@ def test_whole_batch_with_micro_batches_is_refused():
   with pytest.raises(ValueError, match='whole_batch is not available here: '
                      'with micro_batches > 1'):
     build_replicated(_whole_batch_nt_xent, towers=2, micro_batches=2)
+
+
+def test_whole_batch_inside_a_cond_is_refused():
+  def model_fn(features, labels, mode):
+    del labels
+    z1, z2 = _views(features)
+    rows = tf.cond(tf.reduce_all(z2 > -2.0),
+                   lambda: estimator_towers.whole_batch(z2).rows,
+                   lambda: z2)
+    return _spec(mode, tf.reduce_mean(tf.matmul(z1, rows, transpose_b=True)))
+
+  with pytest.raises(ValueError, match=r'whole_batch\(.*\) is called inside '
+                     'a tf.cond'):
+    build_replicated(model_fn, towers=2)

@@ -35,6 +35,22 @@ class Keys:
   backward: int
 
 
+def in_step(graph: tf.Graph) -> bool:
+  """Whether an exchange built now runs in every tower's step.
+
+  Args:
+    graph: The towers' graph.
+
+  Returns:
+    False inside another graph (a `tf.function`) or a `tf.cond` or
+    `tf.while_loop`, which some towers might skip: the others would wait
+    for them forever.
+  """
+  current = tf.compat.v1.get_default_graph()
+  return current is graph and (
+      current._get_control_flow_context() is None)  # pylint: disable=protected-access
+
+
 def summed(own: tf.Tensor, keys: Keys, device: str, placement,
            place: Callable[[tf.Tensor], tf.Tensor],
            take: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:

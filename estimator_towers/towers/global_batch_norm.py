@@ -325,9 +325,7 @@ class GlobalMoments:
   def _check_call(self, layer) -> None:
     """Refuses what the exchange cannot make exact or would hang."""
     moving_statistics.check_supported(layer)
-    graph = tf1.get_default_graph()
-    in_control_flow = graph._get_control_flow_context() is not None  # pylint: disable=protected-access
-    if graph is not self._graph or in_control_flow:
+    if not exchange_lib.in_step(self._graph):
       raise ValueError(
           f'Batch-norm layer {layer.name!r} is called in training inside a '
           'tf.cond, tf.while_loop or tf.function. Its global-batch moments '

@@ -152,9 +152,7 @@ class TowerRows:
           f'whole_batch({tensor.name}) needs a tensor whose first dimension '
           f'is the examples and whose rank is known; its shape is '
           f'{tensor.shape}.')
-    graph = tf1.get_default_graph()
-    in_control_flow = graph._get_control_flow_context() is not None  # pylint: disable=protected-access
-    if graph is not self._graph or in_control_flow:
+    if not exchange_lib.in_step(self._graph):
       raise ValueError(
           f'whole_batch({tensor.name}) is called inside a tf.cond, '
           'tf.while_loop or tf.function. Its rows are exchanged by a '
