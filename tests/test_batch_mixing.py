@@ -188,3 +188,16 @@ def test_whole_batch_inside_a_cond_is_refused():
   with pytest.raises(ValueError, match=r'whole_batch\(.*\) is called inside '
                      'a tf.cond'):
     build_replicated(model_fn, towers=2)
+
+
+def test_labels_broadcast_against_a_column_of_predictions_are_refused():
+  # [batch] - [batch, 1] is [batch, batch]: one device averages every pair
+  # of examples, a tower only its shard's pairs.
+  def model_fn(features, labels, mode):
+    predictions = tf1.layers.dense(features['x'], 1,
+                                   kernel_initializer=seeded(7))
+    return _spec(mode, tf.reduce_mean(tf.square(
+        tf.cast(labels, tf.float32) - predictions)))
+
+  with pytest.raises(ValueError, match='SquaredDifference|Sub .*reshape one'):
+    build_replicated(model_fn, towers=2)

@@ -194,7 +194,8 @@ def _broadcast(op: tf.Operation, inputs: List[Axes]) -> Axes:
   return _two_or_more(
       op, frozenset(found), 'broadcasts two operands that both depend on '
       "the tower's examples into a tensor of pairs of examples (shape "
-      f'{op.outputs[0].shape})')
+      f'{op.outputs[0].shape}; labels of shape [batch] against predictions '
+      'of shape [batch, 1] broadcast so too: reshape one of them)')
 
 
 def _select(op: tf.Operation, inputs: List[Axes]) -> Axes:
