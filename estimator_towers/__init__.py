@@ -11,6 +11,8 @@ Public API:
   tower_context: which tower the model_fn being built is (index, count).
   task_slice: a task's part of each global batch in a synchronous cluster.
   TowerContext: what tower_context returns.
+  whole_batch: inside a tower, every tower's rows of a tensor (in-batch
+    negatives) and where the tower's rows begin.
 
 Importing it patches nothing and loads nothing: each public name imports its
 module (and TensorFlow) on first use. `make_run_config` installs the cluster
@@ -39,6 +41,7 @@ _EXPORTS = {
     'replicate_model_fn': 'estimator_towers.replicate',
     'task_slice': 'estimator_towers.cluster.task_input',
     'tower_context': 'estimator_towers.tower',
+    'whole_batch': 'estimator_towers.towers.whole_batch',
 }
 
 __all__ = sorted(_EXPORTS)

@@ -16,6 +16,7 @@ import tensorflow as tf
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers.aggregation import strategies as aggregation_lib
+from estimator_towers.towers import batch_mixing
 from estimator_towers.towers import global_batch_norm
 from estimator_towers.towers import loss_reduction as reduction_lib
 from estimator_towers.update import loss_scaling
@@ -38,6 +39,7 @@ from estimator_towers import tower as tower_lib
 from estimator_towers.towers import tower_effects
 from estimator_towers.merge import tpu_spec
 from estimator_towers.towers import variable_sharing
+from estimator_towers.towers import whole_batch
 from estimator_towers.update import write_order
 from estimator_towers.run_config import session_device_counts
 
@@ -323,20 +325,23 @@ class _Split:
 class _Step:
   """What one model_fn call builds around its towers, once the batch is
   split: the loss weights, the one update, the shared tables and (TRAIN)
-  the batch-norm statistics and (batch_norm='global') moments."""
+  the batch-norm statistics and (batch_norm='global') moments; the
+  exchanges of `whole_batch`."""
   split: _Split
   weights: reduction_lib.TowerWeights
   update: one_update.OneUpdate
   tables: table_sharing.TableSharing
   statistics: Optional[moving_statistics.MovingStatistics]
   moments: Optional[global_batch_norm.GlobalMoments]
+  rows: whole_batch.TowerRows
 
 
 class _TowerBuilder:
   """Builds the towers of one model_fn call and merges their specs.
 
   `build` runs the phases in order: split the batch, build each tower,
-  check the towers' effects, finish the one update, merge the specs.
+  refuse a loss that mixes the shard's examples (batch_mixing), check the
+  towers' effects, finish the one update, merge the specs.
 
   Args:
     model_fn: The one-device model_fn.
@@ -387,6 +392,11 @@ class _TowerBuilder:
     step = self._step(split, has_rows)
     specs, update_ops = self._build_towers(step, kwargs)
     self._check_tables(step.tables)
+    if self._mode in (ModeKeys.TRAIN, ModeKeys.EVAL) and (
+        specs[0].loss is not None):
+      # Every tower builds the same model: tower 0's loss tells.
+      batch_mixing.check_loss(specs[0].loss, split.shard(0),
+                              self._towers.start(0))
     if self._mode == ModeKeys.TRAIN:
       moving_statistics.check_single_writers(update_ops)
       if self._micro:
@@ -458,7 +468,20 @@ class _TowerBuilder:
       statistics = moving_statistics.MovingStatistics(
           num_towers, split.sizes, self._task_group, moments)
     return _Step(split, weights, update,
-                 table_sharing.TableSharing(split.sizes), statistics, moments)
+                 table_sharing.TableSharing(split.sizes), statistics, moments,
+                 whole_batch.TowerRows(self._devices, split.sizes,
+                                       self._strategy, self._rows_refusal()))
+
+  def _rows_refusal(self) -> Optional[str]:
+    """Why `whole_batch` cannot exchange rows between these towers."""
+    if self._micro:
+      return ('with micro_batches > 1 the towers run one after another, so '
+              'a collective between them would never complete. Use '
+              'micro_batches=1.')
+    if self._task_group.across_tasks:
+      return ('in a synchronous cluster the tasks would have to exchange '
+              'their rows too, which is not supported. Train on one machine.')
+    return None
 
   def _build_towers(self, step: _Step, kwargs):
     """Phase 2: each tower's spec and UPDATE_OPS, tower after tower."""
@@ -619,6 +642,7 @@ class _TowerBuilder:
         stack.enter_context(step.moments.tower(index))
       if step.statistics is not None:
         stack.enter_context(step.statistics.tower(index))
+      stack.enter_context(step.rows.tower(index))
       added = stack.enter_context(_per_tower_collections(graph, index))
       # As the Estimator calls it: features by keyword, so that any order
       # of the arguments works.

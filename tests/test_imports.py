@@ -59,6 +59,7 @@ def test_the_public_names_load_the_library_on_first_use():
        'estimator_towers.replicate_model_fn; '
        'assert trainer.make_run_config is estimator_towers.make_run_config; '
        'assert trainer.TowerContext is estimator_towers.TowerContext; '
+       'assert trainer.whole_batch is estimator_towers.whole_batch; '
        'assert callable(trainer.task_slice) and '
        'callable(trainer.tower_context); print("same")'],
       cwd=ROOT, env={**os.environ, 'PYTHONPATH': ROOT,

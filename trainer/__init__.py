@@ -22,6 +22,7 @@ _EXPORTS = {
     'replicate_model_fn': 'estimator_towers',
     'task_slice': 'estimator_towers',
     'tower_context': 'estimator_towers',
+    'whole_batch': 'estimator_towers',
     'quiet_tensorflow': 'trainer.environment',
 }
 

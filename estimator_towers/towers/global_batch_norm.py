@@ -64,10 +64,10 @@ from typing import Dict, List, Optional, Sequence
 from keras.src.layers.normalization import batch_normalization as keras_bn
 from keras.src.utils import control_flow_util
 import tensorflow as tf
-from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers.choices import BATCH_NORMS
 from estimator_towers.collectives import collective_keys
+from estimator_towers.collectives import exchange as exchange_lib
 from estimator_towers.towers import moving_statistics
 from estimator_towers.graph import patching
 
@@ -98,23 +98,14 @@ def check(batch_norm) -> None:
 
 
 @dataclasses.dataclass
-class _Keys:
-  """The keys of one exchange and its gradient."""
-  group: int
-  size: int
-  forward: int
-  backward: int
-
-
-@dataclasses.dataclass
 class _Call:
   """The k-th batch-norm call of every tower: tower 0 keys the exchange
   between this machine's towers; in a cluster, tower i keys its exchange
   with the towers i of the other tasks (`tasks[i]`)."""
   layer: str
   channels: int
-  local: _Keys
-  tasks: List[_Keys]  # Empty on one machine.
+  local: exchange_lib.Keys
+  tasks: List[exchange_lib.Keys]  # Empty on one machine.
 
 
 class GlobalMoments:
@@ -334,9 +325,7 @@ class GlobalMoments:
   def _check_call(self, layer) -> None:
     """Refuses what the exchange cannot make exact or would hang."""
     moving_statistics.check_supported(layer)
-    graph = tf1.get_default_graph()
-    in_control_flow = graph._get_control_flow_context() is not None  # pylint: disable=protected-access
-    if graph is not self._graph or in_control_flow:
+    if not exchange_lib.in_step(self._graph):
       raise ValueError(
           f'Batch-norm layer {layer.name!r} is called in training inside a '
           'tf.cond, tf.while_loop or tf.function. Its global-batch moments '
@@ -387,11 +376,13 @@ class GlobalMoments:
       return call.local, call.tasks[index]
     return call.local, None
 
-  def _keys_of_call(self, channels: int, size: int, local: bool) -> _Keys:
+  def _keys_of_call(self, channels: int, size: int,
+                    local: bool) -> exchange_lib.Keys:
     """A forward and a backward instance key for one exchange."""
     if local and not self._task_group.across_tasks:
-      return _Keys(self._group, len(self._devices),
-                   self._keys.local_instance(), self._keys.local_instance())
+      return exchange_lib.Keys(self._group, len(self._devices),
+                               self._keys.local_instance(),
+                               self._keys.local_instance())
     if local:
       # This task's towers, in a group of their own. The keys are the same
       # on every task: a session run's collective graph key, which pairs
@@ -401,11 +392,12 @@ class GlobalMoments:
     else:
       group = collective_keys.tower_index_group(self._tower)
       carries = f'batch norm of tower {self._tower}:{channels}'
-    return _Keys(group, size,
-                 self._keys.task_instance(size, f'{carries}:forward'),
-                 self._keys.task_instance(size, f'{carries}:backward'))
+    return exchange_lib.Keys(
+        group, size, self._keys.task_instance(size, f'{carries}:forward'),
+        self._keys.task_instance(size, f'{carries}:backward'))
 
-  def _exchange(self, row: tf.Tensor, keys: _Keys, index: int) -> tf.Tensor:
+  def _exchange(self, row: tf.Tensor, keys: exchange_lib.Keys,
+                index: int) -> tf.Tensor:
     """Every member's `row` ([3, channels]), stacked in member order.
 
     One all-sum of a [members, 3, channels] matrix that holds only this
@@ -415,22 +407,11 @@ class GlobalMoments:
     """
     if keys.size == 1:  # One tower, or one task: nothing to exchange.
       return row[None]
-    device, placement = self._devices[self._tower], self._placement
-
-    def all_sum(value, key):
-      with placement.deferring(), tf.device(device):
-        return collective_ops.all_reduce(value, keys.size, keys.group, key,
-                                         'Add', 'Id')
-
-    @tf.custom_gradient
-    def exchange(own):
-      matrix = tf.scatter_nd([[index]], own[None],
-                             [keys.size, *own.shape.as_list()])
-      def gradient(upstream):
-        return all_sum(upstream, keys.backward)[index]
-      return all_sum(matrix, keys.forward), gradient
-
-    return exchange(row)
+    return exchange_lib.summed(
+        row, keys, self._devices[self._tower], self._placement,
+        place=lambda own: tf.scatter_nd([[index]], own[None],
+                                        [keys.size, *own.shape.as_list()]),
+        take=lambda total: total[index])
 
 
 def _combined(rows: tf.Tensor) -> tf.Tensor:

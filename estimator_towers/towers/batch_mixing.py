@@ -1,0 +1,381 @@
+"""Refuses a loss that mixes the examples of its batch.
+
+A loss that takes each example's negatives from the whole batch (SimCLR's
+NT-Xent over `z1 @ z2^T`, two-tower retrieval with in-batch negatives,
+pairwise distances for triplet mining) is not a sum of per-example terms:
+computed per tower over the tower's shard, each tower sees only its shard's
+examples as negatives, and the towers train another model than one device,
+silently. `check_loss` finds that while the graph is built and raises a
+ValueError naming the op; `whole_batch` gives a tower every tower's rows,
+which makes such a loss exact.
+
+The check follows where the shard's examples lie in each tensor the loss
+is computed from: the *row axes*, the axes indexed by the tower's examples
+(axis 0 of every feature and label). Ops known to keep examples apart map
+them from inputs to outputs (elementwise ops, dense layers, reshapes,
+transposes, convolutions, embedding lookups, reductions, which drop a
+reduced row axis). The loss mixes examples where one tensor gets two row
+axes: a MatMul or batched matmul, an einsum, or a broadcasting elementwise
+op whose output is [rows, rows] from two shard-dependent operands. A batched
+matmul whose batch dimension holds the examples on both sides (attention
+within an example, [batch, heads, seq, seq]) keeps them apart. An op the
+walk does not know ends the trail: the check only refuses what it proves,
+so a mixing it cannot follow (a roll or shuffle of the batch, a custom op,
+control flow, batch statistics other than batch norm's) is not caught.
+"""
+
+from typing import Dict, FrozenSet, List, Optional, Sequence
+
+import tensorflow as tf
+
+from estimator_towers.graph import op_ledger
+from estimator_towers.towers import sharding
+
+Axes = FrozenSet[int]
+_NONE: Axes = frozenset()
+
+# Same shape in and out, one element from the same element.
+_ELEMENTWISE = frozenset([
+    'Identity', 'Snapshot', 'Cast', 'Neg', 'Abs', 'Exp', 'Log', 'Log1p',
+    'Expm1', 'Sqrt', 'Rsqrt', 'Square', 'Reciprocal', 'Inv', 'Tanh',
+    'Sigmoid', 'Relu', 'Relu6', 'Elu', 'Selu', 'Softplus', 'Softsign',
+    'LeakyRelu', 'Sign', 'Floor', 'Ceil', 'Round', 'Rint', 'Sin', 'Cos',
+    'Erf', 'Erfc', 'StopGradient', 'PreventGradient', 'CheckNumerics',
+    'CheckNumericsV2', 'EnsureShape', 'OnesLike', 'ZerosLike', 'LogicalNot',
+    'IsNan', 'IsFinite', 'IsInf', 'Softmax', 'LogSoftmax', 'Slice', 'Pad',
+    'PadV2', 'MirrorPad', 'Tile', 'Roll', 'ReverseV2', 'RandomShuffle',
+    'L2Loss'])
+# Elementwise with numpy broadcasting: inputs align on their last axes.
+_BROADCASTING = frozenset([
+    'Add', 'AddV2', 'AddN', 'Sub', 'Mul', 'MulNoNan', 'RealDiv', 'Div',
+    'DivNoNan', 'TrueDiv', 'FloorDiv', 'FloorMod', 'Mod', 'TruncateDiv',
+    'Maximum', 'Minimum', 'SquaredDifference', 'Pow', 'Atan2', 'Xdivy',
+    'Xlogy', 'Equal', 'NotEqual', 'Less', 'LessEqual', 'Greater',
+    'GreaterEqual', 'LogicalAnd', 'LogicalOr', 'SelectV2', 'BiasAdd',
+    'ClipByValue', 'BroadcastTo'])
+# Ops whose first output keeps the examples on axis 0 (NHWC or NCHW).
+_BATCH_FIRST = frozenset([
+    'Conv2D', 'Conv3D', 'DepthwiseConv2dNative', 'MaxPool', 'MaxPoolV2',
+    'AvgPool', 'MaxPool3D', 'AvgPool3D', 'LRN', 'FusedBatchNorm',
+    'FusedBatchNormV2', 'FusedBatchNormV3', 'ResizeBilinear',
+    'ResizeNearestNeighbor', 'ResizeBicubic'])
+_REDUCTIONS = frozenset(['Sum', 'Mean', 'Max', 'Min', 'Prod', 'Any', 'All',
+                         'EuclideanNorm', 'ArgMax', 'ArgMin'])
+_MATMULS = frozenset(['MatMul', 'BatchMatMul', 'BatchMatMulV2',
+                      'BatchMatMulV3'])
+_MAX_OPS = 50_000  # Bound on the walk: a loss's graph is rarely this big.
+
+
+class _Mixing(Exception):
+  """An op whose output has two row axes."""
+
+  def __init__(self, op: tf.Operation, what: str):
+    super().__init__(what)
+    self.op = op
+    self.what = what
+
+
+def check_loss(loss: tf.Tensor, shard, since: op_ledger.Mark) -> None:
+  """Refuses a tower's loss that mixes the examples of the tower's shard.
+
+  Args:
+    loss: The tower's loss.
+    shard: The tower's features and labels (any nest of tensors).
+    since: The mark taken before the tower's model_fn call.
+
+  Raises:
+    ValueError: an op the loss is computed from puts two of the shard's
+      examples' axes in one tensor.
+  """
+  found = mixing_op(loss, shard, since)
+  if found is None:
+    return
+  op, what = found
+  raise ValueError(
+      f'The loss {loss.op.name!r} mixes the examples of its batch: '
+      f'{op.type} {op.name!r} {what} (in-batch negatives, as in SimCLR or '
+      'two-tower retrieval). Each tower would take its negatives from its '
+      'own shard only and train another model than one device. Exchange '
+      'the rows with estimator_towers.whole_batch (see '
+      'docs/writing_model_fns.md, "Losses over the whole batch"), or train '
+      'on one device.')
+
+
+def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark):
+  """The first op `tensor` is computed from that mixes the shard's examples.
+
+  Args:
+    tensor: What to check (a tower's loss).
+    shard: The tower's features and labels.
+    since: The mark taken before the tower's model_fn call.
+
+  Returns:
+    (op, phrase saying how it mixes), or None.
+  """
+  rows: Dict[str, Axes] = {}
+  for leaf in sharding.leaves(shard):
+    # Dense features and labels only: a SparseTensor's indices are not rows.
+    if isinstance(leaf, tf.Tensor) and leaf.shape.rank != 0:
+      rows[leaf.name] = frozenset([0])
+  ops = op_ledger.ancestors([tensor.op], since)
+  if len(ops) > _MAX_OPS:
+    return None
+  for op in op_ledger.by_creation(ops):
+    inputs = [rows.get(t.name, _NONE) for t in op.inputs]
+    if not any(inputs):
+      continue
+    try:
+      outputs = _rule(op, inputs)
+    except _Mixing as mixing:
+      return mixing.op, mixing.what
+    for output, axes in zip(op.outputs, outputs):
+      if axes:
+        rows[output.name] = axes
+  return None
+
+
+def _rule(op: tf.Operation, inputs: List[Axes]) -> Sequence[Axes]:
+  """The row axes of each of `op`'s outputs (empty where unknown)."""
+  kind = op.type
+  if kind in _ELEMENTWISE:
+    return [inputs[0]]
+  if kind in _BROADCASTING:
+    return [_broadcast(op, inputs)]
+  if kind == 'Select':
+    return [_select(op, inputs)]
+  if kind in _MATMULS:
+    return [_matmul(op, inputs)]
+  if kind == 'Einsum':
+    return [_einsum(op, inputs)]
+  if kind in _REDUCTIONS:
+    return [_reduce(op, inputs[0])]
+  if kind in _BATCH_FIRST:
+    return [frozenset([0]) if 0 in inputs[0] else _NONE]
+  if kind in ('Reshape', 'Squeeze', 'ExpandDims', 'Transpose',
+              'StridedSlice'):
+    return [_reshaped(op, inputs[0])]
+  if kind in ('Split', 'SplitV', 'Unpack', 'ConcatV2', 'Pack'):
+    return _joined(op, inputs)
+  if kind in ('Gather', 'GatherV2', 'ResourceGather'):
+    return [_gather(op, inputs)]
+  if kind == 'OneHot':
+    return [_one_hot(op, inputs[0])]
+  if kind in ('SoftmaxCrossEntropyWithLogits',
+              'SparseSoftmaxCrossEntropyWithLogits'):
+    per_row = frozenset([0]) if any(0 in axes for axes in inputs) else _NONE
+    return [per_row, _NONE]
+  return [_NONE] * len(op.outputs)
+
+
+def _rank(tensor: tf.Tensor) -> Optional[int]:
+  return tensor.shape.rank
+
+
+def _constant(tensor: tf.Tensor):
+  return tf.get_static_value(tensor)
+
+
+def _two_or_more(op: tf.Operation, axes: Axes, what: str) -> Axes:
+  if len(axes) > 1:
+    raise _Mixing(op, what)
+  return axes
+
+
+def _broadcast(op: tf.Operation, inputs: List[Axes]) -> Axes:
+  """Inputs align on their last axes; two row axes are pairs of examples."""
+  out_rank = _rank(op.outputs[0])
+  if out_rank is None:
+    return _NONE
+  found = set()
+  for tensor, axes in zip(op.inputs, inputs):
+    rank = _rank(tensor)
+    if axes and rank is not None:
+      found.update(a + out_rank - rank for a in axes)
+  return _two_or_more(
+      op, frozenset(found), 'broadcasts two operands that both depend on '
+      "the tower's examples into a tensor of pairs of examples (shape "
+      f'{op.outputs[0].shape}; labels of shape [batch] against predictions '
+      'of shape [batch, 1] broadcast so too: reshape one of them)')
+
+
+def _select(op: tf.Operation, inputs: List[Axes]) -> Axes:
+  """tf.compat.v1.where: a vector condition picks rows (axis 0)."""
+  values = inputs[1] | inputs[2]
+  condition = inputs[0]
+  if condition and _rank(op.inputs[0]) == 1:
+    condition = frozenset([0]) if 0 in condition else _NONE
+  return _two_or_more(op, values | condition,
+                      'selects between tensors of different examples')
+
+
+def _matmul(op: tf.Operation, inputs: List[Axes]) -> Axes:
+  """Batch axes stay; the kept axis of each operand's matrix is an output
+  axis; the contracted one is gone."""
+  a, b = op.inputs[0], op.inputs[1]
+  ranks = [_rank(a), _rank(b), _rank(op.outputs[0])]
+  if None in ranks:
+    return _NONE
+  rank_a, rank_b, out = ranks
+  if op.type == 'MatMul':
+    flip_a, flip_b = op.get_attr('transpose_a'), op.get_attr('transpose_b')
+  else:
+    flip_a, flip_b = op.get_attr('adj_x'), op.get_attr('adj_y')
+  found = set()
+  for axis in inputs[0]:
+    if axis < rank_a - 2:
+      found.add(axis + out - rank_a)
+    elif axis == rank_a - (1 if flip_a else 2):
+      found.add(out - 2)
+  for axis in inputs[1]:
+    if axis < rank_b - 2:
+      found.add(axis + out - rank_b)
+    elif axis == rank_b - (2 if flip_b else 1):
+      found.add(out - 1)
+  return _two_or_more(
+      op, frozenset(found), 'makes a [shard, shard] tensor of pairs of '
+      f'examples (shape {op.outputs[0].shape}) from two operands that both '
+      "depend on the tower's examples")
+
+
+def _einsum(op: tf.Operation, inputs: List[Axes]) -> Axes:
+  equation = op.get_attr('equation').decode()
+  if '...' in equation or '->' not in equation:
+    return _NONE
+  operands, output = equation.split('->')
+  letters = set()
+  for subscripts, axes in zip(operands.split(','), inputs):
+    letters.update(subscripts[a] for a in axes if a < len(subscripts))
+  found = frozenset(output.index(x) for x in letters if x in output)
+  return _two_or_more(op, found, f'({equation}) makes a tensor of pairs of '
+                      'examples from operands that depend on the tower\'s '
+                      'examples')
+
+
+def _axes_of(tensor: tf.Tensor, rank: int) -> Optional[List[int]]:
+  """A constant axis list, normalised; None if not constant."""
+  value = _constant(tensor)
+  if value is None:
+    return None
+  return [int(a) % rank for a in ([value] if value.ndim == 0 else value)]
+
+
+def _reduce(op: tf.Operation, axes: Axes) -> Axes:
+  rank = _rank(op.inputs[0])
+  if rank is None:
+    return _NONE
+  reduced = _axes_of(op.inputs[1], rank) if rank else []
+  if reduced is None:
+    return _NONE
+  keep = op.type not in ('ArgMax', 'ArgMin') and op.get_attr('keep_dims')
+  return frozenset(a if keep else a - sum(r < a for r in reduced)
+                   for a in axes if a not in reduced)
+
+
+def _reshaped(op: tf.Operation, axes: Axes) -> Axes:
+  """Reshape keeps the examples first; the others move their axes."""
+  source, result = op.inputs[0], op.outputs[0]
+  rank, out = _rank(source), _rank(result)
+  if rank is None or out is None:
+    return _NONE
+  if op.type == 'Reshape':
+    first = tf.compat.dimension_value(result.shape[0]) if out else None
+    if 0 not in axes or out == 0 or (
+        first == 1 and tf.compat.dimension_value(source.shape[0]) != 1):
+      return _NONE
+    return frozenset([0])
+  if op.type == 'Transpose':
+    perm = _constant(op.inputs[1])
+    if perm is None:
+      return _NONE
+    return frozenset(j for j, p in enumerate(perm) if int(p) in axes)
+  if op.type == 'ExpandDims':
+    where = _axes_of(op.inputs[1], out)
+    if where is None:
+      return _NONE
+    return frozenset(a + 1 if a >= where[0] else a for a in axes)
+  if op.type == 'Squeeze':
+    dims = [d % rank for d in op.get_attr('squeeze_dims')]
+    if not dims:
+      dims = [d for d in range(rank)
+              if tf.compat.dimension_value(source.shape[d]) == 1]
+    return frozenset(a - sum(d < a for d in dims) for a in axes
+                     if a not in dims)
+  return _strided(op, axes, rank)
+
+
+def _strided(op: tf.Operation, axes: Axes, rank: int) -> Axes:
+  """StridedSlice: walk its spec, input axis by input axis."""
+  if op.get_attr('ellipsis_mask'):
+    return _NONE
+  spec = tf.compat.dimension_value(op.inputs[1].shape[0])
+  if spec is None:
+    return _NONE
+  new, shrink = op.get_attr('new_axis_mask'), op.get_attr('shrink_axis_mask')
+  mapping, source, target = {}, 0, 0
+  for i in range(spec):
+    if new & (1 << i):
+      target += 1
+    elif shrink & (1 << i):
+      source += 1
+    else:
+      mapping[source] = target
+      source, target = source + 1, target + 1
+  for rest in range(source, rank):
+    mapping[rest] = target + rest - source
+  return frozenset(mapping[a] for a in axes if a in mapping)
+
+
+def _joined(op: tf.Operation, inputs: List[Axes]) -> List[Axes]:
+  """Split, Unpack, ConcatV2, Pack: one tensor's axes, or several's."""
+  if op.type == 'Split':  # split_dim comes first.
+    return [inputs[1]] * len(op.outputs)
+  if op.type == 'SplitV':
+    return [inputs[0]] * len(op.outputs)
+  if op.type == 'ConcatV2':
+    together = frozenset().union(*inputs[:-1])
+    return [together if len(together) == 1 else _NONE]
+  axis = op.get_attr('axis')
+  together = frozenset().union(*inputs)
+  if op.type == 'Unpack':
+    axis %= max(_rank(op.inputs[0]) or 1, 1)
+    kept = frozenset(a - (a > axis) for a in together if a != axis)
+    return [kept] * len(op.outputs)
+  out = _rank(op.outputs[0])  # Pack
+  if out is None or len(together) != 1:
+    return [_NONE]
+  axis %= out
+  return [frozenset(a + 1 if a >= axis else a for a in together)]
+
+
+def _gather(op: tf.Operation, inputs: List[Axes]) -> Axes:
+  """Output = params[:axis] + indices[batch_dims:] + params[axis + 1:]."""
+  params, indices = op.inputs[0], op.inputs[1]
+  rank_i = _rank(indices)
+  batch_dims = op.get_attr('batch_dims') if op.type != 'Gather' else 0
+  if rank_i is None:
+    return _NONE
+  if op.type == 'GatherV2':
+    axis = _constant(op.inputs[2])
+    rank_p = _rank(params)
+    if axis is None or rank_p is None:
+      return _NONE
+    axis = int(axis) % rank_p
+  else:
+    axis = 0
+  found = set()
+  for a in inputs[1]:
+    found.add(a if a < batch_dims else axis + a - batch_dims)
+  if op.type != 'ResourceGather':
+    for a in inputs[0]:
+      if a < axis:
+        found.add(a)
+      elif a > axis:
+        found.add(a + rank_i - batch_dims - 1)
+  return frozenset(found) if len(found) == 1 else _NONE
+
+
+def _one_hot(op: tf.Operation, axes: Axes) -> Axes:
+  axis = op.get_attr('axis')
+  if axis == -1:
+    return axes
+  return frozenset(a + 1 if a >= axis else a for a in axes)

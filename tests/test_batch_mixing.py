@@ -1,0 +1,203 @@
+"""A loss that mixes the examples of its batch is refused, or made exact.
+
+A loss whose negatives are the other examples of the batch (SimCLR's
+NT-Xent over z1 @ z2^T, two-tower retrieval with in-batch negatives) per
+tower sees only the tower's shard: it trained another model than one device,
+silently (the two views' kernels ended 0.13 apart after 3 steps on 2
+towers). It is refused while the graph is built, naming the op, whichever
+way the pairs are made (a MatMul, a transposed operand, an einsum, a
+broadcast); losses that keep examples apart (attention within an example,
+per-example similarities, embedding lookups, batch norm) still build.
+`estimator_towers.whole_batch` exchanges the towers' rows, and the NT-Xent
+model trains what one device trains on 2 and 3 towers, uneven and idle
+shards, both aggregations of the variables.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import estimator_towers
+from helpers import build_replicated, seeded, train_in_session
+
+pytestmark = pytest.mark.fast
+
+tf1 = tf.compat.v1
+ModeKeys = tf.estimator.ModeKeys
+
+
+def _views(features):
+  """Two dense views of the input, L2-normalised: [rows, 4] each."""
+  x = features['x']
+  return [tf.math.l2_normalize(tf1.layers.dense(
+      x, 4, kernel_initializer=seeded(seed), name=f'view{seed}'), 1)
+          for seed in (1, 2)]
+
+
+def _spec(mode, loss):
+  train_op = tf1.train.MomentumOptimizer(0.5, 0.9).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _nt_xent(logits, labels):
+  """Softmax cross entropy of each row against its own column, mean."""
+  return tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(
+      labels=labels, logits=logits / 0.5))
+
+
+def _in_batch(pairs):
+  """A model_fn whose loss is NT-Xent over pairs(z1, z2) [rows, rows]."""
+  def model_fn(features, labels, mode):
+    del labels
+    z1, z2 = _views(features)
+    rows = tf.shape(z1)[0]
+    return _spec(mode, _nt_xent(pairs(z1, z2),
+                                tf.one_hot(tf.range(rows), rows)))
+  return model_fn
+
+
+_MIXING = {
+    'matmul_transpose_b': (
+        lambda z1, z2: tf.matmul(z1, z2, transpose_b=True), 'MatMul'),
+    'transposed_operand': (
+        lambda z1, z2: tf.matmul(z1, tf.transpose(z2)), 'MatMul'),
+    'einsum': (lambda z1, z2: tf.einsum('id,jd->ij', z1, z2), 'Einsum'),
+    'broadcast_pairs': (
+        lambda z1, z2: -tf.reduce_sum(tf.square(
+            z1[:, None, :] - z2[None, :, :]), -1), 'Sub'),
+}
+
+
+@pytest.mark.parametrize('name', sorted(_MIXING))
+def test_in_batch_negatives_are_refused_naming_the_op(name):
+  pairs, op_type = _MIXING[name]
+  with pytest.raises(ValueError) as raised:
+    build_replicated(_in_batch(pairs), towers=2)
+  message = str(raised.value)
+  assert 'mixes the examples of its batch' in message
+  assert f'{op_type} ' in message and 'whole_batch' in message
+  assert '\n' not in message
+
+
+def test_in_batch_negatives_are_refused_in_eval_too():
+  pairs, _ = _MIXING['matmul_transpose_b']
+  with pytest.raises(ValueError, match='mixes the examples'):
+    build_replicated(_in_batch(pairs), towers=2, mode=ModeKeys.EVAL)
+
+
+def _per_example_similarity(features, labels, mode):
+  """Cosine similarity of each example's two views, and of each example's
+  view with its own k candidates (a batched matmul per example)."""
+  del labels
+  z1, z2 = _views(features)
+  candidates = tf.stack([z2, -z2, 2 * z2], 1)  # [rows, 3, 4]
+  scores = tf.squeeze(tf.matmul(candidates, z1[:, :, None]), -1)
+  own = tf.reduce_sum(z1 * z2, 1)
+  return _spec(mode, tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(
+      labels=tf.one_hot(tf.zeros_like(own, tf.int32), 3), logits=scores))
+               - tf.reduce_mean(own))
+
+
+def _attention_within_examples(features, labels, mode):
+  """[rows, heads, seq, seq] attention scores: examples stay apart."""
+  x = tf.reshape(tf1.layers.dense(features['x'], 12,
+                                  kernel_initializer=seeded(3)), [-1, 2, 3, 2])
+  scores = tf.matmul(x, x, transpose_b=True)
+  pooled = tf.reduce_mean(tf.matmul(tf.nn.softmax(scores), x), [1, 2])
+  logits = tf1.layers.dense(pooled, 2, kernel_initializer=seeded(4))
+  return _spec(mode, tf1.losses.sparse_softmax_cross_entropy(labels, logits))
+
+
+def _lookup_and_batch_norm(features, labels, mode):
+  """An embedding lookup of the labels and a batch-norm layer."""
+  table = tf1.get_variable('table', [4, 5], initializer=seeded(5))
+  x = features['x'] + tf.gather(table, labels % 4)
+  x = tf1.layers.batch_normalization(x, training=mode == ModeKeys.TRAIN)
+  logits = tf1.layers.dense(x, 2, kernel_initializer=seeded(6))
+  return _spec(mode, tf1.losses.sparse_softmax_cross_entropy(labels, logits))
+
+
+@pytest.mark.parametrize('model_fn', [
+    _per_example_similarity, _attention_within_examples,
+    _lookup_and_batch_norm])
+def test_losses_that_keep_examples_apart_build(model_fn):
+  _, spec = build_replicated(model_fn, towers=2)
+  assert spec.loss is not None
+
+
+def _whole_batch_nt_xent(features, labels, mode):
+  """NT-Xent against every tower's z2 rows: one device's loss."""
+  del labels
+  z1, z2 = _views(features)
+  rows, offset = estimator_towers.whole_batch(z2)
+  logits = tf.matmul(z1, rows, transpose_b=True)
+  targets = tf.one_hot(offset + tf.range(tf.shape(z1)[0]), tf.shape(rows)[0])
+  return _spec(mode, _nt_xent(logits, targets))
+
+
+@pytest.mark.parametrize('towers,aggregation,examples', [
+    (2, 'global_loss', 21), (3, 'all_reduce', 21), (3, 'global_loss', 2)])
+def test_whole_batch_trains_what_one_device_trains(towers, aggregation,
+                                                   examples):
+  # Batches of 7 split 4+3 and 3+2+2; 2 examples leave the third tower idle.
+  x = np.random.RandomState(0).randn(examples, 5).astype(np.float32)
+  y = np.zeros(examples, np.int32)
+  batch = min(7, examples)
+  _, one = train_in_session(_whole_batch_nt_xent, x, y, 1, batch, 3)
+  _, replicated = train_in_session(_whole_batch_nt_xent, x, y, towers,
+                                   batch, 3, aggregation=aggregation)
+  assert sorted(one) == sorted(replicated)
+  for name, value in one.items():
+    np.testing.assert_allclose(replicated[name], value, rtol=1e-4, atol=1e-6,
+                               err_msg=name)
+  assert not np.allclose(one['view1/kernel'], _start_kernel(x, batch))
+
+
+def _start_kernel(x, batch):
+  start, _ = train_in_session(_whole_batch_nt_xent, x, np.zeros(len(x),
+                                                                np.int32),
+                              1, batch, 0)
+  return start['view1/kernel']
+
+
+def test_whole_batch_is_the_tensor_itself_outside_towers():
+  with tf.Graph().as_default():
+    z = tf.constant([[1.0], [2.0]])
+    rows, offset = estimator_towers.whole_batch(z)
+    with tf1.Session() as session:
+      assert session.run(offset) == 0
+      np.testing.assert_array_equal(session.run(rows), [[1.0], [2.0]])
+
+
+def test_whole_batch_with_micro_batches_is_refused():
+  with pytest.raises(ValueError, match='whole_batch is not available here: '
+                     'with micro_batches > 1'):
+    build_replicated(_whole_batch_nt_xent, towers=2, micro_batches=2)
+
+
+def test_whole_batch_inside_a_cond_is_refused():
+  def model_fn(features, labels, mode):
+    del labels
+    z1, z2 = _views(features)
+    rows = tf.cond(tf.reduce_all(z2 > -2.0),
+                   lambda: estimator_towers.whole_batch(z2).rows,
+                   lambda: z2)
+    return _spec(mode, tf.reduce_mean(tf.matmul(z1, rows, transpose_b=True)))
+
+  with pytest.raises(ValueError, match=r'whole_batch\(.*\) is called inside '
+                     'a tf.cond'):
+    build_replicated(model_fn, towers=2)
+
+
+def test_labels_broadcast_against_a_column_of_predictions_are_refused():
+  # [batch] - [batch, 1] is [batch, batch]: one device averages every pair
+  # of examples, a tower only its shard's pairs.
+  def model_fn(features, labels, mode):
+    predictions = tf1.layers.dense(features['x'], 1,
+                                   kernel_initializer=seeded(7))
+    return _spec(mode, tf.reduce_mean(tf.square(
+        tf.cast(labels, tf.float32) - predictions)))
+
+  with pytest.raises(ValueError, match='SquaredDifference|Sub .*reshape one'):
+    build_replicated(model_fn, towers=2)
