@@ -50,6 +50,7 @@ import tensorflow as tf
 
 from estimator_towers.update import gradient_routing as calls
 from estimator_towers.update import loss_scaling
+from estimator_towers.graph import control_gate
 from estimator_towers.graph import op_ledger
 from estimator_towers.update import write_order
 
@@ -255,7 +256,10 @@ class OneUpdate:
     """
     self.applying = True
     try:
-      with op_ledger.region() as update:
+      # The model_fn's control inputs (its batch-norm updates) reach the
+      # whole backward pass of every tower: through one op, not each.
+      with control_gate.gated('update_control_inputs'), (
+          op_ledger.region()) as update:
         self._update_regions.append(update)
         with self._first_tower_scope(key), self._unshared():
           yield
