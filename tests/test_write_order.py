@@ -503,20 +503,38 @@ def test_a_running_max_of_the_shard_is_refused():
     _build(model_fn, 2)
 
 
-def _mean_teacher_model_fn(features, labels, mode):
+def _mean_teacher_model_fn(features, labels, mode, ordered=False):
   """A teacher reading the weights' EMA shadows in the forward pass; the
-  shadows' update is grouped beside the student's."""
+  shadows' update is grouped beside the student's.
+
+  Unwrapped, that races on one device too: the EMA's read of `w` and the
+  update's write of it are unordered (1 run in 12 differed under load, and a
+  CI run failed on the reference). With `ordered`, every read of `w` and its
+  shadow comes before their writes, as the towers' write order makes it: the
+  race-free one-device reference.
+  """
   weights = tf1.get_variable('w', initializer=_fixed(4, 1))
   ema = tf1.train.ExponentialMovingAverage(0.5)
   average = ema.apply([weights])
-  teacher = tf.matmul(features['x'], ema.average(weights))[:, 0]
+  shadow = ema.average(weights)
+  teacher = tf.matmul(features['x'], shadow)[:, 0]
   student = tf.matmul(features['x'], weights)[:, 0]
   loss = tf1.losses.mean_squared_error(labels, student) + tf.reduce_mean(
       tf.square(student - tf.stop_gradient(teacher)))
-  update = tf1.train.GradientDescentOptimizer(0.05).minimize(
-      loss, tf1.train.get_or_create_global_step())
+  optimizer = tf1.train.GradientDescentOptimizer(0.05)
+  step = tf1.train.get_or_create_global_step()
+  if not ordered:
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=tf.group(
+        optimizer.minimize(loss, step), average))
+  gradients = optimizer.compute_gradients(loss)
+  with tf.control_dependencies([g for g, _ in gradients]):
+    old_weights, old_shadow = weights.read_value(), shadow.read_value()
+  with tf.control_dependencies([old_weights, old_shadow]):
+    # ExponentialMovingAverage's rule, from the values read before.
+    new_shadow = shadow.assign(old_shadow - 0.5 * (old_shadow - old_weights))
+    update = optimizer.apply_gradients(gradients, step)
   return tf.estimator.EstimatorSpec(mode, loss=loss,
-                                    train_op=tf.group(update, average))
+                                    train_op=tf.group(update, new_shadow))
 
 
 @pytest.mark.fast
@@ -526,13 +544,15 @@ def test_a_mean_teacher_reading_ema_shadows_trains_as_one_device(aggregation):
   # under all_reduce; they train as one device does under every aggregation.
   # One run per graph: re-running the initializer in the same session would
   # start the shadows from the trained weights (initialized_value).
-  expected = _final_variables(_mean_teacher_model_fn, 0, runs=1)[0]
+  expected = _final_variables(
+      functools.partial(_mean_teacher_model_fn, ordered=True), 0, runs=1)[0]
   for run in range(2):
     actual = _final_variables(_mean_teacher_model_fn, 3, aggregation,
                               runs=1)[0]
     for name in ('w', 'w/ExponentialMovingAverage'):
       np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
                                  err_msg=f'{name}, run {run}')
+
 
 def _loop_increment_model_fn(features, labels, mode, ordered=False):
   """BERT's hand-stepped global_step, incremented in a TF1 while_loop."""
