@@ -158,14 +158,16 @@ def _differences(model_fn, examples, towers, batch, **wrapper_kwargs):
   return expected, actual
 
 
-def _assert_as_one_device(model_fn, examples, towers, batch, aggregation):
+def _assert_as_one_device(model_fn, examples, towers, batch, aggregation,
+                          atol=None):
   expected, actual = _differences(model_fn, examples, towers, batch,
                                   aggregation=aggregation)
   # A batch smaller than the tower count leaves one example per tower: the
   # moments of two examples make the gradients ill-conditioned, and float32
   # round-off reaches 7e-6 in dense/kernel on AVX2 CPUs (normalising per
   # tower instead differs by 0.58).
-  atol = 1e-5 if batch < towers else 1e-6
+  if atol is None:
+    atol = 1e-5 if batch < towers else 1e-6
   assert_same_variables(expected, actual, rtol=1e-4, atol=atol)
   assert any(name.endswith('moving_mean') for name in expected)
 
@@ -191,13 +193,18 @@ MODELS = {
     'canned_dnn': _canned_dnn,
     'keras_masked': _keras_masked,
 }
+# Momentum 0.9 at rate 0.1 amplifies float32 round-off in the canned DNN:
+# 5e-6 in a Momentum slot here, 2.1e-5 on the CI's CPU, both within 1e-4 of
+# the element's 1e-4 relative bound; normalising per tower differs by 1 to 3.
+ATOL = {'canned_dnn': 1e-4}
 
 
 @pytest.mark.training
 @pytest.mark.parametrize('name,towers,batch,aggregation', RUNS)
 def test_towers_train_as_one_device(examples, name, towers, batch,
                                     aggregation):
-  _assert_as_one_device(MODELS[name], examples, towers, batch, aggregation)
+  _assert_as_one_device(MODELS[name], examples, towers, batch, aggregation,
+                        ATOL.get(name))
 
 
 @pytest.mark.training
