@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from estimator_towers.cluster import task_sync
+from trainer import cluster_rendezvous
 from trainer import sync_errors
 
 pytestmark = pytest.mark.fast
@@ -55,15 +56,46 @@ def test_a_peer_that_failed_or_stopped_is_one_line(error, says):
   assert message.endswith(_REMEDY) and '\n' not in message
 
 
-def test_a_task_restarted_alone_is_told_to_restart_every_task():
-  error = tf.errors.FailedPreconditionError(
-      None, None, 'Device /job:worker/replica:0/task:0/device:CPU:0 current '
-      "incarnation doesn't match with one in the group. This usually means "
-      "this worker has restarted but the collective leader hasn't")
-  message = sync_errors.cli_message(error, _SYNC)
+_REFUSED_BY_LEADER = tf.errors.FailedPreconditionError(
+    None, None, 'Device /job:worker/replica:0/task:0/device:CPU:0 current '
+    "incarnation doesn't match with one in the group. This usually means "
+    "this worker has restarted but the collective leader hasn't")
+
+
+def _chief_started(model_dir, cluster):
+  """The chief's start-up as trainer.task runs it: its cluster file."""
+  cluster_rendezvous.check_same_cluster(
+      str(model_dir), {'cluster': cluster, 'task': {'type': 'chief'}},
+      wait_secs=0)
+
+
+@pytest.mark.parametrize('with_chief_file', [True, False])
+def test_a_task_restarted_alone_is_told_to_restart_every_task(
+    tmp_path, with_chief_file):
+  # Without a model dir to look in (the library's own tasks), and with this
+  # job's chief file in it, the leader's refusal means a restart alone.
+  if with_chief_file:
+    _chief_started(tmp_path, _SYNC['cluster'])
+  message = sync_errors.cli_message(
+      _REFUSED_BY_LEADER, _SYNC, str(tmp_path) if with_chief_file else None)
   assert message.startswith('worker:0: this task was restarted but the '
                             'chief was not')
   assert message.endswith(_REMEDY)
+
+
+@pytest.mark.parametrize('chief_cluster', [
+    None,  # The chief never wrote to this job dir.
+    {'chief': ['c:1'], 'worker': ['b:1']},  # This job dir's chief is elsewhere.
+])
+def test_a_worker_led_by_another_jobs_chief_is_told_so(tmp_path,
+                                                       chief_cluster):
+  # Before: 'this task was restarted' to a worker that never ran with it.
+  if chief_cluster:
+    _chief_started(tmp_path, chief_cluster)
+  message = sync_errors.cli_message(_REFUSED_BY_LEADER, _SYNC, str(tmp_path))
+  assert message.startswith("worker:0: the leader this task reached (chief:0 "
+                            "at a:1) is not this job's"), message
+  assert 'same --job-dir' in message and '\n' not in message
 
 
 @pytest.mark.parametrize('error, tf_config', [

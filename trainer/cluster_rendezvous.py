@@ -155,6 +155,26 @@ def check_same_cluster(model_dir: str, tf_config: Optional[Dict[str, Any]],
   _keep_beating(files, wait_secs)
 
 
+def leader_wrote(model_dir: str, cluster: Dict[str, List[str]]) -> bool:
+  """Whether this job's leader left its file in `model_dir`, listing `cluster`.
+
+  A task whose collectives reached a leader that never wrote here was
+  pointed at another job's chief (or given another --job-dir).
+
+  Args:
+    model_dir: This task's model dir.
+    cluster: This task's TF_CONFIG cluster.
+
+  Returns:
+    True when the chief's (or master's) file is there with `cluster`.
+  """
+  folder, leader = os.path.join(model_dir, FOLDER), _name('chief', 0)
+  if not tf.io.gfile.exists(_path(folder, leader)):
+    return False  # Before _Files, which would create the folder.
+  found = _Files(folder, 'reader', cluster).read(leader)
+  return found is not None and found[0]['cluster'] == cluster
+
+
 def _keep_beating(files: _Files, secs: float) -> None:
   """Keeps this task's file fresh for `secs` more, for the tasks that
   start later and compare with it, without holding this task up."""

@@ -77,7 +77,8 @@ def _cluster_failure(error, where: Where) -> Optional[str]:
                                                   where.tf_config)
     if message is not None:
       return _in_flag_terms(message, where)
-  return sync_errors.cli_message(error, cluster_config.load_tf_config())
+  return sync_errors.cli_message(error, cluster_config.load_tf_config(),
+                                 where.model_dir)
 
 
 def _full_disk(error, where: Where) -> Optional[str]:

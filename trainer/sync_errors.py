@@ -14,7 +14,9 @@ messages are pages of graph context:
   reported as an UnknownError, when the Estimator re-creates the session
   after a peer died;
 * FailedPreconditionError from the chief's group leader when this task was
-  restarted alone (a per-task restart policy) and the chief was not;
+  restarted alone (a per-task restart policy) and the chief was not, or
+  when the chief it reached is another job's (it never wrote this job
+  dir's cluster_rendezvous file);
 * task_agreement's line, reported as an InvalidArgumentError, when the
   tasks were started with different options, data or models (it names the
   difference; the remedy is to start them alike).
@@ -30,6 +32,7 @@ import tensorflow as tf
 
 from estimator_towers.cluster import task_agreement
 from estimator_towers.cluster import task_sync
+from trainer import cluster_rendezvous
 
 _GUARD = re.compile(r'\S+: ' + re.escape(task_sync.RESTARTED) +
                     r'[^\n]*?checkpoint\.')
@@ -64,13 +67,41 @@ def is_sync(tf_config: Optional[Dict[str, Any]]) -> bool:
           task_type in task_sync.TRAINING_JOBS)
 
 
+def _leader(tf_config: Dict[str, Any]) -> str:
+  cluster = tf_config.get('cluster') or {}
+  for job in ('chief', 'master'):
+    if cluster.get(job):
+      return f'{job}:0 at {cluster[job][0]}'
+  return 'chief:0'
+
+
+def _restarted_alone(task: str, tf_config: Dict[str, Any],
+                     model_dir: Optional[str]) -> str:
+  """The group leader refused this task: restarted alone, or led by
+  another job's chief (which never wrote this job dir's file)."""
+  if model_dir is not None and not cluster_rendezvous.leader_wrote(
+      model_dir, tf_config.get('cluster') or {}):
+    return (f'{task}: the leader this task reached ({_leader(tf_config)}) '
+            'is not this job\'s: it never wrote this job dir\'s '
+            f'{cluster_rendezvous.FOLDER}/ file with this cluster, so it '
+            'trains another job (or was given another --job-dir). Point '
+            'TF_CONFIG\'s chief address at this job\'s chief, give every '
+            'task the same --job-dir, and start this task again.')
+  return (f'{task}: this task was restarted but the chief was not, and '
+          'the chief\'s collectives still wait for the task that died; a '
+          f'synchronous cluster restarts only as a whole. {_REMEDY}')
+
+
 def cli_message(error: BaseException,
-                tf_config: Optional[Dict[str, Any]]) -> Optional[str]:
+                tf_config: Optional[Dict[str, Any]],
+                model_dir: Optional[str] = None) -> Optional[str]:
   """The one-line message of a synchronous cluster's failure.
 
   Args:
     error: An exception from training.
     tf_config: TF_CONFIG as a dict (None without one).
+    model_dir: The task's model dir, where the tasks' cluster_rendezvous
+      files are (None: a leader's refusal is read as a restart alone).
 
   Returns:
     E.g. 'worker:0: a collective of the synchronous cluster timed out ...
@@ -91,9 +122,7 @@ def cli_message(error: BaseException,
             f'started too late, failed, or {_ENDED_EARLY}. {_REMEDY}')
   if (isinstance(error, tf.errors.FailedPreconditionError) and
       _RESTARTED_ALONE in error.message):
-    return (f'{task}: this task was restarted but the chief was not, and '
-            'the chief\'s collectives still wait for the task that died; a '
-            f'synchronous cluster restarts only as a whole. {_REMEDY}')
+    return _restarted_alone(task, tf_config, model_dir)
   if isinstance(error, tf.errors.UnavailableError) or (
       isinstance(error, tf.errors.InternalError) and
       _ABORTED_BY_PEER in error.message):
