@@ -198,14 +198,17 @@ def _keras_model():
   return model
 
 
-@pytest.mark.parametrize('checkpoint_format', ['checkpoint', 'saver'])
-def test_model_to_estimator_equals_one_device_and_resumes(tmp_path, data,
-                                                          checkpoint_format):
+@pytest.mark.parametrize('checkpoint_format, aggregation', [
+    ('checkpoint', 'global_loss'), ('saver', 'global_loss'),
+    # The Saver's restore ops are not the model_fn's writes (once refused).
+    ('saver', 'all_reduce')])
+def test_model_to_estimator_equals_one_device_and_resumes(
+    tmp_path, data, checkpoint_format, aggregation):
   estimator = tf.keras.estimator.model_to_estimator(
       keras_model=_keras_model(), checkpoint_format=checkpoint_format,
       model_dir=str(tmp_path / 'keras'))
   one, many = _train_and_compare(tmp_path, data, estimator.model_fn, 2,
-                                 float_labels=True)
+                                 float_labels=True, aggregation=aggregation)
   x, y = data
   input_fn = dataset_input_fn({'x': x}, y[:, None].astype(np.float32), BATCH)
   one.train(input_fn, steps=2)
@@ -213,3 +216,22 @@ def test_model_to_estimator_equals_one_device_and_resumes(tmp_path, data,
   assert _global_step(many) == STEPS + 2
   assert_same_variables(variables_of(one), variables_of(many))
 
+
+
+def test_model_to_estimators_object_saver_is_refused_under_all_reduce(
+    tmp_path, data):
+  # Its Saver, built in the model_fn over the last tower's model, restores
+  # that tower's copies: a restored run started from uninitialised
+  # primaries (RuntimeError at session creation before this refusal).
+  estimator = tf.keras.estimator.model_to_estimator(
+      keras_model=_keras_model(), checkpoint_format='checkpoint',
+      model_dir=str(tmp_path / 'keras'))
+  x, y = data
+  many = tf.estimator.Estimator(
+      trainer.replicate_model_fn(estimator.model_fn, aggregation='all_reduce'),
+      config=trainer.make_run_config(str(tmp_path / 'many'), cpu_devices=2))
+  with pytest.raises(ValueError, match=r"own Saver \(scaffold\.saver\) "
+                     r"restores tower_1_replica/\S+, a tower's copy.*"
+                     r"checkpoint_format='saver'"):
+    many.train(dataset_input_fn({'x': x}, y[:, None].astype(np.float32),
+                                BATCH), steps=1)

@@ -165,4 +165,5 @@ class ReplicaPath:
     """`spec` whose scaffold keeps the copies identical, once the model_fn
     is known to write none of them itself (Replicas.check_no_other_writes)."""
     self._replicas.check_no_other_writes(since)
+    self._replicas.check_saver(spec.scaffold.saver)
     return spec._replace(scaffold=self._replicas.scaffold(spec.scaffold))

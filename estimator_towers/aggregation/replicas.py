@@ -47,6 +47,9 @@ _WRITES = frozenset([
     'ScatterAdd', 'ScatterSub', 'ResourceScatterUpdate', 'ResourceScatterAdd',
     'ResourceScatterSub'])
 
+# Ops that read a checkpoint: a write of their value is a Saver's restore.
+_RESTORES = frozenset(['RestoreV2', 'Restore', 'RestoreSlice'])
+
 # Ops that only read a variable they take.
 _READS = frozenset(['ReadVariableOp', 'ResourceGather', 'ResourceGatherNd',
                     'VariableShape', 'VarIsInitializedOp', 'Identity',
@@ -417,7 +420,8 @@ class Replicas:
                     for v in vs} | self._first_initializers
     for op in graph.get_operations():
       if (op_ledger.made_before(op, since) or op.type not in _WRITES or
-          op.name in initializers or op_ledger.in_any(op, self._updates)):
+          op.name in initializers or op_ledger.in_any(op, self._updates) or
+          _restores(op)):
         continue
       target = op.inputs[0].name if op.inputs else None
       if target in handles:
@@ -427,6 +431,38 @@ class Replicas:
             f'({op.type} {op.name}), which would reach only one of its '
             'copies. ' +
             instead_of_all_reduce(self.task_group.across_tasks))
+
+  def check_saver(self, saver: Optional[tf1.train.Saver]) -> None:
+    """Fails when the model_fn's own Saver restores copies, not primaries.
+
+    A Saver the model_fn builds over its model's objects (model_to_estimator's
+    object-based one) sees the last tower's copies: its restore would set
+    them and leave the primaries, from which local_init_op sets every copy,
+    uninitialised.
+
+    Args:
+      saver: The merged spec's scaffold's Saver (None: Estimator builds one
+        over the global variables, which are the primaries).
+
+    Raises:
+      ValueError: the Saver restores a copy and not its primary.
+    """
+    if saver is None or saver.saver_def is None:
+      return
+    graph = tf1.get_default_graph()
+    restore = graph.get_operation_by_name(saver.saver_def.restore_op_name)
+    restored = {op.inputs[0].name for op in op_ledger.ancestors([restore])
+                if op.type in _WRITES and _restores(op)}
+    for primary, copy in self.pairs():
+      if (_handle_name(copy) in restored and
+          _handle_name(primary) not in restored):
+        raise ValueError(
+            "aggregation='all_reduce': the model_fn's own Saver "
+            f'(scaffold.saver) restores {copy.op.name}, a tower\'s copy, and '
+            f'not {primary.op.name}: a run restored from a checkpoint would '
+            'start from uninitialised variables. Let Estimator build the '
+            "Saver (model_to_estimator(..., checkpoint_format='saver')), or "
+            + instead_of_all_reduce(self.task_group.across_tasks))
 
   def sync_op(self, after: tf.Operation) -> tf.Operation:
     """Sets every copy and copy slot from its primary, after `after`."""
@@ -583,6 +619,21 @@ def _copied(primary) -> tf.Tensor:
   if primary.dtype._is_ref_dtype:  # pylint: disable=protected-access
     value = tf.raw_ops.Snapshot(input=value)
   return value
+
+
+def _restores(write: tf.Operation) -> bool:
+  """Whether `write` sets its variable from a checkpoint.
+
+  A Saver built in the model_fn (model_to_estimator's object-based one)
+  restores the primaries only; the session runs local_init_op after the
+  restore, and that sets every copy from its primary.
+  """
+  if len(write.inputs) < 2:
+    return False
+  op = write.inputs[1].op
+  while op.type == 'Identity' and op.inputs:
+    op = op.inputs[0].op
+  return op.type in _RESTORES
 
 
 def _handle_name(variable) -> str:
