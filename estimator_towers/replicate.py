@@ -100,7 +100,10 @@ def replicate_model_fn(model_fn: ModelFn,
   aggregation='all_reduce' each tower device also holds a copy of the
   trainable variables, kept identical and never checkpointed. A batch that
   does not divide by the number of towers is split as evenly as possible;
-  towers beyond a small batch are idle and contribute nothing.
+  towers beyond a small batch are idle and contribute nothing. A
+  SavedModelEstimator's model_fn evaluates and predicts on towers built on
+  one import of its SavedModel (saved_model_towers.TowersSavedModelEstimator
+  runs it); training it on towers is refused.
 
   Inside the model_fn, `trainer.tower_context()` tells the tower index and
   count. In training, batch norm normalises each tower's shard with the

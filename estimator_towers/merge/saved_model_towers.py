@@ -18,6 +18,7 @@ differentiated from one copy's loss, which towers cannot make one update.
 """
 
 from typing import Any, Callable, Dict, Iterable, Iterator, List
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -200,7 +201,9 @@ class _ImportedTowers:
 
   def __init__(self, estimator):
     self._estimator = estimator
-    self._tower0 = None  # (graph, mode, {state name: tensor}, scaffold).
+    # Of the graph being built: (a weak reference to it, the mode, tower
+    # 0's {state tensor name: tensor}, tower 0's scaffold).
+    self._tower0 = None
 
   def call(self, model_fn, features, labels, mode, config
           ) -> tf.estimator.EstimatorSpec:
@@ -231,10 +234,11 @@ class _ImportedTowers:
             'TowersSavedModelEstimator(saved_model_dir, model_dir, config).')
       kwargs = {'config': config} if 'config' in _args(model_fn) else {}
       spec = model_fn(features=features, labels=labels, mode=mode, **kwargs)
-      self._tower0 = (graph, mode, self._state_of_tower0(graph, mode),
-                      spec.scaffold)
+      self._tower0 = (weakref.ref(graph), mode,
+                      self._state_of_tower0(graph, mode), spec.scaffold)
       return spec
-    if self._tower0 is None or self._tower0[:2] != (graph, mode):
+    if self._tower0 is None or (self._tower0[0](), self._tower0[1]) != (
+        graph, mode):
       raise ValueError(f'Tower {context.index} of a SavedModelEstimator was '
                        'built before tower 0 of its graph; build tower 0 '
                        'first.')
@@ -242,7 +246,7 @@ class _ImportedTowers:
 
   def _state_of_tower0(self, graph, mode) -> Dict[str, tf.Tensor]:
     """Tower 0's tensors of the SavedModel's state handles, by name."""
-    found = {}
+    found, ops = {}, []
     for node in _state_nodes(self._meta_graph(mode).graph_def):
       try:
         op = graph.get_operation_by_name(node.name)
@@ -254,9 +258,10 @@ class _ImportedTowers:
             'under another name: an op of the input_fn has that name. Give '
             'the input_fn ops other names (e.g. build them under '
             'tf.name_scope("input")).')
+      ops.append(op.name)
       for i, tensor in enumerate(op.outputs):
         found[f'{node.name}:{i}'] = tensor
-    variable_sharing.share_imported(graph, [n.split(':')[0] for n in found])
+    variable_sharing.share_imported(graph, ops)
     return found
 
   def _meta_graph(self, mode):
