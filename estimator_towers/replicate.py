@@ -29,6 +29,7 @@ from estimator_towers.graph import op_ledger
 from estimator_towers.towers import optimizer_iterations
 from estimator_towers.cluster import peer_watch
 from estimator_towers.towers import random_draws
+from estimator_towers.merge import saved_model_towers
 from estimator_towers.towers import scoped_collections
 from estimator_towers.towers import sharding
 from estimator_towers.merge import spec_merge
@@ -99,7 +100,10 @@ def replicate_model_fn(model_fn: ModelFn,
   aggregation='all_reduce' each tower device also holds a copy of the
   trainable variables, kept identical and never checkpointed. A batch that
   does not divide by the number of towers is split as evenly as possible;
-  towers beyond a small batch are idle and contribute nothing.
+  towers beyond a small batch are idle and contribute nothing. A
+  SavedModelEstimator's model_fn evaluates and predicts on towers built on
+  one import of its SavedModel (saved_model_towers.TowersSavedModelEstimator
+  runs it); training it on towers is refused.
 
   Inside the model_fn, `trainer.tower_context()` tells the tower index and
   count. In training, batch norm normalises each tower's shard with the
@@ -231,6 +235,9 @@ def replicate_model_fn(model_fn: ModelFn,
   if aggregation == 'global_loss' and variables_device is None:
     variables_device = _canonical_variables_device(
         aggregation_lib.DEFAULT_VARIABLES_DEVICE)
+  # A SavedModelEstimator's model_fn imports its model on every call: its
+  # towers are built on tower 0's import (see saved_model_towers).
+  model_fn = saved_model_towers.for_towers(model_fn)
   accepted = _accepted_args(model_fn)
   if 'features' not in accepted:
     raise ValueError(f'{_name(model_fn)} has no `features` argument; a '

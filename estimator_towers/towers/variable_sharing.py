@@ -31,7 +31,8 @@ tower's copy, `tower_1_replica/w/ExponentialMovingAverage`) is the one tower
 
 import contextlib
 import threading
-from typing import Dict, Iterator, List
+from typing import Dict, Iterable, Iterator, List
+import weakref
 
 from keras.src import backend as keras_backend
 import tensorflow as tf
@@ -41,6 +42,20 @@ from estimator_towers.graph import op_ledger
 tf1 = tf.compat.v1
 # Op types that make a variable.
 _VARIABLE_OPS = frozenset(['VarHandleOp', 'VariableV2', 'Variable'])
+# Graph -> names of variable ops tower 0 imported that the later towers
+# map their own imports onto (saved_model_towers), so none is refused.
+_SHARED_IMPORTS = weakref.WeakKeyDictionary()
+
+
+def share_imported(graph: tf.Graph, op_names: Iterable[str]) -> None:
+  """Accepts variables tower 0 imported with a graph.
+
+  Args:
+    graph: The graph being built.
+    op_names: The imported variable ops, which the later towers' imports
+      take from tower 0 instead of making their own.
+  """
+  _SHARED_IMPORTS.setdefault(graph, set()).update(op_names)
 
 
 class VariableSharing:
@@ -144,18 +159,20 @@ class VariableSharing:
     its own (SavedModelEstimator's second import fails on global_step).
     """
     graph = tf1.get_default_graph()
+    shared = _SHARED_IMPORTS.get(graph, ())
     imported = [op.name for op in graph.get_operations()
                 if op.type in _VARIABLE_OPS and op_ledger.made_after(op, start)
-                and op.name not in self._made_ops]
+                and op.name not in self._made_ops and op.name not in shared]
     if imported:
       raise ValueError(
           f'The model_fn made variables without tf.Variable or get_variable '
           f'({", ".join(imported[:3])}): it imports a graph with its '
           'variables (SavedModelEstimator, import_meta_graph), so every '
           'tower would import a model of its own instead of sharing one. Run '
-          'it without replicate_model_fn; to predict from a SavedModel on '
+          'it without replicate_model_fn; for a SavedModelEstimator on '
           'several devices, use '
-          'estimator_towers.merge.saved_model_towers.SavedModelTowers.')
+          'estimator_towers.merge.saved_model_towers.'
+          'TowersSavedModelEstimator.')
 
   def _record(self, next_creator, **kwargs):
     variable = next_creator(**kwargs)
