@@ -29,7 +29,7 @@ from estimator_towers.graph import op_ledger
 from estimator_towers.towers import optimizer_iterations
 from estimator_towers.cluster import peer_watch
 from estimator_towers.towers import random_draws
-from estimator_towers.merge import saved_model_towers
+from estimator_towers.merge import saved_model_estimator
 from estimator_towers.towers import scoped_collections
 from estimator_towers.towers import sharding
 from estimator_towers.merge import spec_merge
@@ -102,8 +102,9 @@ def replicate_model_fn(model_fn: ModelFn,
   does not divide by the number of towers is split as evenly as possible;
   towers beyond a small batch are idle and contribute nothing. A
   SavedModelEstimator's model_fn evaluates and predicts on towers built on
-  one import of its SavedModel (saved_model_towers.TowersSavedModelEstimator
-  runs it); training it on towers is refused.
+  one import of its SavedModel (run it with
+  saved_model_estimator.TowersSavedModelEstimator); training it on towers
+  is refused.
 
   Inside the model_fn, `trainer.tower_context()` tells the tower index and
   count. In training, batch norm normalises each tower's shard with the
@@ -236,8 +237,8 @@ def replicate_model_fn(model_fn: ModelFn,
     variables_device = _canonical_variables_device(
         aggregation_lib.DEFAULT_VARIABLES_DEVICE)
   # A SavedModelEstimator's model_fn imports its model on every call: its
-  # towers are built on tower 0's import (see saved_model_towers).
-  model_fn = saved_model_towers.for_towers(model_fn)
+  # towers are built on tower 0's import (see saved_model_estimator).
+  model_fn = saved_model_estimator.for_towers(model_fn)
   accepted = _accepted_args(model_fn)
   if 'features' not in accepted:
     raise ValueError(f'{_name(model_fn)} has no `features` argument; a '

@@ -43,7 +43,7 @@ tf1 = tf.compat.v1
 # Op types that make a variable.
 _VARIABLE_OPS = frozenset(['VarHandleOp', 'VariableV2', 'Variable'])
 # Graph -> names of variable ops tower 0 imported that the later towers
-# map their own imports onto (saved_model_towers), so none is refused.
+# map their own imports onto (saved_model_estimator), so none is refused.
 _SHARED_IMPORTS = weakref.WeakKeyDictionary()
 
 
@@ -171,7 +171,7 @@ class VariableSharing:
           'tower would import a model of its own instead of sharing one. Run '
           'it without replicate_model_fn; for a SavedModelEstimator on '
           'several devices, use '
-          'estimator_towers.merge.saved_model_towers.'
+          'estimator_towers.merge.saved_model_estimator.'
           'TowersSavedModelEstimator.')
 
   def _record(self, next_creator, **kwargs):

@@ -8,7 +8,7 @@ from tensorflow_estimator.python.estimator.canned import saved_model_estimator a
 import trainer
 from helpers import (NUM_FEATURES, classifier_model_fn, dataset_input_fn,
                      make_estimator)
-from estimator_towers.merge import saved_model_towers
+from estimator_towers.merge import saved_model_estimator
 
 pytestmark = pytest.mark.training
 
@@ -44,7 +44,7 @@ def exported(tmp_path_factory):
 
 def _towers(export_dir, model_dir, towers):
   config = trainer.make_run_config(str(model_dir), cpu_devices=towers)
-  return saved_model_towers.TowersSavedModelEstimator(export_dir,
+  return saved_model_estimator.TowersSavedModelEstimator(export_dir,
                                                       config=config)
 
 
