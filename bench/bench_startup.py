@@ -165,7 +165,7 @@ def main() -> None:
   print(f'load average {os.getloadavg()[0]:.1f}; seconds; medians of '
         f'{args.rounds} round(s); start-up = session + step 1 + step 2\n')
   print('| variant | clock | session | step 1 | step 2 | start-up | '
-        'vs one device | steady step | ops | data edges | control edges |')
+        f'vs {names[0]} | steady step | ops | data edges | control edges |')
   print('| --- ' * 11 + '|')
   base = {}
   for name in names:
