@@ -18,11 +18,17 @@ Variants: one device (the plain model_fn), and 2 virtual CPU towers with
 batch_norm='per_tower' and 'global' (the default), each built as now
 ('after') and with the one-update control gate disabled ('before', what
 the library did before estimator_towers/graph/control_gate.py: every
-backward op carried one control input per batch-norm update op). Ratios
-are to one device. No timing is asserted: figures only.
+backward op carried one control input per batch-norm update op), and
+'global unjoined': as 'global after' without the control edges that make
+every tower's member of an exchange wait for the others'
+(collectives/exchange.py `join_members`, which lets one tower's tensor be
+fetched alone). Ratios are to the first variant run (one device). No
+timing is asserted: figures only.
 
   .venv/bin/python bench/bench_startup.py             # ~4 min on 2 cores
   .venv/bin/python bench/bench_startup.py --rounds=3  # medians of 3
+  .venv/bin/python bench/bench_startup.py \
+      --variants='one device,global after,global unjoined'
 """
 
 import argparse
@@ -39,13 +45,15 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 
-# name -> (towers, batch_norm or None for the plain model_fn, gate on).
+# name -> (towers, batch_norm or None for the plain model_fn, gate on,
+# exchanges' members joined).
 VARIANTS = {
-    'one device': (1, None, True),
-    'per_tower before': (2, 'per_tower', False),
-    'per_tower after': (2, 'per_tower', True),
-    'global before': (2, 'global', False),
-    'global after': (2, 'global', True),
+    'one device': (1, None, True, True),
+    'per_tower before': (2, 'per_tower', False, True),
+    'per_tower after': (2, 'per_tower', True, True),
+    'global before': (2, 'global', False, True),
+    'global after': (2, 'global', True, True),
+    'global unjoined': (2, 'global', True, False),
 }
 
 
@@ -56,12 +64,15 @@ def _child(name: str, steps: int) -> None:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import model_fns  # pylint: disable=g-import-not-at-top
   import trainer  # pylint: disable=g-import-not-at-top
+  from estimator_towers.collectives import exchange  # pylint: disable=g-import-not-at-top
   from estimator_towers.graph import control_gate  # pylint: disable=g-import-not-at-top
   tf1 = tf.compat.v1
-  towers, batch_norm, gate = VARIANTS[name]
+  towers, batch_norm, gate, join = VARIANTS[name]
   if not gate:
     # The library before the gate: the enclosing control inputs as they are.
     control_gate.gated = lambda name='': contextlib.nullcontext()
+  if not join:  # Each member of an exchange on its own (fetches may hang).
+    exchange.join_members = lambda graph: 0
   figures = {'step': [], 'cpu': []}
 
   class Timer(tf1.train.SessionRunHook):
@@ -136,21 +147,28 @@ def main() -> None:
   parser.add_argument('--child', help=argparse.SUPPRESS)
   parser.add_argument('--steps', type=int, default=5)
   parser.add_argument('--rounds', type=int, default=1)
+  parser.add_argument('--variants', default=','.join(VARIANTS),
+                      help='Comma-separated variants, in order; the first '
+                      'is the ratios\' base.')
   args = parser.parse_args()
   if args.child:
     _child(args.child, args.steps)
     return
-  runs = {name: [] for name in VARIANTS}
+  names = args.variants.split(',')
+  unknown = [n for n in names if n not in VARIANTS]
+  if unknown:
+    parser.error(f'unknown variants {unknown}; choose from {list(VARIANTS)}')
+  runs = {name: [] for name in names}
   for _ in range(args.rounds):
-    for name in VARIANTS:  # One process at a time: they share the cores.
+    for name in names:  # One process at a time: they share the cores.
       runs[name].append(_run(name, args.steps))
   print(f'load average {os.getloadavg()[0]:.1f}; seconds; medians of '
         f'{args.rounds} round(s); start-up = session + step 1 + step 2\n')
   print('| variant | clock | session | step 1 | step 2 | start-up | '
-        'vs one device | steady step | ops | data edges | control edges |')
+        f'vs {names[0]} | steady step | ops | data edges | control edges |')
   print('| --- ' * 11 + '|')
   base = {}
-  for name in VARIANTS:
+  for name in names:
     rows = {}
     for clock in ('wall', 'cpu'):
       rows[clock], startup = _row(name, runs[name], base, clock)

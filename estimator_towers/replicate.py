@@ -16,6 +16,7 @@ import tensorflow as tf
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers.aggregation import strategies as aggregation_lib
+from estimator_towers.collectives import exchange as exchange_lib
 from estimator_towers.towers import batch_mixing
 from estimator_towers.towers import global_batch_norm
 from estimator_towers.towers import loss_reduction as reduction_lib
@@ -396,6 +397,15 @@ class _TowerBuilder:
 
   def build(self, features, labels, kwargs) -> tf.estimator.EstimatorSpec:
     """The merged spec of the towers of one model_fn call."""
+    spec = self._build(features, labels, kwargs)
+    # Last: the one update has built the backward exchanges, and the checks
+    # above read each tower's dependencies without the joins' edges
+    # between towers.
+    exchange_lib.join_members(tf1.get_default_graph())
+    return spec
+
+  def _build(self, features, labels, kwargs) -> tf.estimator.EstimatorSpec:
+    """`build` before the exchanges' members are joined."""
     split, has_rows = self._split_batch(features, labels)
     step = self._step(split, has_rows)
     specs, update_ops = self._build_towers(step, kwargs)
