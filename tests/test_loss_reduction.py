@@ -117,6 +117,11 @@ def test_unreadable_loss_trains_as_told(tmp_path, data):
     (lambda x: tf.reduce_sum(x) / tf.cast(tf.shape(x)[0], tf.float32),
      loss_reduction.RATIO),
     (lambda x: tf.reduce_sum(x) / 32.0, loss_reduction.SUM),
+    # A negative log-likelihood (the canned timeseries' normal-likelihood
+    # loss divides a negated sum by the count; Neg was unreadable).
+    (lambda x: -tf.reduce_sum(x) / tf.cast(tf.shape(x)[0], tf.float32),
+     loss_reduction.RATIO),
+    (lambda x: tf.negative(tf.reduce_mean(x)), loss_reduction.RATIO),
     (lambda x: tf.reduce_sum(tf.reduce_mean(x, 0)), loss_reduction.UNKNOWN),
     (lambda x: tf.reduce_mean(x) * tf.reduce_sum(x), loss_reduction.UNKNOWN),
 ])

@@ -36,7 +36,7 @@ UNKNOWN = 'unknown'
 
 _PASS_THROUGH = frozenset(['Identity', 'Cast', 'StopGradient', 'Squeeze',
                            'Reshape', 'CheckNumerics', 'CheckNumericsV2',
-                           'EnsureShape'])
+                           'EnsureShape', 'Neg'])  # Neg: a scaling by -1.
 _ADD = frozenset(['Add', 'AddV2', 'AddN', 'Sub'])
 _SCALE = frozenset(['Mul'])
 _DIVIDE = frozenset(['RealDiv', 'Div', 'DivNoNan', 'TrueDiv'])
