@@ -123,11 +123,11 @@ def _copy_of(trained_40, tmp_path):
 def task_here(capfd, monkeypatch):
   """Runs `python -m trainer.task ARGS` in this process, to its exit.
 
-  For failures of the options, data, model and job dir: what the process
-  would print and its exit code, without loading TensorFlow once more (most
-  of a failing run's seconds). Not for what only a process does: signals,
-  another process's lock, the variables trainer.environment sets before
-  TensorFlow loads; those tests start `python -m trainer.task`.
+  For failures of the options, data, model, job dir and bucket: what the
+  process would print and its exit code, without loading TensorFlow once
+  more (most of a failing run's seconds). Not for what only a process does
+  (signals, another process's lock, the variables trainer.environment sets
+  before TensorFlow loads): those tests start `python -m trainer.task`.
 
   Yields:
     run(*args, env=None) -> (exit code, stdout, stderr); `env` adds
@@ -403,22 +403,22 @@ def test_job_dir_that_is_a_file_is_one_clear_error(tmp_path, task_here):
 
 # No network here but package registries: Cloud Storage cannot be reached,
 # as on a machine without network or credentials.
-@pytest.mark.cli
+@pytest.mark.fast
 @pytest.mark.parametrize('where,args', [
     ('--job-dir gs://no-bucket/jobs/x', ('--job-dir=gs://no-bucket/jobs/x',)),
     ('--train-files', ('--train-files=gs://no-bucket/data/train-*.csv',
                      '--label-column=label')),
 ])
-def test_unreachable_bucket_is_one_line_naming_the_path(tmp_path, where,
-                                                        args):
+def test_unreachable_bucket_is_one_line_naming_the_path(tmp_path, task_here,
+                                                        where, args):
   if not args[0].startswith('--job-dir'):
     args = (f'--job-dir={tmp_path / "job"}',) + args
-  result = run_module('trainer.task', *args, '--train-steps=5', check=False)
-  assert result.returncode == 1, result.stderr[-3000:]
-  assert 'Traceback' not in result.stderr
-  last = result.stderr.strip().splitlines()[-1]
+  code, _, err = task_here(*args, '--train-steps=5')
+  assert code == 1, err[-3000:]
+  assert 'Traceback' not in err
+  last = err.strip().splitlines()[-1]
   assert last.startswith(f'task: error: {where}: cannot read gs://no-bucket/'
-                         ), result.stderr[-3000:]
+                         ), err[-3000:]
   assert ('the bucket gs://no-bucket is unreachable from this machine ('
           in last)
   assert 'Check the network and the credentials' in last
