@@ -19,16 +19,46 @@ def _rows(path):
     return list(csv.reader(f))
 
 
+# (towers, batch size) of the checkpoint-mode runs. 101 inputs: batches of
+# 25 leave a final batch of 1 for 3 towers; batches of 2 on 4 towers always
+# leave idle towers; one tower is the reference the others must match.
+_CHECKPOINT_RUNS = ((3, 25), (4, 2), (1, 7))
+
+
+@pytest.fixture(scope='module')
+def predicted(trained, csv_files, tmp_path_factory):
+  """The CSV job's predictions of its eval file, each run once per module.
+
+  Returns:
+    {(towers, batch): (output path, completed process)} for
+    `_CHECKPOINT_RUNS`, and {'saved': ...} for a --saved-model run on 3
+    towers (batches of 10).
+  """
+  job_dir, result = trained
+  root = tmp_path_factory.mktemp('predicted')
+  runs = {(towers, batch): (f'--batch-size={batch}', f'--cpu-towers={towers}')
+          for towers, batch in _CHECKPOINT_RUNS}
+  runs['saved'] = ('--batch-size=10', '--cpu-towers=3',
+                   f'--saved-model={eval_line(result)["export"]}')
+  out = {}
+  for i, (run, args) in enumerate(runs.items()):
+    path = root / f'predictions{i}.csv'
+    out[run] = (path, run_module(
+        'trainer.predict', f'--job-dir={job_dir}',
+        f'--predict-files={csv_files[1]}', f'--output={path}', *args))
+  return out
+
+
+def _probabilities(rows):
+  """The numbers after each data row's id (class id, probabilities)."""
+  return np.array([[float(v) for v in r[1:]] for r in rows[1:]])
+
+
 @pytest.mark.parametrize('towers,batch', [(3, 25), (4, 2)])
-def test_csv_predictions_in_input_order(trained, csv_files, tmp_path, towers,
+def test_csv_predictions_in_input_order(trained, csv_files, predicted, towers,
                                         batch):
   job_dir, _ = trained
-  out = tmp_path / 'predictions.csv'
-  # 101 inputs: batches of 25 leave a final batch of 1 for 3 towers; batches
-  # of 2 on 4 towers always leave idle towers.
-  result = run_module('trainer.predict', f'--job-dir={job_dir}',
-                      f'--predict-files={csv_files[1]}', f'--output={out}',
-                      f'--batch-size={batch}', f'--cpu-towers={towers}')
+  out, result = predicted[towers, batch]
   assert 'wrote 101 predictions' in result.stdout
   checkpoint = tf.train.latest_checkpoint(str(job_dir))
   assert f'predicting 101 rows with checkpoint {checkpoint}\n' in result.stdout
@@ -46,18 +76,14 @@ def test_csv_predictions_in_input_order(trained, csv_files, tmp_path, towers,
   assert accuracy > 0.8
 
 
-def test_predictions_do_not_depend_on_the_tower_count(trained, csv_files,
-                                                      tmp_path):
-  job_dir, _ = trained
-  outputs = {}
-  for towers in (1, 4):
-    out = tmp_path / f'p{towers}.csv'
-    run_module('trainer.predict', f'--job-dir={job_dir}',
-               f'--predict-files={csv_files[1]}', f'--output={out}',
-               '--batch-size=7', f'--cpu-towers={towers}')
-    outputs[towers] = np.array([[float(v) for v in r[1:]]
-                                for r in _rows(out)[1:]])
-  np.testing.assert_allclose(outputs[4], outputs[1], rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize('towers,batch', [(4, 2), (3, 25)])
+def test_predictions_do_not_depend_on_the_tower_count(predicted, towers,
+                                                      batch):
+  one_tower = _probabilities(_rows(predicted[1, 7][0]))
+  np.testing.assert_allclose(
+      _probabilities(_rows(predicted[towers, batch][0])), one_tower,
+      rtol=1e-5, atol=1e-6,
+      err_msg=f'{towers} towers (batches of {batch}) vs 1 (batches of 7)')
 
 
 def test_tfrecord_output(trained, csv_files, tmp_path):
@@ -139,21 +165,14 @@ def test_files_a_digits_job_cannot_read_are_refused(csv_files, tmp_path):
   assert not out.exists()
 
 
-def test_saved_model_mode_equals_checkpoint_mode(trained, csv_files, tmp_path):
-  job_dir, result = trained
-  export_dir = eval_line(result)['export']
-  outputs = {}
-  for mode, extra in (('ckpt', ()), ('saved', (f'--saved-model={export_dir}',))):
-    out = tmp_path / f'{mode}.csv'
-    run_module('trainer.predict', f'--job-dir={job_dir}',
-               f'--predict-files={csv_files[1]}', f'--output={out}',
-               '--batch-size=10', '--cpu-towers=3', *extra)
-    outputs[mode] = _rows(out)
-  assert [r[0] for r in outputs['saved']] == [r[0] for r in outputs['ckpt']]
-  np.testing.assert_allclose(
-      np.array([[float(v) for v in r[1:]] for r in outputs['saved'][1:]]),
-      np.array([[float(v) for v in r[1:]] for r in outputs['ckpt'][1:]]),
-      rtol=1e-5, atol=1e-6)
+def test_saved_model_mode_equals_checkpoint_mode(predicted):
+  # Both on 3 towers; batch sizes 10 and 25 (the predictions do not depend
+  # on the batching: test_predictions_do_not_depend_on_the_tower_count).
+  saved = _rows(predicted['saved'][0])
+  checkpoint = _rows(predicted[3, 25][0])
+  assert [r[0] for r in saved] == [r[0] for r in checkpoint]
+  np.testing.assert_allclose(_probabilities(saved), _probabilities(checkpoint),
+                             rtol=1e-5, atol=1e-6)
 
 
 def test_bad_rows_in_predict_files_are_one_clear_error(trained, csv_files,

@@ -42,35 +42,46 @@ def test_writes_train_and_eval_summaries_with_the_tuning_tag(trained):
   assert {'accuracy', 'loss', 'training/hptuning/metric'} <= tags
 
 
-_SERVE = '''
-import json, sys
-import numpy as np, tensorflow as tf
-serve = tf.saved_model.load(sys.argv[1]).signatures['serving_default']
-rows = [('0.9', '-0.2', 'red'), ('-2.0', '0.1', 'blue'), ('0.1', '0.3', 'red'),
-        ('1.5', '1.0', 'green'), ('-1.0', '0.0', 'green'), ('0.0', '0.0', 'red'),
-        ('2.0', '-1.0', 'blue')]
-out = {}
-for n in (1, 7):
-  batch = rows[:n]
-  result = serve(x1=tf.constant([float(r[0]) for r in batch]),
-                 x2=tf.constant([float(r[1]) for r in batch]),
-                 colour=tf.constant([r[2] for r in batch]))
-  out[n] = result['class_ids'].numpy().tolist()
-print(json.dumps(out))
-'''
+# Served in this process (eager, as TF Serving's Python API would): a
+# subprocess would load TensorFlow again just to call the signature.
+_ROWS = [('0.9', '-0.2', 'red'), ('-2.0', '0.1', 'blue'), ('0.1', '0.3', 'red'),
+         ('1.5', '1.0', 'green'), ('-1.0', '0.0', 'green'),
+         ('0.0', '0.0', 'red'), ('2.0', '-1.0', 'blue')]
+
+
+def _served_classes(export_dir, inputs):
+  """class_ids of the export's serving signature on the first 1 and 7 rows.
+
+  Args:
+    export_dir: A SavedModel directory.
+    inputs: Maps a list of rows to the signature's keyword arguments.
+
+  Returns:
+    {1: [class id], 7: [7 class ids]}.
+  """
+  serve = tf.saved_model.load(export_dir).signatures['serving_default']
+  return {n: serve(**inputs(_ROWS[:n]))['class_ids'].numpy().tolist()
+          for n in (1, 7)}
+
+
+def _feature_inputs(rows):
+  return {'x1': tf.constant([float(r[0]) for r in rows]),
+          'x2': tf.constant([float(r[1]) for r in rows]),
+          'colour': tf.constant([r[2] for r in rows])}
+
+
+def _csv_inputs(rows):
+  return {'csv_lines': tf.constant([','.join(r) for r in rows])}
 
 
 @pytest.mark.cli
 def test_saved_model_serves_batches_of_1_and_7(trained):
-  job_dir, result = trained
-  export_dir = eval_line(result)['export']
-  served = subprocess.run([sys.executable, '-c', _SERVE, export_dir],
-                          capture_output=True, text=True, check=True)
-  classes = json.loads(served.stdout.strip().splitlines()[-1])
-  assert len(classes['1']) == 1 and len(classes['7']) == 7
-  assert classes['7'][0] == classes['1'][0]
+  _, result = trained
+  classes = _served_classes(eval_line(result)['export'], _feature_inputs)
+  assert len(classes[1]) == 1 and len(classes[7]) == 7
+  assert classes[7][0] == classes[1][0]
   # The model learned the rule: x1 + (colour == red) > 0.5.
-  assert classes['7'][:2] == [1, 0]
+  assert classes[7][:2] == [1, 0]
 
 
 @pytest.mark.cli
@@ -108,6 +119,52 @@ def _copy_of(trained_40, tmp_path):
   return tmp_path
 
 
+@pytest.fixture
+def task_here(capfd, monkeypatch):
+  """Runs `python -m trainer.task ARGS` in this process, to its exit.
+
+  For failures of the options, data, model, job dir and bucket: what the
+  process would print and its exit code, without loading TensorFlow once
+  more (most of a failing run's seconds). Not for what only a process does
+  (signals, another process's lock, the variables trainer.environment sets
+  before TensorFlow loads): those tests start `python -m trainer.task`.
+
+  Yields:
+    run(*args, env=None) -> (exit code, stdout, stderr); `env` adds
+    environment variables. The flags, the environment and the logging and
+    warning switches the task turns are restored after the test.
+  """
+  # pylint: disable=g-import-not-at-top
+  import threading
+  from absl import flags
+  from tensorflow.python.util import deprecation
+  from trainer import cli
+  from trainer import task  # Defines the task's flags, as its process does.
+  logger = tf.get_logger()
+  level, handlers = logger.level, list(logger.handlers)
+  monkeypatch.setattr(threading, 'excepthook', threading.excepthook)
+  monkeypatch.setattr(deprecation, '_PRINT_DEPRECATION_WARNINGS',
+                      deprecation._PRINT_DEPRECATION_WARNINGS)  # pylint: disable=protected-access
+  monkeypatch.delenv('TF_CONFIG', raising=False)  # As run_module.
+
+  def run(*args, env=None):
+    for name, value in (env or {}).items():
+      monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, 'argv', ['task', *map(str, args)])
+    capfd.readouterr()  # Only this run's output.
+    try:
+      with pytest.raises(SystemExit) as exited:
+        cli.run(task.main, 'task')
+    finally:
+      flags.FLAGS.unparse_flags()
+    out, err = capfd.readouterr()
+    return exited.value.code, out, err
+
+  yield run
+  logger.setLevel(level)
+  logger.handlers = handlers
+
+
 @pytest.mark.cli
 def test_rerun_resumes_from_the_latest_checkpoint(tmp_path, csv_files,
                                                   trained_40):
@@ -121,33 +178,43 @@ def test_rerun_resumes_from_the_latest_checkpoint(tmp_path, csv_files,
 
 @pytest.mark.cli
 def test_rejected_rerun_leaves_the_saved_config_alone(tmp_path, csv_files,
-                                                      trained_40):
+                                                      trained_40, task_here):
   args = _csv_args(_copy_of(trained_40, tmp_path), csv_files)
   config = tmp_path / 'trainer_config.json'
   saved = config.read_text()
-  rejected = run_module('trainer.task', *args, '--train-steps=80',
-                        '--learning-rate=0', check=False)
-  assert rejected.returncode == 1
-  assert 'task: error: --learning-rate=0.0;' in rejected.stderr
+  code, _, err = task_here(*args, '--train-steps=80', '--learning-rate=0')
+  assert code == 1
+  assert 'task: error: --learning-rate=0.0;' in err
   assert config.read_text() == saved
   # The job still predicts with the config it was trained with.
   assert json.loads(saved)['learning_rate'] == 0.05
 
 
+@pytest.fixture(scope='module')
+def rerun_unexported(tmp_path_factory, csv_files, trained_40):
+  """The 40-step job, rerun as if killed after its final checkpoint, before
+  evaluating and exporting: (job_dir, completed process).
+
+  The rerun exports with --export-format=csv (not an architecture flag), so
+  this one run also gives the CSV-serving test its export.
+  """
+  job_dir = _copy_of(trained_40, tmp_path_factory.mktemp('unexported'))
+  for name in ('export', 'eval'):
+    tf.io.gfile.rmtree(str(job_dir / name))
+  rerun = run_module('trainer.task', *_csv_args(job_dir, csv_files),
+                     '--train-steps=40', '--export-format=csv',
+                     env={'CLOUD_ML_HP_METRIC_FILE': str(job_dir / 'hp.json')})
+  return job_dir, rerun
+
+
 @pytest.mark.cli
 def test_rerun_of_a_finished_but_unexported_job_evaluates_and_exports(
-    tmp_path, csv_files, trained_40):
-  args = (*_csv_args(_copy_of(trained_40, tmp_path), csv_files),
-          '--train-steps=40')
-  # As if killed after the final checkpoint, before evaluating and exporting.
-  for name in ('export', 'eval'):
-    tf.io.gfile.rmtree(str(tmp_path / name))
-  rerun = run_module('trainer.task', *args,
-                     env={'CLOUD_ML_HP_METRIC_FILE': str(tmp_path / 'hp.json')})
+    rerun_unexported):
+  job_dir, rerun = rerun_unexported
   assert int(eval_line(rerun)['global_step']) == 40
-  assert tf.io.gfile.glob(str(tmp_path / 'export' / 'final' / '*' /
+  assert tf.io.gfile.glob(str(job_dir / 'export' / 'final' / '*' /
                               'saved_model.pb'))
-  assert (tmp_path / 'hp.json').exists()  # The tuning metric is reported.
+  assert (job_dir / 'hp.json').exists()  # The tuning metric is reported.
 
 
 @pytest.mark.cli
@@ -208,14 +275,12 @@ def test_bfloat16_and_xla_train_on_cpu_towers(tmp_path):
   assert (saved['mixed_precision'], saved['xla']) == ('bfloat16', True)
 
 
-@pytest.mark.cli
-def test_float16_on_cpu_towers_fails_in_one_line(tmp_path):
-  result = run_module('trainer.task', f'--job-dir={tmp_path}',
-                      '--cpu-towers=2', '--mixed-precision=float16',
-                      check=False, timeout=120)
-  assert result.returncode == 1
-  # The last line (run_module lets TensorFlow's C++ start-up errors through).
-  assert result.stderr.strip().splitlines()[-1:] == [
+@pytest.mark.fast
+def test_float16_on_cpu_towers_fails_in_one_line(tmp_path, task_here):
+  code, _, err = task_here(f'--job-dir={tmp_path}', '--cpu-towers=2',
+                           '--mixed-precision=float16')
+  assert code == 1
+  assert err.strip().splitlines()[-1:] == [
       "task: error: --mixed-precision='float16' needs GPU towers: "
       "TensorFlow's float16 rewrite converts GPU ops only, and on CPU towers "
       "it would train in float32. On CPUs use --mixed-precision='bfloat16'."]
@@ -251,13 +316,13 @@ def test_bad_flags_exit_2_with_a_message(tmp_path, args, message):
   assert not os.listdir(tmp_path)  # Nothing was started.
 
 
-@pytest.mark.cli
-def test_missing_train_files_fail_before_training(tmp_path):
-  result = run_module('trainer.task', f'--job-dir={tmp_path / "job"}',
-                      f'--train-files={tmp_path}/nothing-*.csv',
-                      '--label-column=label', '--n-classes=2', check=False)
-  assert result.returncode == 1
-  assert 'nothing-*.csv' in result.stderr
+@pytest.mark.fast
+def test_missing_train_files_fail_before_training(tmp_path, task_here):
+  code, _, err = task_here(f'--job-dir={tmp_path / "job"}',
+                           f'--train-files={tmp_path}/nothing-*.csv',
+                           '--label-column=label', '--n-classes=2')
+  assert code == 1
+  assert 'nothing-*.csv' in err
   assert not (tmp_path / 'job').exists()
 
 
@@ -285,29 +350,12 @@ def test_malformed_csv_row_names_file_and_line(tmp_path):
           in skipped.stdout), skipped.stdout
 
 
-_SERVE_CSV = """
-import json, sys
-import tensorflow as tf
-serve = tf.saved_model.load(sys.argv[1]).signatures['serving_default']
-lines = ['0.9,-0.2,red', '-2.0,0.1,blue', '0.1,0.3,red', '1.5,1.0,green',
-         '-1.0,0.0,green', '0.0,0.0,red', '2.0,-1.0,blue']
-print(json.dumps({n: serve(csv_lines=tf.constant(lines[:n]))['class_ids']
-                  .numpy().tolist() for n in (1, 7)}))
-"""
-
-
 @pytest.mark.cli
-def test_csv_export_format_serves_csv_lines(tmp_path, csv_files):
-  result = run_module('trainer.task', f'--job-dir={tmp_path}',
-                      f'--train-files={csv_files[0]}',
-                      f'--eval-files={csv_files[1]}', '--train-steps=120',
-                      '--export-format=csv', *CSV_FLAGS)
-  served = subprocess.run(
-      [sys.executable, '-c', _SERVE_CSV, eval_line(result)['export']],
-      capture_output=True, text=True, check=True)
-  classes = json.loads(served.stdout.strip().splitlines()[-1])
-  assert len(classes['1']) == 1 and len(classes['7']) == 7
-  assert classes['7'][:2] == [1, 0]
+def test_csv_export_format_serves_csv_lines(rerun_unexported):
+  _, result = rerun_unexported
+  classes = _served_classes(eval_line(result)['export'], _csv_inputs)
+  assert len(classes[1]) == 1 and len(classes[7]) == 7
+  assert classes[7][:2] == [1, 0]
 
 
 @pytest.mark.cli
@@ -335,44 +383,42 @@ def test_second_task_on_a_busy_job_dir_is_refused(tmp_path):
 
 @pytest.mark.cli
 def test_rerun_with_another_architecture_is_refused(tmp_path, csv_files,
-                                                   trained_40):
+                                                   trained_40, task_here):
   args = _csv_args(_copy_of(trained_40, tmp_path), csv_files)
-  rerun = run_module('trainer.task', *args, '--train-steps=80',
-                     '--hidden-units=32', check=False)
-  assert rerun.returncode == 1
-  assert '--hidden-units: [16, 8] -> [32]' in rerun.stderr
+  code, _, err = task_here(*args, '--train-steps=80', '--hidden-units=32')
+  assert code == 1
+  assert '--hidden-units: [16, 8] -> [32]' in err
   assert tf.train.latest_checkpoint(str(tmp_path)).endswith('-40')
 
 
-@pytest.mark.cli
-def test_job_dir_that_is_a_file_is_one_clear_error(tmp_path):
+@pytest.mark.fast
+def test_job_dir_that_is_a_file_is_one_clear_error(tmp_path, task_here):
   path = tmp_path / 'a_file'
   path.write_text('not a directory')
-  result = run_module('trainer.task', f'--job-dir={path}', '--train-steps=5',
-                      check=False)
-  assert result.returncode == 1
-  assert 'is not a directory this task can write to' in result.stderr
-  assert 'Traceback' not in result.stderr
+  code, _, err = task_here(f'--job-dir={path}', '--train-steps=5')
+  assert code == 1
+  assert 'is not a directory this task can write to' in err
+  assert 'Traceback' not in err
 
 
 # No network here but package registries: Cloud Storage cannot be reached,
 # as on a machine without network or credentials.
-@pytest.mark.cli
+@pytest.mark.fast
 @pytest.mark.parametrize('where,args', [
     ('--job-dir gs://no-bucket/jobs/x', ('--job-dir=gs://no-bucket/jobs/x',)),
     ('--train-files', ('--train-files=gs://no-bucket/data/train-*.csv',
                      '--label-column=label')),
 ])
-def test_unreachable_bucket_is_one_line_naming_the_path(tmp_path, where,
-                                                        args):
+def test_unreachable_bucket_is_one_line_naming_the_path(tmp_path, task_here,
+                                                        where, args):
   if not args[0].startswith('--job-dir'):
     args = (f'--job-dir={tmp_path / "job"}',) + args
-  result = run_module('trainer.task', *args, '--train-steps=5', check=False)
-  assert result.returncode == 1, result.stderr[-3000:]
-  assert 'Traceback' not in result.stderr
-  last = result.stderr.strip().splitlines()[-1]
+  code, _, err = task_here(*args, '--train-steps=5')
+  assert code == 1, err[-3000:]
+  assert 'Traceback' not in err
+  last = err.strip().splitlines()[-1]
   assert last.startswith(f'task: error: {where}: cannot read gs://no-bucket/'
-                         ), result.stderr[-3000:]
+                         ), err[-3000:]
   assert ('the bucket gs://no-bucket is unreachable from this machine ('
           in last)
   assert 'Check the network and the credentials' in last
@@ -390,25 +436,29 @@ def returns_none(features, labels, mode, params):
 '''
 
 
-@pytest.mark.cli
+@pytest.mark.fast
 @pytest.mark.parametrize('name,message', [
     ('raises', "--model=broken_models:raises failed building the eval graph: "
                "KeyError: 'no such feature: age'"),
     ('returns_none', 'returned NoneType'),
 ])
-def test_user_model_that_fails_is_one_clear_error(tmp_path, name, message):
+def test_user_model_that_fails_is_one_clear_error(tmp_path, monkeypatch,
+                                                  task_here, name, message):
   (tmp_path / 'broken_models.py').write_text(_BROKEN_MODELS)
-  result = run_module('trainer.task', f'--job-dir={tmp_path / "job"}',
-                      f'--model=broken_models:{name}', '--train-steps=5',
-                      '--input-format=synthetic_tabular',
-                      env={'PYTHONPATH': f'{ROOT}{os.pathsep}{tmp_path}'},
-                      check=False)
-  assert result.returncode == 1, result.stderr[-2000:]
-  assert message in result.stderr
-  assert 'Traceback' not in result.stderr
+  monkeypatch.syspath_prepend(str(tmp_path))  # The process's PYTHONPATH.
+  try:
+    code, _, err = task_here(f'--job-dir={tmp_path / "job"}',
+                             f'--model=broken_models:{name}',
+                             '--train-steps=5',
+                             '--input-format=synthetic_tabular')
+  finally:
+    sys.modules.pop('broken_models', None)  # The next test's is its own.
+  assert code == 1, err[-2000:]
+  assert message in err
+  assert 'Traceback' not in err
 
 
-@pytest.mark.cli
+@pytest.mark.fast
 @pytest.mark.parametrize('args,env,message', [
     (('--hypertune-metric=accurracy',), {},
      '--hypertune-metric=accurracy is not an evaluation result of '
@@ -416,42 +466,55 @@ def test_user_model_that_fails_is_one_clear_error(tmp_path, name, message):
     ((), {'CLOUD_ML_HP_METRIC_FILE': '/proc/no/such/dir/metrics'},
      'CLOUD_ML_HP_METRIC_FILE=/proc/no/such/dir/metrics cannot be written'),
 ])
-def test_tuning_problems_fail_before_training(tmp_path, args, env, message):
+def test_tuning_problems_fail_before_training(tmp_path, task_here, args, env,
+                                              message):
   tmp_path = tmp_path / 'job'
-  result = run_module('trainer.task', f'--job-dir={tmp_path}',
-                      '--train-steps=5', *args, env=env, check=False)
-  assert result.returncode == 1, result.stderr[-2000:]
-  assert message in result.stderr
+  code, _, err = task_here(f'--job-dir={tmp_path}', '--train-steps=5', *args,
+                           env=env)
+  assert code == 1, err[-2000:]
+  assert message in err
   assert not tmp_path.exists() or not any(tmp_path.iterdir())  # Untouched.
+
+
+@pytest.fixture(scope='module')
+def seeded_jobs(tmp_path_factory):
+  """One-step digits jobs with --aggregation=all_reduce: seeds 7, 7 and 8.
+
+  Returns:
+    {name: (job_dir, completed process, {kernel name: value})}, the kernels
+    read before any test resumes a job.
+  """
+  root = tmp_path_factory.mktemp('seeded')
+  jobs = {}
+  for name, seed in (('a', 7), ('b', 7), ('c', 8)):
+    job = root / name
+    result = run_module('trainer.task', f'--job-dir={job}', '--train-steps=1',
+                        '--cpu-towers=2', '--aggregation=all_reduce',
+                        f'--tf-random-seed={seed}')
+    reader = tf.train.load_checkpoint(str(job))
+    jobs[name] = (job, result, {
+        n: reader.get_tensor(n) for n, _ in tf.train.list_variables(str(job))
+        if n.endswith('kernel')})
+  return jobs
 
 
 @pytest.mark.cli
 def test_aggregation_flag_trains_and_checkpoints_move_between_strategies(
-    tmp_path):
-  job = tmp_path / 'job'
-  first = run_module('trainer.task', f'--job-dir={job}', '--train-steps=20',
-                     '--cpu-towers=2', '--aggregation=all_reduce')
-  assert int(eval_line(first)['global_step']) == 20
+    seeded_jobs):
+  job, first, _ = seeded_jobs['a']  # Trained with --aggregation=all_reduce.
+  assert int(eval_line(first)['global_step']) == 1
   names = {name for name, _ in tf.train.list_variables(str(job))}
   assert not any('replica' in name for name in names), sorted(names)
-  second = run_module('trainer.task', f'--job-dir={job}', '--train-steps=40',
-                      '--cpu-towers=2', '--aggregation=round_robin')
-  assert int(eval_line(second)['global_step']) == 40
+  second = run_module('trainer.task', f'--job-dir={job}', '--train-steps=2',
+                      '--cpu-towers=2', '--aggregation=round_robin',
+                      '--tf-random-seed=7')
+  assert int(eval_line(second)['global_step']) == 2
   assert 'Resuming from' in second.stderr
 
 
 @pytest.mark.cli
-def test_same_tf_random_seed_gives_the_same_start_weights(tmp_path):
-  def kernels(job, seed):
-    run_module('trainer.task', f'--job-dir={job}', '--train-steps=1',
-               '--cpu-towers=2', f'--tf-random-seed={seed}')
-    reader = tf.train.load_checkpoint(str(job))
-    return {name: reader.get_tensor(name)
-            for name, _ in tf.train.list_variables(str(job))
-            if name.endswith('kernel')}
-  first = kernels(tmp_path / 'a', 7)
-  again = kernels(tmp_path / 'b', 7)
-  other = kernels(tmp_path / 'c', 8)
+def test_same_tf_random_seed_gives_the_same_start_weights(seeded_jobs):
+  first, again, other = (seeded_jobs[n][2] for n in 'abc')
   assert first.keys() == again.keys() and first
   for name in first:
     np.testing.assert_allclose(first[name], again[name], atol=1e-6)
@@ -471,11 +534,10 @@ def test_only_an_evaluator_task_pauses_between_checkpoint_polls(tmp_path):
   assert local.eval_spec.throttle_secs == 0
 
 
-@pytest.mark.cli
-def test_a_bad_model_option_is_named_as_its_flag(tmp_path):
-  result = run_module('trainer.task', f'--job-dir={tmp_path}',
-                      '--model=resnet', '--resnet-depth=21',
-                      '--train-steps=5', check=False)
-  assert result.returncode == 1
-  assert result.stderr.strip().splitlines()[-1].startswith(
+@pytest.mark.fast
+def test_a_bad_model_option_is_named_as_its_flag(tmp_path, task_here):
+  code, _, err = task_here(f'--job-dir={tmp_path}', '--model=resnet',
+                           '--resnet-depth=21', '--train-steps=5')
+  assert code == 1
+  assert err.strip().splitlines()[-1].startswith(
       'task: error: --resnet-depth=21; a CIFAR ResNet has 6n+2 layers')
