@@ -624,9 +624,10 @@ def _copied(primary) -> tf.Tensor:
 def _restores(write: tf.Operation) -> bool:
   """Whether `write` sets its variable from a checkpoint.
 
-  A Saver built in the model_fn (model_to_estimator's object-based one)
-  restores the primaries only; the session runs local_init_op after the
-  restore, and that sets every copy from its primary.
+  Such a write is a Saver's restore, not the model_fn training a variable:
+  the session runs it before local_init_op, which then sets every copy from
+  its primary. Whether the Saver restores the primaries at all is
+  `Replicas.check_saver`'s question.
   """
   if len(write.inputs) < 2:
     return False
