@@ -24,6 +24,7 @@ from estimator_towers.update import loss_scaling
 from estimator_towers.merge import metric_adds
 from estimator_towers.update import micro_batches as micro_batches_lib
 from estimator_towers.towers import moving_statistics
+from estimator_towers.towers import regularization_losses
 from estimator_towers.cluster import one_machine
 from estimator_towers.update import one_update
 from estimator_towers.graph import op_ledger
@@ -651,6 +652,8 @@ class _TowerBuilder:
       if name_scope:
         stack.enter_context(graph.name_scope(name_scope))
       stack.enter_context(scoped_collections.tower(name_scope))
+      stack.enter_context(regularization_losses.tower(
+          index, self._towers, self._path.primary_name))
       stack.enter_context(graph.device(_placer(
           index, device, self._strategy, lambda: update.applying)))
       stack.enter_context(self._sharing.tower(index))

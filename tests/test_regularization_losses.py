@@ -1,0 +1,116 @@
+"""Every tower's loss holds one device's regularization, once.
+
+Each case trains STEPS steps in a Session from the same seeded weights, on
+one device and on towers, and compares the loss each step reports (the
+merged TRAIN loss hooks and summaries log) and every variable at the end.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from helpers import assert_same_variables, seeded
+import trainer
+
+tf1 = tf.compat.v1
+STEPS = 3
+BATCH = 12
+_l2 = lambda v: 0.3 * tf.reduce_sum(tf.square(v))  # pylint: disable=unnecessary-lambda-assignment
+
+
+def _model_fn(regularized):
+  """A two-layer classifier whose regularization comes from `regularized`:
+
+  'kernel': a tf.compat.v1.layers kernel_regularizer (added when the layer
+  gets its variable); 'activity': an activity regularizer (added per call);
+  'collection': a term the model_fn adds to REGULARIZATION_LOSSES itself;
+  'get_variable': tf.compat.v1.get_variable's regularizer (added once,
+  read lazily).
+  """
+
+  def model_fn(features, labels, mode):
+    x = features['x']
+    hidden = tf1.layers.dense(
+        x, 6, activation=tf.nn.tanh, kernel_initializer=seeded(1),
+        kernel_regularizer=_l2 if regularized == 'kernel' else None,
+        activity_regularizer=(
+            # Keras divides it by the batch's rows: a per-example mean.
+            (lambda a: 0.02 * tf.reduce_sum(tf.square(a)))
+            if regularized == 'activity' else None))
+    w = tf1.get_variable(
+        'w', [6, 2], initializer=seeded(2),
+        regularizer=_l2 if regularized == 'get_variable' else None)
+    if regularized == 'collection':
+      tf1.add_to_collection(tf1.GraphKeys.REGULARIZATION_LOSSES, _l2(w))
+    logits = tf.matmul(hidden, w)
+    tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    loss = tf1.losses.get_total_loss()
+    train_op = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  return model_fn
+
+
+def _train(model_fn, towers, **wrapper_kwargs):
+  """(the loss of each step, every global variable at the end)."""
+  rng = np.random.RandomState(0)
+  x = rng.randn(BATCH, 5).astype(np.float32)
+  y = (x[:, 0] - x[:, 1] > 0).astype(np.int32)
+  with tf.Graph().as_default():
+    tf1.set_random_seed(3)
+    features, labels = tf1.data.make_one_shot_iterator(
+        tf.data.Dataset.from_tensors(({'x': x}, y)).repeat()).get_next()
+    config = trainer.make_run_config(cpu_devices=towers)
+    if wrapper_kwargs:
+      spec = trainer.replicate_model_fn(model_fn, **wrapper_kwargs)(
+          features, labels, tf.estimator.ModeKeys.TRAIN, None, config)
+    else:
+      spec = model_fn(features, labels, tf.estimator.ModeKeys.TRAIN)
+    spec.scaffold.finalize()
+    variables = {v.op.name: v for v in tf1.global_variables()}
+    with tf1.Session(config=config.session_config) as session:
+      session.run(spec.scaffold.init_op)
+      session.run(spec.scaffold.local_init_op)
+      losses = [session.run([spec.loss, spec.train_op])[0]
+                for _ in range(STEPS)]
+      return np.array(losses), session.run(variables)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('regularized', ['kernel', 'activity', 'collection',
+                                         'get_variable'])
+@pytest.mark.parametrize('aggregation', ['global_loss', 'all_reduce'])
+def test_towers_count_the_regularization_once(regularized, aggregation):
+  model_fn = _model_fn(regularized)
+  expected_losses, expected = _train(model_fn, 1)
+  losses, actual = _train(model_fn, 3, aggregation=aggregation)
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  assert_same_variables(expected, actual, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.fast
+def test_micro_batches_sharing_a_copy_count_it_once():
+  # Two micro-batches per device use that device's copy: before, the second
+  # saw the first's l2(copy) beside its own, twice its share of the gradient.
+  model_fn = _model_fn('kernel')
+  expected_losses, expected = _train(model_fn, 1)
+  losses, actual = _train(model_fn, 2, aggregation='all_reduce',
+                          micro_batches=2)
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  assert_same_variables(expected, actual, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.fast
+def test_a_later_tower_sees_only_its_own_entry():
+  seen = []
+
+  def model_fn(features, labels, mode):
+    spec = _model_fn('kernel')(features, labels, mode)
+    seen.append([t.name for t in tf1.losses.get_regularization_losses()])
+    return spec
+
+  _train(model_fn, 3, aggregation='all_reduce')
+  assert seen == [['dense/kernel/Regularizer/mul:0'],
+                  ['tower_1/dense/kernel/Regularizer/mul:0'],
+                  ['tower_2/dense/kernel/Regularizer/mul:0']]
