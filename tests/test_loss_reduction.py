@@ -144,6 +144,16 @@ def test_analyze_reads_the_reduction(build, expected):
     (lambda x: tf.keras.losses.MeanSquaredError()(tf.zeros_like(x), x),
      loss_reduction.RATIO),
     (lambda x: tf.reduce_sum(x) / 64.0, loss_reduction.SUM),  # Not a count.
+    # The rows folded to a constant: a scaled sum over them is a mean (Keras
+    # divides an activity regularizer so); a mean divided by them again is
+    # no share of one device's value (it was taken for a mean: 3x off on 3
+    # towers).
+    (lambda x: 0.5 * tf.reduce_sum(tf.square(x)) /
+     tf.cast(tf.shape(x)[0], tf.float32), loss_reduction.RATIO),
+    (lambda x: tf.reduce_mean(x) / tf.cast(tf.shape(x)[0], tf.float32),
+     loss_reduction.UNKNOWN),
+    (lambda x: tf.reduce_mean(x) / 8.0, loss_reduction.UNKNOWN),
+    (lambda x: tf.reduce_mean(x) / 16.0, loss_reduction.RATIO),  # A scaling.
 ])
 def test_analyze_with_a_static_batch_size(build, expected):
   with tf.Graph().as_default():

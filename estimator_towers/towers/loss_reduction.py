@@ -118,6 +118,8 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
       if _counts_the_summed(numerator, denominator, depends):
         # A mean whose count the static batch size fixed while building.
         terms.append((RATIO, tf.cast(denominator, tensor.dtype), op.name))
+      elif _is_the_rows(denominator, depends):
+        terms.append(_per_row(numerator, denominator, depends, budget, op))
       else:  # A scaling, e.g. by a fixed batch size.
         _collect_terms(numerator, depends, terms, budget)
     elif _reduces_all(numerator, SUM, depends):
@@ -131,6 +133,35 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
     terms.append((RATIO, count, op.name))
   else:
     terms.append((UNKNOWN, None, op.name))
+
+
+def _is_the_rows(denominator: tf.Tensor, depends) -> bool:
+  """Whether a constant divisor is the shard's static number of rows.
+
+  `tf.shape(x)[0]` of a statically shaped shard folds to a constant while
+  the graph is built: it is the tower's row count, which one device's
+  batch does not share, not a fixed scaling (Keras divides an activity
+  regularizer by it).
+  """
+  rows = getattr(depends, 'batch_size', None)
+  if rows is None:
+    return False
+  value = _static_value(denominator)
+  return value is not None and np.size(value) == 1 and (
+      float(np.reshape(value, [])) == float(rows))
+
+
+def _per_row(numerator: tf.Tensor, denominator: tf.Tensor, depends,
+             budget: List[int], op: tf.Operation) -> tuple:
+  """The term `numerator / rows`: a mean over the rows if `numerator` is a
+  (scaled) sum over the examples; anything else divided by the rows (a mean
+  divided again) is not a share of one device's value: unknown."""
+  inner: List[tuple] = []
+  _collect_terms(numerator, depends, inner, budget)
+  kinds = {kind for kind, _, _ in inner}
+  if SUM in kinds and kinds <= {SUM, 'constant'}:
+    return (RATIO, tf.cast(denominator, op.outputs[0].dtype), op.name)
+  return (UNKNOWN, None, op.name)
 
 
 def _counts_the_summed(numerator: tf.Tensor, denominator: tf.Tensor,
