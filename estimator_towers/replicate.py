@@ -192,9 +192,8 @@ def replicate_model_fn(model_fn: ModelFn,
       global_step, the global-batch loss), while a device holds the
       activations of one micro-batch at a time. Each micro-batch is built
       as a tower of its own (the graph grows that many times); EVAL and
-      PREDICT are not split. Batch norm in training and
-      aggregation='all_reduce' are refused with more than 1; see
-      micro_batches.py and docs/writing_model_fns.md.
+      PREDICT are not split. Batch norm in training is refused with more
+      than 1; see micro_batches.py and docs/writing_model_fns.md.
 
   Returns:
     A model_fn that takes `(features, labels, mode, params, config)` and
@@ -207,8 +206,8 @@ def replicate_model_fn(model_fn: ModelFn,
     ValueError: `devices` is empty or repeats a device, `loss_reduction`,
       `aggregation`, `batch_norm` or `random_ops` is unknown,
       `variables_device` is given with an `aggregation` other than
-      'global_loss', or `micro_batches` is not a positive int or is above 1
-      with 'all_reduce'. Devices the session lacks,
+      'global_loss', or `micro_batches` is not a positive int. Devices the
+      session lacks,
       a `loss_reduction` the loss contradicts, and 'all_reduce' in a
       TF_CONFIG cluster of several tasks, are reported when the Estimator
       calls the model_fn.
@@ -254,8 +253,9 @@ def replicate_model_fn(model_fn: ModelFn,
       aggregation_lib.check_tasks(aggregation, config)
     if variables_device is not None:
       _check_variables_device(variables_device, config)
+    micro_count = micro_batches if mode == ModeKeys.TRAIN else 1
     strategy = aggregation_lib.make(aggregation, tower_devices,
-                                    variables_device)
+                                    variables_device, micro_count)
     agreement = task_agreement
     if batch_norm == 'global':
       # Each tower exchanges its moments with the towers of its index on
@@ -280,8 +280,8 @@ def replicate_model_fn(model_fn: ModelFn,
         _is_serving_graph(features)):
       return tpu_spec.as_estimator_spec(model_fn(features=features, **kwargs))
     micro = None
-    if mode == ModeKeys.TRAIN and micro_batches > 1:
-      micro = micro_batches_lib.MicroBatches(tower_devices, micro_batches)
+    if micro_count > 1:
+      micro = micro_batches_lib.MicroBatches(tower_devices, micro_count)
     # One tower with the float16 rewrite still needs the one update's loss
     # scale, so it is built as towers are.
     if len(tower_devices) == 1 and not loss_scaling.automatic(config) and (

@@ -6,7 +6,8 @@
 and a worker, each `python tests/sync_cluster_task.py task MODEL_DIR STEPS
 ROWS...`, on free loopback ports and waits for both; it exits non-zero if
 either fails or both are not done within 240 s. `dropout-pair` and
-`sliced-pair` start `dropout-task`s and `sliced-task`s the same way.
+`sliced-pair` (and `micro-pair`) start `dropout-task`s and `sliced-task`s
+(`micro-task`s) the same way.
 
 It loads no TensorFlow: only the tasks train, and loading it here would
 delay their start by seconds.

@@ -36,7 +36,7 @@ VOCAB = 7
 
 
 def model_fn(features, labels, mode, optimizer=None, projection=None,
-             manual_step=False, dropout=0.0):
+             manual_step=False, dropout=0.0, batch_norm=True):
   """Embedding (sparse gradients), dense layer, batch norm and Adam.
 
   With `projection` (an initializer), the features first go through a
@@ -44,7 +44,8 @@ def model_fn(features, labels, mode, optimizer=None, projection=None,
   task initialises it, and a random one must still be the chief's. With
   `manual_step`, BERT's way: Adam's rate is read from global_step, which
   the model_fn advances by hand beside the update. With `dropout`, BERT's
-  tf.nn.dropout (keep_prob) after the batch norm.
+  tf.nn.dropout (keep_prob) after the batch norm. Without `batch_norm`,
+  no batch norm (micro-batches refuse it in training).
   """
   x = features['x']
   if projection is not None:
@@ -55,8 +56,9 @@ def model_fn(features, labels, mode, optimizer=None, projection=None,
   hidden = tf.concat([x,
                       tf.nn.embedding_lookup(table, features['ids'])], 1)
   hidden = tf1.layers.dense(hidden, 5, activation=tf.nn.tanh)
-  hidden = tf1.layers.batch_normalization(
-      hidden, training=mode == tf.estimator.ModeKeys.TRAIN, momentum=0.5)
+  if batch_norm:
+    hidden = tf1.layers.batch_normalization(
+        hidden, training=mode == tf.estimator.ModeKeys.TRAIN, momentum=0.5)
   if dropout and mode == tf.estimator.ModeKeys.TRAIN:
     hidden = tf1.nn.dropout(hidden, 1.0 - dropout)
   predictions = tf1.layers.dense(hidden, 1)
@@ -114,6 +116,11 @@ def dropout_model_fn(features, labels, mode):
   return model_fn(features, labels, mode, dropout=0.5)
 
 
+def micro_batch_model_fn(features, labels, mode):
+  """model_fn without batch norm, for micro_batches=2."""
+  return model_fn(features, labels, mode, batch_norm=False)
+
+
 def batch_norm_classifier(features, labels, mode, params):
   """`--model=tests.sync_cluster_task:batch_norm_classifier` of the trainer.
 
@@ -159,7 +166,7 @@ class _SaveFinalVariables(tf1.train.SessionRunHook):
     np.savez(self._path, **{v.op.name: x for v, x in zip(variables, values)})
 
 
-def run_task(argv, sliced=False, dropout=False):
+def run_task(argv, sliced=False, dropout=False, micro=False):
   model_dir, steps, rows = argv[0], int(argv[1]), [int(r) for r in argv[2:]]
   # Dropout: one device's masks need the graph seed (the one of
   # helpers.make_estimator).
@@ -167,11 +174,12 @@ def run_task(argv, sliced=False, dropout=False):
       model_dir=model_dir, cpu_devices=2,
       tf_random_seed=7 if dropout else None)
   model = (momentum_model_fn if sliced else dropout_model_fn if dropout
-           else projected_model_fn)
+           else micro_batch_model_fn if micro else projected_model_fn)
   estimator = tf.estimator.Estimator(
       estimator_towers.replicate_model_fn(
           model, aggregation='all_reduce', sync_timeout_secs=60,
-          random_ops='one_device' if dropout else 'per_tower'),
+          random_ops='one_device' if dropout else 'per_tower',
+          micro_batches=2 if micro else 1),
       config=config)
   if sliced:  # STEPS is the global batch, ROWS the total; the input ends.
     input_fn, steps = sliced_input_fn(steps, rows[0]), 1000
@@ -189,4 +197,5 @@ def run_task(argv, sliced=False, dropout=False):
 
 if __name__ == '__main__':
   run_task(sys.argv[2:], sliced=sys.argv[1] == 'sliced-task',
-           dropout=sys.argv[1] == 'dropout-task')
+           dropout=sys.argv[1] == 'dropout-task',
+           micro=sys.argv[1] == 'micro-task')

@@ -139,22 +139,38 @@ def test_one_devices_dropout_trains_a_cluster_as_one_process(tmp_path):
   # random_ops='one_device': every task draws the global batch's masks with
   # one seed and keeps its towers' rows, after the rows of the tasks
   # before it: chief and worker train as one process's 4 towers do.
+  _assert_pair_trains_as(tmp_path, sync_cluster_task.dropout_model_fn,
+                         'dropout-pair', towers=4, aggregation='all_reduce',
+                         random_ops='one_device')
+
+
+def _assert_pair_trains_as(tmp_path, model_fn, mode, **one_process):
+  """Runs the `mode` pair from one start and compares the chief's
+  checkpoint with one process's Estimator (`one_process`: make_estimator's
+  arguments) trained on the global batches."""
   private_network.check_unshare_works()
   cluster_dir, one_dir = tmp_path / 'cluster', tmp_path / 'one'
-  helpers.save_start_checkpoint(sync_cluster_task.dropout_model_fn,
-                                _start_input_fn, [cluster_dir, one_dir])
-  done = _run_pair(cluster_dir, mode='dropout-pair')
+  helpers.save_start_checkpoint(model_fn, _start_input_fn,
+                                [cluster_dir, one_dir])
+  done = _run_pair(cluster_dir, mode=mode)
   assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-  estimator = helpers.make_estimator(
-      sync_cluster_task.dropout_model_fn, one_dir, towers=4,
-      aggregation='all_reduce', random_ops='one_device')
+  estimator = helpers.make_estimator(model_fn, one_dir, **one_process)
   estimator.train(
       lambda: sync_cluster_task.global_batches(sum(_ROWS), _STEPS),
       max_steps=_STEPS)
   actual = helpers.checkpoint_variables(cluster_dir)  # The chief's.
   assert int(actual['global_step']) == _STEPS
+  assert 'embedding/Adam' in actual
   helpers.assert_same_variables(helpers.variables_of(estimator), actual,
                                 rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cluster
+def test_micro_batches_train_a_cluster_as_one_process(tmp_path):
+  # micro_batches=2 on each task's 2 towers: chief 2+1+1+1 rows, worker
+  # 1+1+1+1, one all-reduce over the tasks per step.
+  _assert_pair_trains_as(tmp_path, sync_cluster_task.micro_batch_model_fn,
+                         'micro-pair', towers=1)
 
 
 @pytest.mark.fast

@@ -309,8 +309,8 @@ class TaskOptions:
       _INT, 1, 'Train each tower\'s share of a batch as this many '
       'micro-batches, one after another in one step: the same update as '
       'the whole batch at once, with the activations of one micro-batch '
-      'in memory at a time (no batch norm in training; not with '
-      '--aggregation=all_reduce). See docs/writing_model_fns.md.',
+      'in memory at a time (no batch norm in training). See '
+      'docs/writing_model_fns.md.',
       lower_bound=1)
   batch_norm: str = _option(
       _ENUM, 'global', 'How batch norm normalises in training on several '
@@ -496,7 +496,8 @@ def aggregation_for(options: TaskOptions, config) -> str:
 
   Raises:
     OptionError: the aggregation cannot train in this cluster
-      (strategies.check_tasks says why), or with --micro-batches.
+      (strategies.check_tasks says why), or --micro-batches is not a
+      positive int.
   """
   # pylint: disable=g-import-not-at-top
   from estimator_towers.update import micro_batches as micro_batches_lib

@@ -69,13 +69,19 @@ class Replicas:
       task_sync.TaskGroup, over which gradients are also summed and to
       which the chief's variables are broadcast at the start; on one
       machine a one_machine.OneMachine.
+    ledger: The build's towers (which tower made an op).
+    towers_per_device: With micro-batches, M: towers i * M .. i * M + M - 1
+      run on devices[i] one after another and share its copies, and their
+      gradients are added there before the all-reduce.
   """
 
   def __init__(self, devices: Sequence[str],
                unshared: Callable[[], contextlib.AbstractContextManager],
                placement, task_group,
-               ledger: Optional[op_ledger.TowerLedger] = None):
+               ledger: Optional[op_ledger.TowerLedger] = None,
+               towers_per_device: int = 1):
     self._devices = list(devices)
+    self._per_device = towers_per_device
     self._ledger = ledger  # Which tower made an op: its own primary reads.
     self.task_group = task_group
     self._unshared = unshared
@@ -96,38 +102,45 @@ class Replicas:
   # ----------------------------------------------------------------------
   # Copies.
 
+  def _device_of(self, tower: int) -> int:
+    """The index of tower `tower`'s device: whose copies it uses."""
+    return tower // self._per_device
+
   def tower_variable(self, primary, tower: int):
-    """What tower `tower` uses for `primary`: its copy if trainable."""
+    """What tower `tower` uses for `primary`: its device's copy if
+    trainable."""
     if isinstance(primary, variables_lib.PartitionedVariable):
       return self._partitioned(primary, tower)
-    if not tower or not self._is_trainable(primary):
+    device = self._device_of(tower)
+    if not device or not self._is_trainable(primary):
       return primary
     if id(primary) not in self._copies:
       self._first_initializers.add(primary.initializer.name)
     copies = self._copies.setdefault(id(primary), [primary])
-    while len(copies) <= tower:
+    while len(copies) <= device:
       copies.append(self._make_copy(primary, len(copies)))
-    return copies[tower]
+    return copies[device]
 
   def primary_name(self, name: str, tower: int) -> str:
     """`name` without tower `tower`'s copy prefix: a variable named after a
     copy (a slot or EMA shadow made from it) is the primary's."""
-    prefix = _copy_scope(tower)
+    prefix = _copy_scope(self._device_of(tower))
     return name[len(prefix):] if name.startswith(prefix) else name
 
   def _partitioned(self, primary, tower: int):
     """A PartitionedVariable of tower `tower`'s copies of the parts."""
     parts = list(primary)
     copies = [self.tower_variable(part, tower) for part in parts]
-    if not tower or all(c is p for c, p in zip(copies, parts)):
+    device = self._device_of(tower)
+    if not device or all(c is p for c, p in zip(copies, parts)):
       return primary
-    key = (id(primary), tower)
+    key = (id(primary), device)
     if key not in self._partitioned_copies:
       for copy, part in zip(copies, parts):
         # The constructor wants the slices; the Saver never sees copies.
         copy._set_save_slice_info(part._get_save_slice_info())  # pylint: disable=protected-access
       self._partitioned_copies[key] = variables_lib.PartitionedVariable(
-          f'{_copy_scope(tower)}{primary.name}', primary.get_shape(),
+          f'{_copy_scope(device)}{primary.name}', primary.get_shape(),
           primary.dtype, copies, primary._get_partitions())  # pylint: disable=protected-access
     return self._partitioned_copies[key]
 
@@ -136,13 +149,13 @@ class Replicas:
       self._trainable = {id(v) for v in tf1.trainable_variables()}
     return id(variable) in self._trainable
 
-  def _make_copy(self, primary, tower: int):
+  def _make_copy(self, primary, device: int):
     if not primary.shape.is_fully_defined():
       raise ValueError(
           f"aggregation='all_reduce' needs a static shape to replicate "
           f'{primary.name}, which has shape {primary.shape}.')
     graph = tf1.get_default_graph()
-    name = f'{_copy_scope(tower)}{primary.op.name}'
+    name = f'{_copy_scope(device)}{primary.op.name}'
     with self._unshared(), graph.name_scope(None), graph.colocate_with(
         None, ignore_existing=True):
       # Zeros until local_init_op sets it from the primary (see sync_op).
@@ -186,8 +199,8 @@ class Replicas:
     """[fn(i) built on tower i's device for every tower i]."""
     results = []
     with self._placement.deferring():
-      for tower, device in enumerate(self._devices):
-        with tf.device(device):
+      for tower in range(len(self._devices) * self._per_device):
+        with tf.device(self._devices[self._device_of(tower)]):
           results.append(fn(tower))
     return results
 
@@ -205,8 +218,8 @@ class Replicas:
         in a synchronous cluster a task without one adds nothing.
 
     Returns:
-      The summed gradients on tower 0's device, one per variable; the other
-      towers' sums are remembered for `expand`.
+      The summed gradients on device 0, one per variable; the other
+      devices' sums are remembered for `expand`.
     """
     primaries = [self.primary_of(v) for v in variables]
     per_tower = [self._tower_gradients(loss, primaries, tower, differentiate)
@@ -228,10 +241,36 @@ class Replicas:
               f'Variable {primaries[k].name} has a gradient in some towers '
               f'but none in towers {missing}; every tower must build the '
               'same model.')
-        sums = cross_device.all_sum(grads, self._devices)
+        sums = cross_device.all_sum(self._per_device_sums(grads),
+                                    self._devices)
         result.append(_running_all(sums, self._devices[0]))
         self._sums[id(result[-1])] = sums
     return result
+
+  def _per_device_sums(self, grads: list) -> list:
+    """The towers' gradients of one variable added per device.
+
+    Without micro-batches, each tower's own. With them, a device's
+    micro-batches are added in their order on that device as they come
+    (not by one AddN, which would keep every micro-batch's gradient alive
+    until the last): one all-reduce per step, not per micro-batch.
+    """
+    if self._per_device == 1:
+      return list(grads)
+    sums = []
+    for device, name in enumerate(self._devices):
+      own = grads[device * self._per_device:(device + 1) * self._per_device]
+      with tf.device(name):
+        if isinstance(own[0], tf.IndexedSlices):
+          sums.append(tf.IndexedSlices(
+              tf.concat([g.values for g in own], 0),
+              tf.concat([g.indices for g in own], 0), own[0].dense_shape))
+          continue
+        total = own[0]
+        for grad in own[1:]:
+          total = tf.add(total, grad)
+        sums.append(total)
+    return sums
 
   def _tower_gradients(self, loss: tf.Tensor, primaries: List, tower: int,
                        differentiate: Callable[[tf.Tensor, List], List]

@@ -263,14 +263,17 @@ class AllReduce(Strategy):
 
   name = 'all_reduce'
 
-  def __init__(self, devices: Sequence[str]):
+  def __init__(self, devices: Sequence[str], towers_per_device: int = 1):
     super().__init__()
     self._devices = list(devices)
+    # With micro-batches, towers i * M .. i * M + M - 1 run on devices[i]
+    # one after another and share that device's copies.
+    self._per_device = towers_per_device
 
   def variable_device(self, op, tower, applying):
     del op
     # A copy's slots are colocated with the copy; '' lets that decide.
-    return '' if applying else self._devices[tower]
+    return '' if applying else self._devices[tower // self._per_device]
 
   def gradient_path(self, training, unshared, task_group, ledger=None):
     """Copies per tower device in TRAIN (`replica_path.ReplicaPath` over
@@ -280,11 +283,12 @@ class AllReduce(Strategy):
       return SharedVariables()
     return replica_path.ReplicaPath(
         replicas_lib.Replicas(self._devices, unshared, self, task_group,
-                              ledger))
+                              ledger, self._per_device))
 
 
 def make(aggregation: str, devices: Sequence[str],
-         variables_device: Optional[str]) -> Strategy:
+         variables_device: Optional[str],
+         towers_per_device: int = 1) -> Strategy:
   """The aggregation strategy of one model_fn call.
 
   Args:
@@ -292,6 +296,8 @@ def make(aggregation: str, devices: Sequence[str],
     devices: The tower devices.
     variables_device: The variables' device for 'global_loss'; None for the
       default.
+    towers_per_device: Towers built on each device, one after another (the
+      micro-batches of a TRAIN step); 1 otherwise.
 
   Returns:
     A new Strategy (round_robin counts bytes per graph build).
@@ -299,7 +305,7 @@ def make(aggregation: str, devices: Sequence[str],
   if aggregation == 'round_robin':
     return RoundRobin(devices)
   if aggregation == 'all_reduce':
-    return AllReduce(devices)
+    return AllReduce(devices, towers_per_device)
   return GlobalLoss(variables_device or DEFAULT_VARIABLES_DEVICE)
 
 

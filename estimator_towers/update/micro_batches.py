@@ -28,9 +28,12 @@ is; only two things are added here:
   exact weights (divisors read off the loss) are checked against them
   before the update writes anything (loss_reduction.TowerWeights).
 
-What is refused: 'all_reduce' (hence synchronous clusters), whose one copy
-of the variables per device is not yet shared by a device's micro-batch
-towers; and batch norm in training, whose forward pass would normalise
+Under 'all_reduce' (and in a synchronous cluster) a device's micro-batch
+towers share that device's copies (replicas.Replicas maps tower i * M + m
+to device i) and their gradients are added there before the step's one
+all-reduce.
+
+What is refused: batch norm in training, whose forward pass would normalise
 each micro-batch with that micro-batch's statistics only (the moving
 statistics would still get one exact update from the global batch).
 
@@ -74,8 +77,7 @@ def check(micro_batches, aggregation: str) -> int:
     `micro_batches`.
 
   Raises:
-    ValueError: `micro_batches` is not a positive int, or is above 1 with
-      aggregation='all_reduce'.
+    ValueError: `micro_batches` is not a positive int.
   """
   if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or (
       micro_batches < 1):
@@ -83,13 +85,7 @@ def check(micro_batches, aggregation: str) -> int:
         f'micro_batches={micro_batches!r}; it must be a positive int, the '
         'number of micro-batches each tower runs one after another in a '
         'step (1: the whole shard at once).')
-  if micro_batches > 1 and aggregation == 'all_reduce':
-    raise ValueError(
-        f"micro_batches={micro_batches} with aggregation='all_reduce' (also "
-        'the only aggregation of a synchronous cluster) is not supported '
-        'yet: its one copy of the variables per device is not shared by '
-        "the device's micro-batches. Use aggregation='global_loss' or "
-        "'round_robin' on one machine, or micro_batches=1.")
+  del aggregation  # Every aggregation takes micro-batches.
   return micro_batches
 
 
