@@ -26,7 +26,7 @@ asks and stay as they are.
 """
 
 import contextlib
-from typing import Callable, Iterator, List, Set
+from typing import Callable, Dict, Iterator, List, Set, Tuple
 
 import tensorflow as tf
 
@@ -56,12 +56,23 @@ def tower(index: int, ledger: op_ledger.TowerLedger,
     yield
     return
   original = tf.Graph.get_collection
+  reads: Dict[Tuple[str, int], Set[str]] = {}  # Entries do not change.
+
+  def read(item, tower: int) -> Set[str]:
+    if not isinstance(item, tf.Tensor):
+      return set()  # Lazy: reading `.op` would build it here.
+    key = (item.name, tower)
+    if key not in reads:
+      reads[key] = {primary_name(op.name, tower)
+                    for op in op_ledger.ancestors([item.op])
+                    if op.type in _VARIABLE_OPS}
+    return reads[key]
 
   def get_collection(graph, name, scope=None):
     items = original(graph, name, scope)
     if name != _KEY:
       return items
-    return _one_devices(items, index, ledger, primary_name)
+    return _one_devices(items, index, ledger, read)
 
   with patching.Patcher() as patcher:
     patcher.set(tf.Graph, 'get_collection',
@@ -70,20 +81,23 @@ def tower(index: int, ledger: op_ledger.TowerLedger,
 
 
 def _one_devices(items: List, index: int, ledger: op_ledger.TowerLedger,
-                 primary_name: Callable[[str, int], str]) -> List:
-  """`items` as tower `index` should see them (see the module docstring)."""
+                 read: Callable[[object, int], Set[str]]) -> List:
+  """`items` as tower `index` should see them (see the module docstring).
+
+  `read(item, tower)` names the one-device variables an entry reads.
+  """
   towers = [_tower_of(item, ledger) for item in items]
   replaced: Set[str] = set()
   for item, tower in zip(items, towers):
     if tower == index:
-      replaced |= _variables_read(item, index, primary_name)
+      replaced |= read(item, index)
   kept = []
   for item, tower in zip(items, towers):
     if tower == index:
       kept.append(item)
     elif tower <= 0:  # Tower 0's, made before the towers, or lazy.
-      read = _variables_read(item, 0, primary_name)
-      if not (read and read <= replaced):
+      variables = read(item, 0)
+      if not (variables and variables <= replaced):
         kept.append(item)
   return kept
 
@@ -97,12 +111,3 @@ def _tower_of(item, ledger: op_ledger.TowerLedger) -> int:
     return -1
   return ledger.tower_of(item.op)
 
-
-def _variables_read(item, tower: int,
-                    primary_name: Callable[[str, int], str]) -> Set[str]:
-  """One device's names of the variables `item` reads (empty if lazy)."""
-  if not isinstance(item, tf.Tensor):
-    return set()
-  return {primary_name(op.name, tower)
-          for op in op_ledger.ancestors([item.op])
-          if op.type in _VARIABLE_OPS}
