@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import (assert_same_variables, dataset_input_fn, make_estimator,
-                     seeded, variables_of)
+from helpers import (assert_same_variables, build_replicated,
+                     dataset_input_fn, make_estimator, seeded, variables_of)
 from estimator_towers.towers import loss_reduction
 from estimator_towers.graph import op_ledger
 
@@ -124,6 +124,12 @@ def test_unreadable_loss_trains_as_told(tmp_path, data):
     (lambda x: tf.negative(tf.reduce_mean(x)), loss_reduction.RATIO),
     (lambda x: tf.reduce_sum(tf.reduce_mean(x, 0)), loss_reduction.UNKNOWN),
     (lambda x: tf.reduce_mean(x) * tf.reduce_sum(x), loss_reduction.UNKNOWN),
+    # A scaled sum over a count of the rows: Keras' activity regularizer
+    # (was unknown: only a bare sum was read).
+    (lambda x: 0.5 * tf.reduce_sum(tf.square(x)) /
+     tf.cast(tf.shape(x)[0], tf.float32), loss_reduction.RATIO),
+    (lambda x: tf.reduce_mean(x) / tf.cast(tf.shape(x)[0], tf.float32),
+     loss_reduction.UNKNOWN),
 ])
 def test_analyze_reads_the_reduction(build, expected):
   with tf.Graph().as_default():
@@ -152,8 +158,12 @@ def test_analyze_reads_the_reduction(build, expected):
      tf.cast(tf.shape(x)[0], tf.float32), loss_reduction.RATIO),
     (lambda x: tf.reduce_mean(x) / tf.cast(tf.shape(x)[0], tf.float32),
      loss_reduction.UNKNOWN),
-    (lambda x: tf.reduce_mean(x) / 8.0, loss_reduction.UNKNOWN),
-    (lambda x: tf.reduce_mean(x) / 16.0, loss_reduction.RATIO),  # A scaling.
+    # A constant inside the division: each tower divides it by its rows.
+    (lambda x: (tf.reduce_sum(x) + 2.0 * tf.reduce_sum(
+        tf1.get_variable('w', [2]))) / tf.cast(tf.shape(x)[0], tf.float32),
+     loss_reduction.UNKNOWN),
+    # A scalar constant equal to the rows (a sequence length) is a scaling.
+    (lambda x: tf.reduce_mean(x) / 8.0, loss_reduction.RATIO),
 ])
 def test_analyze_with_a_static_batch_size(build, expected):
   with tf.Graph().as_default():
@@ -173,3 +183,27 @@ def test_analyze_tells_constant_terms():
         loss_reduction.ExampleDependence(x, since=op_ledger.GRAPH_START))
   assert (found.kind, found.constant_terms) == (loss_reduction.SUM, True)
   np.testing.assert_equal(found.divisors, [])
+
+
+def _mean_over_rows_model_fn(features, labels, mode, params):
+  """A mean divided by the batch's rows again: no split adds up to it."""
+  del params
+  logits = tf1.layers.dense(features['x'], 2)
+  xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                        logits=logits)
+  loss = tf.reduce_mean(xent) / tf.cast(tf.shape(features['x'])[0],
+                                        tf.float32)
+  train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('told', ['auto', 'mean', 'sum'])
+def test_a_mean_divided_by_the_rows_again_is_refused_whatever_is_told(told):
+  # Either reduction it could be told trained 3x off (mean) or 9x (sum).
+  with pytest.raises(ValueError, match='divides by a count of the examples '
+                     '.*something that is not a sum.*nor does any '
+                     'loss_reduction'):
+    build_replicated(_mean_over_rows_model_fn, 3, batch_size=12,
+                     loss_reduction=told)

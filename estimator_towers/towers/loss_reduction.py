@@ -40,6 +40,8 @@ _PASS_THROUGH = frozenset(['Identity', 'Cast', 'StopGradient', 'Squeeze',
 _ADD = frozenset(['Add', 'AddV2', 'AddN', 'Sub'])
 _SCALE = frozenset(['Mul'])
 _DIVIDE = frozenset(['RealDiv', 'Div', 'DivNoNan', 'TrueDiv'])
+_UNSPLITTABLE = 'unsplittable'  # A term kind: see _per_row.
+_SHAPE_ELEMENT = frozenset(['StridedSlice', 'GatherV2', 'Gather'])
 _MAX_OPS = 2000  # Bound on the walk: losses are small subgraphs at the top.
 
 
@@ -54,11 +56,15 @@ class Reduction:
     constant_terms: Whether the loss adds terms that do not depend on the
       examples (e.g. regularization).
     detail: A phrase saying what was found, for error messages.
+    splittable: False when a term is no weighted sum of the shards' values
+      (a mean divided by the rows again): no loss_reduction makes towers
+      compute it.
   """
   kind: str
   divisors: List[tf.Tensor] = dataclasses.field(default_factory=list)
   constant_terms: bool = False
   detail: str = ''
+  splittable: bool = True
 
 
 def analyze(loss: tf.Tensor,
@@ -78,6 +84,13 @@ def analyze(loss: tf.Tensor,
   kinds = {kind for kind, _, _ in terms}
   constant = 'constant' in kinds
   kinds.discard('constant')
+  if _UNSPLITTABLE in kinds:
+    names = ', '.join(sorted(n for k, _, n in terms if k == _UNSPLITTABLE))
+    return Reduction(
+        UNKNOWN, constant_terms=constant, splittable=False,
+        detail=('it divides by a count of the examples (the rows, a sum '
+                'of weights) something that is not a sum over them (a mean, '
+                f'or a sum plus a constant): {names}'))
   found = ', '.join(sorted(f'{k} ({name})' for k, _, name in terms
                            if k != 'constant'))
   if not kinds or UNKNOWN in kinds or kinds == {SUM, RATIO}:
@@ -122,10 +135,8 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
         terms.append(_per_row(numerator, denominator, depends, budget, op))
       else:  # A scaling, e.g. by a fixed batch size.
         _collect_terms(numerator, depends, terms, budget)
-    elif _reduces_all(numerator, SUM, depends):
-      terms.append((RATIO, denominator, op.name))
-    else:
-      terms.append((UNKNOWN, None, op.name))
+    else:  # A count of this shard's examples (rows, weights, tokens).
+      terms.append(_per_row(numerator, denominator, depends, budget, op))
   elif _reduces_all(tensor, SUM, depends) or _counts_examples(tensor, depends):
     terms.append((SUM, None, op.name))
   elif _reduces_all(tensor, 'mean', depends):
@@ -138,13 +149,18 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
 def _is_the_rows(denominator: tf.Tensor, depends) -> bool:
   """Whether a constant divisor is the shard's static number of rows.
 
-  `tf.shape(x)[0]` of a statically shaped shard folds to a constant while
-  the graph is built: it is the tower's row count, which one device's
-  batch does not share, not a fixed scaling (Keras divides an activity
-  regularizer by it).
+  `tf.shape(x)[0]` of a statically shaped shard is an element of a shape
+  that folded to a constant vector while the graph was built: the tower's
+  row count, which one device's batch does not share, not a fixed scaling
+  (Keras divides an activity regularizer by it). A scalar constant that
+  happens to equal the rows (a sequence length) stays a scaling.
   """
   rows = getattr(depends, 'batch_size', None)
-  if rows is None:
+  element = _skip_pass_through(denominator).op
+  if rows is None or element.type not in _SHAPE_ELEMENT:
+    return False
+  shape = element.inputs[0]
+  if shape.op.type != 'Const' or shape.shape.rank != 1:
     return False
   value = _static_value(denominator)
   return value is not None and np.size(value) == 1 and (
@@ -153,14 +169,18 @@ def _is_the_rows(denominator: tf.Tensor, depends) -> bool:
 
 def _per_row(numerator: tf.Tensor, denominator: tf.Tensor, depends,
              budget: List[int], op: tf.Operation) -> tuple:
-  """The term `numerator / rows`: a mean over the rows if `numerator` is a
-  (scaled) sum over the examples; anything else divided by the rows (a mean
-  divided again) is not a share of one device's value: unknown."""
+  """The term `numerator / count` for a count of the shard's examples (its
+  rows, or a sum of weights): a mean if `numerator` is a (scaled) sum over
+  the examples. A mean divided again, or a constant (each tower would
+  divide it by its own count), is no weighted sum of the shards' values:
+  unsplittable. Anything else is unknown."""
   inner: List[tuple] = []
   _collect_terms(numerator, depends, inner, budget)
   kinds = {kind for kind, _, _ in inner}
-  if SUM in kinds and kinds <= {SUM, 'constant'}:
+  if kinds == {SUM}:
     return (RATIO, tf.cast(denominator, op.outputs[0].dtype), op.name)
+  if kinds & {RATIO, 'constant', _UNSPLITTABLE} and UNKNOWN not in kinds:
+    return (_UNSPLITTABLE, None, op.name)
   return (UNKNOWN, None, op.name)
 
 
@@ -521,6 +541,13 @@ class TowerWeights:
           'loss. Make the loss a mean (e.g. loss_reduction='
           'tf.compat.v1.losses.Reduction.SUM_OVER_BATCH_SIZE in a canned '
           'Estimator), or add the regularization outside the sum.')
+    unsplittable = [r for r in reductions if not r.splittable]
+    if unsplittable:
+      raise ValueError(
+          f'The loss {name!r}: {unsplittable[0].detail}. Towers weigh and '
+          "add their shards' losses, and no weights add up to this one (nor "
+          "does any loss_reduction). Divide a sum over the examples by their "
+          'count once (a mean), or train on one device.')
     requested = {'mean': RATIO, 'sum': SUM}.get(self._requested)
     if found.kind == UNKNOWN:
       if requested is None:
