@@ -652,8 +652,7 @@ class _TowerBuilder:
       if name_scope:
         stack.enter_context(graph.name_scope(name_scope))
       stack.enter_context(scoped_collections.tower(name_scope))
-      stack.enter_context(regularization_losses.tower(
-          index, self._towers, self._path.primary_name))
+      stack.enter_context(regularization_losses.tower(index, self._towers))
       stack.enter_context(graph.device(_placer(
           index, device, self._strategy, lambda: update.applying)))
       stack.enter_context(self._sharing.tower(index))

@@ -89,6 +89,76 @@ def test_towers_count_the_regularization_once(regularized, aggregation):
   assert_same_variables(expected, actual, rtol=1e-4, atol=1e-6)
 
 
+def _everything_model_fn(features, labels, mode):
+  """Every way at once (each alone held, together they did not): a kernel
+  regularizer, an activity regularizer downstream of it, one layer applied
+  twice, an activity regularizer on a layer without variables, and weight
+  decay the model_fn adds to the collection for every variable."""
+  x = tf1.layers.Dropout(0.0, activity_regularizer=lambda a: 0.05 *
+                         tf.reduce_sum(tf.square(a)))(features['x'])
+  hidden = tf1.layers.dense(x, 6, activation=tf.nn.tanh,
+                            kernel_initializer=seeded(1),
+                            kernel_regularizer=_l2)
+  shared = tf1.layers.Dense(6, activation=tf.nn.tanh,
+                            kernel_initializer=seeded(4),
+                            kernel_regularizer=_l2, name='shared')
+  hidden = shared(shared(hidden))
+  logits = tf1.layers.dense(
+      hidden, 2, kernel_initializer=seeded(2),
+      activity_regularizer=lambda a: 0.02 * tf.reduce_sum(tf.square(a)))
+  for v in tf1.trainable_variables():
+    tf1.add_to_collection(tf1.GraphKeys.REGULARIZATION_LOSSES,
+                          0.01 * tf.nn.l2_loss(v))
+  tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+  loss = tf1.losses.get_total_loss()
+  if mode == tf.estimator.ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss)
+  train_op = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('towers,kwargs', [
+    (3, {'aggregation': 'global_loss'}),
+    (3, {'aggregation': 'all_reduce'}),
+    (2, {'aggregation': 'all_reduce', 'micro_batches': 2}),
+    (2, {'aggregation': 'global_loss', 'micro_batches': 3}),
+], ids=['global_loss', 'all_reduce', 'all_reduce-2x2', 'global_loss-2x3'])
+def test_every_kind_together_counts_each_term_once(towers, kwargs):
+  expected_losses, expected = _train(_everything_model_fn, 1)
+  losses, actual = _train(_everything_model_fn, towers, **kwargs)
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  assert_same_variables(expected, actual, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.fast
+def test_the_eval_loss_counts_each_term_once():
+  # 7 rows on 3 towers: 3, 2, 2.
+  expected = _eval_loss(_everything_model_fn, 1)
+  actual = _eval_loss(_everything_model_fn, 3, aggregation='all_reduce')
+  np.testing.assert_allclose(actual, expected, rtol=1e-5)
+
+
+def _eval_loss(model_fn, towers, **wrapper_kwargs):
+  rng = np.random.RandomState(1)
+  x = rng.randn(7, 5).astype(np.float32)
+  y = (x[:, 0] > 0).astype(np.int32)
+  with tf.Graph().as_default():
+    features, labels = tf1.data.make_one_shot_iterator(
+        tf.data.Dataset.from_tensors(({'x': x}, y)).repeat()).get_next()
+    config = trainer.make_run_config(cpu_devices=towers)
+    mode = tf.estimator.ModeKeys.EVAL
+    if wrapper_kwargs:
+      spec = trainer.replicate_model_fn(model_fn, **wrapper_kwargs)(
+          features, labels, mode, None, config)
+    else:
+      spec = model_fn(features, labels, mode)
+    with tf1.Session(config=config.session_config) as session:
+      session.run(tf1.global_variables_initializer())
+      return session.run(spec.loss)
+
+
 @pytest.mark.fast
 def test_micro_batches_sharing_a_copy_count_it_once():
   # Two micro-batches per device use that device's copy: before, the second
