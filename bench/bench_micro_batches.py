@@ -216,7 +216,10 @@ def _fits(args, model: str, m: int, batch: int, log: list) -> bool:
     row = _run_child(args, model, m, batch, 0, int(args.cap_mb * 2**20))
     fits = 'error' not in row and row['loss_finite']
   else:
-    row = _run_child(args, model, m, batch, 0)
+    # A batch far over the cap fails fast instead of running a long step:
+    # its allocator refuses twice the cap (a batch under the cap, even
+    # with the allocator's fragmentation, never gets there).
+    row = _run_child(args, model, m, batch, 0, int(2 * args.cap_mb * 2**20))
     fits = 'error' not in row and row['loss_finite'] and (
         row['peak_mb'] <= args.cap_mb)
   log.append((batch, row, fits))
