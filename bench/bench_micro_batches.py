@@ -28,6 +28,17 @@ Models (no batch norm: micro-batches refuse it, see micro_batches.py):
   .venv/bin/python bench/bench_micro_batches.py             # ~4 min here
   .venv/bin/python bench/bench_micro_batches.py --quick     # smoke run
 
+With --cap-mb C it prints instead, per M, the largest global batch (a
+multiple of --granularity) whose traced step's peak stays at or below C MB
+and whose loss is finite: doubling from --start-batch, then bisection, each
+probe a fresh subprocess. The CPU allocator has no cap of its own, so the
+cap is on the measured peak; --real-cap caps the allocator itself
+(TF_MKL_ALLOC_MAX_BYTES: an allocation beyond it fails) and a batch fits
+when its step runs.
+
+The children run with TF_ENABLE_ONEDNN_OPTS=1 (unless set): the peak comes
+from oneDNN's CPU allocator, the only one that keeps statistics.
+
 No figure is asserted: this prints a table and the ratios to M = 1.
 """
 
@@ -143,13 +154,16 @@ def _child(args) -> dict:
   ops = len(graph.get_operations())
   with tf1.Session(graph=graph, config=config.session_config) as session:
     session.run(init)
-    session.run(spec.train_op)  # Warm-up: the first run optimises the graph.
+    # Warm-up: the first run optimises the graph (and reports no memory in
+    # a trace).
+    _, loss = session.run((spec.train_op, spec.loss))
     start = time.perf_counter()
     for _ in range(args.steps):
       session.run(spec.train_op)
     secs = time.perf_counter() - start
     metadata = tf1.RunMetadata()
-    session.run(spec.train_op, options=tf1.RunOptions(
+    # The warm-up's fetches again: a new set's first run would trace none.
+    _, loss = session.run((spec.train_op, spec.loss), options=tf1.RunOptions(
         trace_level=tf1.RunOptions.FULL_TRACE), run_metadata=metadata)
     variables = sum(v.shape.num_elements() * v.dtype.size
                     for v in graph.get_collection(
@@ -157,10 +171,107 @@ def _child(args) -> dict:
   peak = max(memory.allocator_bytes_in_use
              for device in metadata.step_stats.dev_stats
              for node in device.node_stats for memory in node.memory)
+  if not peak:
+    raise RuntimeError(
+        'The trace reports no allocator bytes in use: TensorFlow\'s CPU '
+        'allocator keeps no statistics with TF_ENABLE_ONEDNN_OPTS='
+        f"{os.environ.get('TF_ENABLE_ONEDNN_OPTS')!r}; leave it unset or 1.")
   return {'model': args.model, 'M': args.micro_batches,
           'peak_mb': peak / 2**20, 'variables_mb': variables / 2**20,
-          'examples_per_sec': args.batch * args.steps / secs,
-          'build_secs': build_secs, 'ops': ops}
+          'examples_per_sec': args.batch * args.steps / max(secs, 1e-9),
+          'build_secs': build_secs, 'ops': ops,
+          'loss_finite': bool(np.isfinite(loss))}
+
+
+def _run_child(args, model: str, m: int, batch: int, steps: int,
+               cap_bytes: int = 0) -> dict:
+  """Runs one (model, M, batch) in a fresh subprocess (its allocator capped
+  at `cap_bytes` if not 0); returns its figures, or {'error': last stderr
+  line} when the subprocess fails."""
+  command = [sys.executable, os.path.abspath(__file__), '--child',
+             '--model', model, '--micro_batches', str(m),
+             '--towers', str(args.towers), '--batch', str(batch),
+             '--layers', str(args.layers), '--steps', str(steps)]
+  env = dict(os.environ)
+  # oneDNN's CPU allocator ('mklcpu', a BFC allocator) keeps the statistics
+  # the trace reports; TensorFlow's plain CPU allocator, its default where
+  # oneDNN is off (CPUs without AVX-512 such as this AMD host), reports 0.
+  env.setdefault('TF_ENABLE_ONEDNN_OPTS', '1')
+  if cap_bytes:
+    # A real cap: that allocator fails an allocation beyond it (an OOM).
+    env['TF_MKL_ALLOC_MAX_BYTES'] = str(cap_bytes)
+  result = subprocess.run(command, capture_output=True, text=True, cwd=_ROOT,
+                          check=False, env=env)
+  if result.returncode:
+    lines = result.stderr.strip().splitlines() or ['(no stderr)']
+    return {'error': f'exit {result.returncode}: {lines[-1][:200]}'}
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _fits(args, model: str, m: int, batch: int, log: list) -> bool:
+  """Whether a global batch trains under the cap: its step runs, its loss
+  is finite and its measured peak stays at or below --cap-mb (with
+  --real-cap: the allocator refuses more, and the step still runs)."""
+  if args.real_cap:
+    row = _run_child(args, model, m, batch, 0, int(args.cap_mb * 2**20))
+    fits = 'error' not in row and row['loss_finite']
+  else:
+    # A batch far over the cap fails fast instead of running a long step:
+    # its allocator refuses twice the cap (a batch under the cap, even
+    # with the allocator's fragmentation, never gets there).
+    row = _run_child(args, model, m, batch, 0, int(2 * args.cap_mb * 2**20))
+    fits = 'error' not in row and row['loss_finite'] and (
+        row['peak_mb'] <= args.cap_mb)
+  log.append((batch, row, fits))
+  print(f'  M={m} batch {batch}: '
+        f"{row.get('error') or format(row['peak_mb'], '.0f') + ' MB'}"
+        f"{'' if fits else ' (over)'}", flush=True)
+  return fits
+
+
+def _largest_batch(args, model: str, m: int) -> dict:
+  """The largest global batch (a multiple of --granularity) whose step runs
+  under the cap: doubling from --start-batch, then bisection."""
+  start = time.perf_counter()
+  log = []
+  grain = args.granularity
+  low, high = 0, args.start_batch
+  while high <= args.max_batch and _fits(args, model, m, high, log):
+    low, high = high, 2 * high
+  if high > args.max_batch:
+    high = args.max_batch + grain  # Not reached: the answer is a bound.
+  while high - low > grain:
+    middle = (low + high) // 2 // grain * grain
+    if _fits(args, model, m, middle, log):
+      low = middle
+    else:
+      high = middle
+  peak = next((row['peak_mb'] for batch, row, _ in log if batch == low), 0.0)
+  return {'model': model, 'M': m, 'batch': low, 'peak_mb': peak,
+          'probes': len(log), 'secs': time.perf_counter() - start}
+
+
+def _cap_table(args, models) -> None:
+  """Prints the largest global batch under the cap for M = 1, 2, 4, 8."""
+  rows = []
+  for model in models:
+    for m in args.counts:
+      rows.append(_largest_batch(args, model, m))
+      print(rows[-1], flush=True)
+  what = ('of the CPU allocator (TF_MKL_ALLOC_MAX_BYTES)' if args.real_cap
+          else 'on the measured allocator peak')
+  print(f'\n{args.towers} CPU towers; cap {args.cap_mb:.0f} MB {what}, every '
+        f'tower together; granularity {args.granularity} examples')
+  print('| model | M | largest global batch | vs M=1 | peak MB at it | '
+        'probes | search s |')
+  print('| --- | --- | --- | --- | --- | --- | --- |')
+  for row in rows:
+    base = next((r for r in rows if r['model'] == row['model'] and
+                 r['M'] == 1), None)
+    ratio = row['batch'] / base['batch'] if base and base['batch'] else (
+        float('nan'))
+    print(f"| {row['model']} | {row['M']} | {row['batch']} | {ratio:.2f}x | "
+          f"{row['peak_mb']:.0f} | {row['probes']} | {row['secs']:.0f} |")
 
 
 def main() -> None:
@@ -168,29 +279,49 @@ def main() -> None:
   parser.add_argument('--quick', action='store_true')
   parser.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
   parser.add_argument('--model', default='resnet')
+  parser.add_argument('--models', default='resnet,transformer',
+                      help='comma-separated models of the table')
   parser.add_argument('--micro_batches', type=int, default=1)
   parser.add_argument('--towers', type=int, default=2)
   parser.add_argument('--batch', type=int, default=0)
   parser.add_argument('--layers', type=int, default=2)
   parser.add_argument('--steps', type=int, default=3)
+  parser.add_argument('--cap-mb', dest='cap_mb', type=float, default=0,
+                      help='instead of the table at one batch: the largest '
+                      'global batch whose measured peak stays under this')
+  parser.add_argument('--granularity', type=int, default=16,
+                      help='--cap-mb: batches searched are multiples of it')
+  parser.add_argument('--counts', type=lambda text: [
+      int(m) for m in text.split(',')], default=[1, 2, 4, 8],
+                      help='--cap-mb: the micro-batch counts M searched')
+  parser.add_argument('--real-cap', dest='real_cap', action='store_true',
+                      help='--cap-mb caps the allocator itself: a batch fits '
+                      'when its step runs (no OOM) with a finite loss')
+  parser.add_argument('--start-batch', dest='start_batch', type=int,
+                      default=64, help='--cap-mb: first batch tried')
+  parser.add_argument('--max-batch', dest='max_batch', type=int,
+                      default=16384, help='--cap-mb: largest batch tried')
   args = parser.parse_args()
   if args.child:
     print(json.dumps(_child(args)))
     return
+  models = args.models.split(',')
+  unknown = set(models) - {'resnet', 'transformer'}
+  if unknown:
+    parser.error(f'--models: unknown {sorted(unknown)}; choose among '
+                 'resnet, transformer')
+  if args.cap_mb:
+    _cap_table(args, models)
+    return
   counts = (1, 4) if args.quick else (1, 2, 4, 8)
   batches = {'resnet': 256, 'transformer': 32}
   rows = []
-  for model in ('resnet', 'transformer'):
+  for model in models:
     for m in counts:
-      command = [sys.executable, os.path.abspath(__file__), '--child',
-                 '--model', model, '--micro_batches', str(m),
-                 '--towers', str(args.towers), '--batch',
-                 str(args.batch or batches[model]), '--layers',
-                 str(args.layers), '--steps', str(1 if args.quick
-                                                   else args.steps)]
-      out = subprocess.run(command, check=True, capture_output=True,
-                           text=True, cwd=_ROOT).stdout
-      rows.append(json.loads(out.strip().splitlines()[-1]))
+      rows.append(_run_child(args, model, m, args.batch or batches[model],
+                             1 if args.quick else args.steps))
+      if 'error' in rows[-1]:
+        sys.exit(f'{model} M={m}: {rows[-1]["error"]}')
       print(rows[-1], flush=True)
   print(f'\n{args.towers} CPU towers; global batch resnet '
         f'{args.batch or batches["resnet"]}, transformer '
