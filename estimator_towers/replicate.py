@@ -575,6 +575,7 @@ class _TowerBuilder:
                      one_update_ops) -> tf.estimator.EstimatorSpec:
     """Phase 5 (TRAIN): the one update's copies, sums and write order."""
     spec = self._path.finish(spec, self._towers.first)
+    step.update.check_run_by(spec.train_op)
     # The loss logged (and checked for NaN) is the global batch's.
     if self._task_group.across_tasks:
       # The tasks' stop requests ride in the loss's collective.

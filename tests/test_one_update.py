@@ -236,3 +236,25 @@ def test_an_update_the_towers_do_not_see_is_refused():
 
   with pytest.raises(ValueError, match='writes trainable variables'):
     build_replicated(model_fn, 2)
+
+
+def _update_in_a_hook_model_fn(features, labels, mode, params):
+  """TF-GAN's GANEstimator's way: the train_op only advances global_step,
+  a training hook runs the optimizer's update."""
+  del params
+  logits = tf.compat.v1.layers.dense(features['x'], 2)
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  update = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+  step = tf.compat.v1.train.get_or_create_global_step()
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=step.assign_add(1),
+      training_hooks=[tf.compat.v1.train.FinalOpsHook(update)])
+
+
+@pytest.mark.fast
+def test_an_update_run_by_a_hook_is_refused():
+  # Tower 0's hook would run a routed call that updates nothing: every
+  # weight stayed at its start, silently (TF-GAN on towers).
+  with pytest.raises(ValueError, match="train_op does not run the "
+                     "optimizer update 'GradientDescent'.*RunTrainOpsHook"):
+    build_replicated(_update_in_a_hook_model_fn, 2)

@@ -278,6 +278,41 @@ class OneUpdate:
     return [op for result, _ in self._updates
             for op in _operations_of(result)]
 
+  def check_run_by(self, train_op) -> None:
+    """Fails when the train_op does not run the one update.
+
+    A model_fn may run its updates from a training hook instead (TF-GAN's
+    GANEstimator: its train_op only advances global_step, and its
+    RunTrainOpsHook runs the generator's and discriminator's updates). The
+    merged spec keeps tower 0's hooks, whose optimizer calls are routed
+    into the one update and run nothing: every weight stayed where it
+    started, with no error.
+
+    Args:
+      train_op: The merged spec's train_op.
+
+    Raises:
+      ValueError: An update the towers' optimizer calls built is not among
+        what the train_op runs.
+    """
+    train_ops = _operations_of(train_op)
+    ran = op_ledger.ancestors(train_ops)
+    graph = train_ops[0].graph if train_ops else None
+    # An update inside a tf.cond branch lives in the branch's graph, run
+    # through the cond op: only the train_op's own graph is checked.
+    missing = [op for op in self.result_ops()
+               if op.graph is graph and op not in ran]
+    if missing:
+      raise ValueError(
+          f"The train_op does not run the optimizer update "
+          f"'{missing[0].name}' the model_fn built; it runs elsewhere, such "
+          "as from a training hook (TF-GAN's GANEstimator runs its updates "
+          'with RunTrainOpsHook). replicate_model_fn makes the towers\' '
+          'optimizer calls one update for the whole batch, which only the '
+          'train_op can run: run from a hook, it would change nothing. Make '
+          'the train_op run the update (e.g. tf.group it into the train_op), '
+          'or train this model_fn on one device.')
+
   @contextlib.contextmanager
   def _whole_batch(self) -> Iterator[None]:
     """Marks the ops made inside as the whole batch's values."""
