@@ -117,7 +117,8 @@ def collect(out: str) -> dict:
 
 def table(out: str) -> str:
   """The markdown table: per file, unwrapped passes and each configuration's
-  passed / failed / passed-with-towers over those tests."""
+  passed / failed / passed-with-towers-built over those tests. The total
+  row covers the files every configuration ran."""
   runs = collect(out)
   configs = sorted(c for c in runs if c != BASELINE)
   head = ['file', 'unwrapped passed'] + [
@@ -127,21 +128,23 @@ def table(out: str) -> str:
   for name, base in sorted(runs[BASELINE].items()):
     passing = [t for t, (o, *_) in base.items() if o == 'passed']
     row = [name, str(len(passing))]
-    totals['base'] += len(passing)
+    everywhere = all(name in runs[c] for c in configs)
+    totals['base'] += len(passing) if everywhere else 0
     for c in configs:
-      got = runs[c].get(name, {})
+      if name not in runs[c]:
+        row.append('not run')
+        continue
+      got = runs[c][name]
       ok = [t for t in passing if got.get(t, ('missing',))[0] == 'passed']
       built = [t for t in ok if got[t][1] > 0]
-      failed = len(passing) - len(ok)
-      totals[c, 'ok'] += len(ok)
-      totals[c, 'failed'] += failed
-      totals[c, 'built'] += len(built)
-      row.append(f'{len(ok)} / {failed} / {len(built)}')
+      counts = (len(ok), len(passing) - len(ok), len(built))
+      row.append('%d / %d / %d' % counts)
+      if everywhere:
+        totals[c] = tuple(map(sum, zip(totals[c] or (0, 0, 0), counts)))
     lines.append('| ' + ' | '.join(row) + ' |')
-  lines.append('| **total** | ' + ' | '.join(
-      [str(totals['base'])] + [
-          f"{totals[c, 'ok']} / {totals[c, 'failed']} / {totals[c, 'built']}"
-          for c in configs]) + ' |')
+  lines.append('| **total (files run everywhere)** | ' + ' | '.join(
+      [str(totals['base'])] + ['%d / %d / %d' % (totals[c] or (0, 0, 0))
+                               for c in configs]) + ' |')
   return '\n'.join(lines)
 
 
@@ -150,7 +153,9 @@ def failures(out: str, config: str) -> list:
   runs = collect(out)
   lost = []
   for name, base in sorted(runs[BASELINE].items()):
-    got = runs[config].get(name, {})
+    if name not in runs[config]:
+      continue  # Not run in that configuration (yet).
+    got = runs[config][name]
     for test, (outcome, *_) in base.items():
       result = got.get(test, ('missing', 0, ''))
       if outcome == 'passed' and result[0] != 'passed':
