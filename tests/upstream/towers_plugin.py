@@ -14,10 +14,12 @@ the eager or serving shortcuts that run the model_fn as written).
 """
 
 import os
+import threading
 
 import pytest
 import tensorflow as tf
 from tensorflow_estimator.python.estimator import estimator as estimator_lib
+from tensorflow_estimator.python.estimator import util as function_utils
 
 from estimator_towers import replicate as replicate_lib
 
@@ -25,6 +27,7 @@ TOWERS = int(os.environ.get('ET_TOWERS', '0') or 0)
 AGGREGATION = os.environ.get('ET_AGGREGATION', 'global_loss')
 
 _counts = {'wrapped_calls': 0, 'tower_builds': 0}
+_nesting = threading.local()  # depth: replicated calls under way
 
 
 def _count(key):
@@ -40,9 +43,22 @@ def _wrap(model_fn):
       model_fn, devices=[f'/cpu:{i}' for i in range(TOWERS)],
       aggregation=AGGREGATION)
 
+  accepted = set(function_utils.fn_args(model_fn))
+
   def counted(*args, **kwargs):
+    depth = getattr(_nesting, 'depth', 0)
+    if depth:
+      # An Estimator around another's model_fn (tf.estimator.add_metrics):
+      # the outer one replicates, the inner one runs as written in each
+      # tower, as a user who wraps one Estimator gets.
+      return model_fn(*args, **{k: v for k, v in kwargs.items()
+                                if k in accepted})
     _count('wrapped_calls')
-    return replicated(*args, **kwargs)
+    _nesting.depth = depth + 1
+    try:
+      return replicated(*args, **kwargs)
+    finally:
+      _nesting.depth = depth
 
   # Estimator reads the arguments off the signature the wrapper presents.
   counted.__signature__ = replicated.__signature__
