@@ -13,6 +13,10 @@ import pytest
 from cli_helpers import CSV_FLAGS, run_module, write_tabular_csv
 from helpers import NUM_EXAMPLES, NUM_FEATURES
 
+# tests/upstream runs tensorflow/estimator's own tests on towers, on demand
+# (tests/upstream/run_upstream.py); the suite never collects it.
+collect_ignore = ['upstream']
+
 TIERS = ('fast', 'training', 'cli', 'cluster')
 # A rough cost of one test per tier, in the fast tier's units: enough to
 # tell a file of cluster launches from a file of graph checks.

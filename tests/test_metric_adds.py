@@ -145,7 +145,18 @@ def test_add_metrics_sees_the_whole_batch_predictions(checkpoint, towers):
                                err_msg=name)
 
 
-def test_training_predictions_cover_the_whole_batch():
+def _tensor_predictions(features, labels, mode, params):
+  """The classifier with its predictions as one Tensor, not a dict."""
+  spec = _classifier(features, labels, mode, params)
+  return spec._replace(predictions=spec.predictions['probabilities'])
+
+
+@pytest.mark.parametrize('model_fn,read', [
+    (_classifier, lambda predictions: predictions['probabilities']),
+    # A Tensor's truth value is undefined in a graph: the merge once asked
+    # it (tensorflow/estimator's own test_complete_flow_... crashed).
+    (_tensor_predictions, lambda predictions: predictions)])
+def test_training_predictions_cover_the_whole_batch(model_fn, read):
   x, _ = _data()
   outputs = []
   for towers in (1, 3):
@@ -153,11 +164,11 @@ def test_training_predictions_cover_the_whole_batch():
       features, labels = tf1.data.make_one_shot_iterator(
           _input_fn()).get_next()
       config = estimator_towers.make_run_config(cpu_devices=towers)
-      spec = estimator_towers.replicate_model_fn(_classifier)(
+      spec = estimator_towers.replicate_model_fn(model_fn)(
           features, labels, tf.estimator.ModeKeys.TRAIN, {}, config)
       with tf1.Session(config=config.session_config) as session:
         session.run(tf1.global_variables_initializer())
-        outputs.append(session.run(spec.predictions['probabilities']))
+        outputs.append(session.run(read(spec.predictions)))
   assert outputs[1].shape == (_BATCH, 2) and len(x) > _BATCH
   np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-6)
 

@@ -171,7 +171,8 @@ def whole_batch_predictions(specs, sizes, padded: bool,
     Predictions shaped as tower 0's (a dict, a tensor or None).
   """
   first = specs[0].predictions
-  if not first:
+  # A Tensor has no truth value in a graph: only None and {} are empty.
+  if first is None or (isinstance(first, dict) and not first):
     return first
 
   def merge(name, tensors):
