@@ -291,18 +291,22 @@ class OneUpdate:
     Args:
       train_op: The merged spec's train_op.
 
+    An update the train_op leaves out while it runs another (a model_fn
+    that replaces the spec's train_op with its own) is dead code on one
+    device too, and is left so.
+
     Raises:
-      ValueError: An update the towers' optimizer calls built is not among
-        what the train_op runs.
+      ValueError: The towers' optimizer calls built updates and the
+        train_op runs none of them.
     """
     train_ops = _operations_of(train_op)
     ran = op_ledger.ancestors(train_ops)
     graph = train_ops[0].graph if train_ops else None
     # An update inside a tf.cond branch lives in the branch's graph, run
     # through the cond op: only the train_op's own graph is checked.
-    missing = [op for op in self.result_ops()
-               if op.graph is graph and op not in ran]
-    if missing:
+    built = [op for op in self.result_ops() if op.graph is graph]
+    missing = [op for op in built if op not in ran]
+    if built and len(missing) == len(built):
       raise ValueError(
           f"The train_op does not run the optimizer update "
           f"'{missing[0].name}' the model_fn built; it runs elsewhere, such "
