@@ -35,12 +35,31 @@ def dataset_input_fn(features, labels=None, batch_size=12, repeat=True):
   return input_fn
 
 
+def run_config(model_dir, towers, **kwargs):
+  """`make_run_config` on `towers` virtual CPUs, for Estimators in tests.
+
+  The checkpoint hook writes no graph.pbtxt, .meta files or graph event: a
+  big graph (MobileNet's: tens of MB) makes them seconds of a test's time,
+  and no test reads them.
+
+  Args:
+    model_dir: The Estimator's directory.
+    towers: How many virtual CPU devices the session gets.
+    **kwargs: More arguments of `make_run_config` / `RunConfig`.
+
+  Returns:
+    The `RunConfig`.
+  """
+  return trainer.make_run_config(str(model_dir), cpu_devices=towers,
+                                 checkpoint_save_graph_def=False, **kwargs)
+
+
 def make_estimator(model_fn, model_dir, towers=1, params=None, replicate=None,
                    **wrapper_kwargs):
   """An Estimator on `towers` virtual CPUs; replicated when towers > 1."""
-  config = trainer.make_run_config(
-      str(model_dir), cpu_devices=towers, tf_random_seed=7,
-      save_checkpoints_steps=10_000, log_step_count_steps=10_000)
+  config = run_config(model_dir, towers, tf_random_seed=7,
+                      save_checkpoints_steps=10_000,
+                      log_step_count_steps=10_000)
   if replicate is None:
     replicate = towers > 1
   fn = trainer.replicate_model_fn(model_fn, **wrapper_kwargs) if replicate \

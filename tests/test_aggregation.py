@@ -17,7 +17,7 @@ import tensorflow as tf
 import estimator_towers
 from helpers import (OPTIMIZERS, assert_same_variables, build_replicated,
                      classifier_model_fn, dataset_input_fn, make_estimator,
-                     save_start_checkpoint, variables_of)
+                     run_config, save_start_checkpoint, variables_of)
 
 tf1 = tf.compat.v1
 AGGREGATIONS = ['global_loss', 'round_robin', 'all_reduce']
@@ -113,8 +113,7 @@ def test_canned_dnn_classifier_equals_one_device(tmp_path, data, one_device,
     save_start_checkpoint(model_fn(), input_fn, [root / 'one', root / 'start'])
     one = tf.estimator.Estimator(
         model_fn(),
-        config=estimator_towers.make_run_config(str(root / 'one'),
-                                                cpu_devices=1))
+        config=run_config(root / 'one', 1))
     one.train(input_fn, steps=STEPS)
     return root / 'start', variables_of(one)
 
@@ -122,8 +121,7 @@ def test_canned_dnn_classifier_equals_one_device(tmp_path, data, one_device,
   shutil.copytree(start, tmp_path / 'many')
   many = tf.estimator.Estimator(
       estimator_towers.replicate_model_fn(model_fn(), aggregation=aggregation),
-      config=estimator_towers.make_run_config(str(tmp_path / 'many'),
-                                              cpu_devices=towers))
+      config=run_config(tmp_path / 'many', towers))
   many.train(input_fn, steps=STEPS)
   assert_same_variables(one, variables_of(many))
   assert any('Adagrad' in name for name in variables_of(many))

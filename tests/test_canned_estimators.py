@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import trainer
 from helpers import (assert_same_variables, dataset_input_fn,
-                     save_start_checkpoint, variables_of)
+                     run_config, save_start_checkpoint, variables_of)
 
 pytestmark = pytest.mark.training
 
@@ -46,11 +46,11 @@ def _pair(tmp_path, model_fn, towers, input_fn, params=None, **wrapper_kwargs):
   dirs = [tmp_path / 'one', tmp_path / 'many']
   save_start_checkpoint(model_fn, input_fn, dirs, params)
   one = tf.estimator.Estimator(
-      model_fn, config=trainer.make_run_config(str(dirs[0]), cpu_devices=1),
+      model_fn, config=run_config(dirs[0], 1),
       params=params)
   many = tf.estimator.Estimator(
       trainer.replicate_model_fn(model_fn, **wrapper_kwargs), params=params,
-      config=trainer.make_run_config(str(dirs[1]), cpu_devices=towers))
+      config=run_config(dirs[1], towers))
   return one, many
 
 
@@ -80,7 +80,7 @@ def canned_one_device(tmp_path_factory, data):
       save_start_checkpoint(model_fn, input_fn, [root / 'one', root / 'start'])
       one = tf.estimator.Estimator(
           model_fn,
-          config=trainer.make_run_config(str(root / 'one'), cpu_devices=1))
+          config=run_config(root / 'one', 1))
       one.train(input_fn, steps=STEPS)
       runs[kind] = root / 'start', variables_of(one)
     return runs[kind]
@@ -99,8 +99,7 @@ def test_v1_canned_training_equals_one_device(tmp_path, data,
   shutil.copytree(start, tmp_path / 'many')
   many = tf.estimator.Estimator(
       trainer.replicate_model_fn(_v1_canned(kind).model_fn),
-      config=trainer.make_run_config(str(tmp_path / 'many'),
-                                     cpu_devices=towers))
+      config=run_config(tmp_path / 'many', towers))
   many.train(input_fn, steps=STEPS)
   # global_step advances once per step, also where the model_fn advances it
   # itself (DNNLinearCombined), and every variable and slot matches.

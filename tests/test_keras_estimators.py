@@ -9,7 +9,8 @@ import tensorflow as tf
 
 import trainer
 from helpers import (assert_same_variables, dataset_input_fn,
-                     save_start_checkpoint, seeded, variables_of)
+                     run_config, save_start_checkpoint, seeded,
+                     variables_of)
 
 pytestmark = pytest.mark.training
 
@@ -31,10 +32,10 @@ def _pair(tmp_path, model_fn, towers, input_fn, params=None,
   save_start_checkpoint(fns[0], input_fn, dirs, params)
   one = tf.estimator.Estimator(
       fns[1], params=params,
-      config=trainer.make_run_config(str(dirs[0]), cpu_devices=1))
+      config=run_config(dirs[0], 1))
   many = tf.estimator.Estimator(
       trainer.replicate_model_fn(fns[2], **wrapper_kwargs), params=params,
-      config=trainer.make_run_config(str(dirs[1]), cpu_devices=towers))
+      config=run_config(dirs[1], towers))
   return one, many
 
 
@@ -153,7 +154,7 @@ def test_new_keras_optimizer_error_names_the_legacy_one(tmp_path, data):
   x, y = data
   estimator = tf.estimator.Estimator(
       trainer.replicate_model_fn(model_fn),
-      config=trainer.make_run_config(str(tmp_path), cpu_devices=2))
+      config=run_config(tmp_path, 2))
   with pytest.raises(ValueError, match=r'never updates the weights.*'
                      r'tf\.keras\.optimizers\.legacy\.SGD or a '
                      r'tf\.compat\.v1\.train optimizer'):
@@ -229,7 +230,7 @@ def test_model_to_estimators_object_saver_is_refused_under_all_reduce(
   x, y = data
   many = tf.estimator.Estimator(
       trainer.replicate_model_fn(estimator.model_fn, aggregation='all_reduce'),
-      config=trainer.make_run_config(str(tmp_path / 'many'), cpu_devices=2))
+      config=run_config(tmp_path / 'many', 2))
   with pytest.raises(ValueError, match=r"own Saver \(scaffold\.saver\) "
                      r"restores tower_1_replica/\S+, a tower's copy.*"
                      r"checkpoint_format='saver'"):

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import model_fns
 import trainer
+from helpers import run_config
 from model_fns import hparams
 from model_fns import keras_app
 from model_fns import resnet
@@ -152,9 +153,9 @@ class _Run:
     params, make_data, steps, batch_size = CASES[name]
     self.features, self.labels = make_data()
     self.losses = []
-    config = trainer.make_run_config(
-        str(model_dir), cpu_devices=2, tf_random_seed=1,
-        save_checkpoints_steps=10_000, log_step_count_steps=10_000)
+    config = run_config(model_dir, 2, tf_random_seed=1,
+                        save_checkpoints_steps=10_000,
+                        log_step_count_steps=10_000)
     self.estimator = tf.estimator.Estimator(
         _recording(trainer.replicate_model_fn(model_fns.get_model_fn(name)),
                    self.losses), config=config, params=params)
