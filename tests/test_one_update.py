@@ -240,21 +240,27 @@ def test_an_update_the_towers_do_not_see_is_refused():
 
 def _update_in_a_hook_model_fn(features, labels, mode, params):
   """TF-GAN's GANEstimator's way: the train_op only advances global_step,
-  a training hook runs the optimizer's update."""
+  training hooks run the two optimizers' updates."""
   del params
-  logits = tf.compat.v1.layers.dense(features['x'], 2)
+  hidden = tf.compat.v1.layers.dense(features['x'], 3, name='first')
+  logits = tf.compat.v1.layers.dense(hidden, 2, name='second')
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
-  update = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+  updates = [
+      tf.compat.v1.train.GradientDescentOptimizer(0.1, name=name).minimize(
+          loss, var_list=tf.compat.v1.trainable_variables(scope))
+      for name, scope in (('generator', 'first'), ('critic', 'second'))]
   step = tf.compat.v1.train.get_or_create_global_step()
   return tf.estimator.EstimatorSpec(
       mode, loss=loss, train_op=step.assign_add(1),
-      training_hooks=[tf.compat.v1.train.FinalOpsHook(update)])
+      training_hooks=[tf.compat.v1.train.FinalOpsHook(u) for u in updates])
 
 
 @pytest.mark.fast
 def test_an_update_run_by_a_hook_is_refused():
-  # Tower 0's hook would run a routed call that updates nothing: every
-  # weight stayed at its start, silently (TF-GAN on towers).
-  with pytest.raises(ValueError, match="train_op does not run the "
-                     "optimizer update 'GradientDescent'.*RunTrainOpsHook"):
+  # Tower 0's hooks would run routed calls that update nothing: every
+  # weight stayed at its start, silently (TF-GAN on towers). Both updates
+  # are named.
+  with pytest.raises(ValueError, match="train_op runs none of the optimizer "
+                     "updates the model_fn built \\('generator', 'critic'\\).*"
+                     'RunTrainOpsHook'):
     build_replicated(_update_in_a_hook_model_fn, 2)

@@ -288,12 +288,12 @@ class OneUpdate:
     into the one update and run nothing: every weight stayed where it
     started, with no error.
 
-    Args:
-      train_op: The merged spec's train_op.
-
     An update the train_op leaves out while it runs another (a model_fn
     that replaces the spec's train_op with its own) is dead code on one
     device too, and is left so.
+
+    Args:
+      train_op: The merged spec's train_op.
 
     Raises:
       ValueError: The towers' optimizer calls built updates and the
@@ -308,13 +308,13 @@ class OneUpdate:
     missing = [op for op in built if op not in ran]
     if built and len(missing) == len(built):
       raise ValueError(
-          f"The train_op does not run the optimizer update "
-          f"'{missing[0].name}' the model_fn built; it runs elsewhere, such "
+          f'The train_op runs none of the optimizer updates the model_fn '
+          f'built ({_names(missing)}); they run elsewhere, such '
           "as from a training hook (TF-GAN's GANEstimator runs its updates "
           'with RunTrainOpsHook). replicate_model_fn makes the towers\' '
           'optimizer calls one update for the whole batch, which only the '
-          'train_op can run: run from a hook, it would change nothing. Make '
-          'the train_op run the update (e.g. tf.group it into the train_op), '
+          'train_op can run: run from a hook, they would change nothing. Make '
+          'the train_op run them (e.g. tf.group them into the train_op), '
           'or train this model_fn on one device.')
 
   @contextlib.contextmanager
@@ -558,6 +558,12 @@ def _loss_of(call: calls.Call) -> tf.Tensor:
 def _operations_of(result) -> List[tf.Operation]:
   return [getattr(item, 'op', item) for item in tf.nest.flatten(result)
           if isinstance(item, (tf.Tensor, tf.Operation))]
+
+
+def _names(ops: List[tf.Operation], shown: int = 3) -> str:
+  """`ops`' names for a message, the first `shown` of them."""
+  names = ', '.join(repr(op.name) for op in ops[:shown])
+  return names + (f' and {len(ops) - shown} more' if len(ops) > shown else '')
 
 
 def _gradient_variables(call: calls.Call) -> List:
