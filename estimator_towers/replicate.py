@@ -575,7 +575,9 @@ class _TowerBuilder:
                      one_update_ops) -> tf.estimator.EstimatorSpec:
     """Phase 5 (TRAIN): the one update's copies, sums and write order."""
     spec = self._path.finish(spec, self._towers.first)
-    step.update.check_run_by(spec.train_op)
+    # Earlier towers' update stand-ins run the update (for what the
+    # model_fn chained after it, and hooks): after the effects checks.
+    step.update.connect_stand_ins()
     # The loss logged (and checked for NaN) is the global batch's.
     if self._task_group.across_tasks:
       # The tasks' stop requests ride in the loss's collective.

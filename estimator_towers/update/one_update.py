@@ -128,6 +128,10 @@ class OneUpdate:
     # The last tower's updates (minimize, get_updates, apply_gradients):
     # their results and regions.
     self._updates: List[Tuple[Any, op_ledger.Region]] = []
+    # Per update call (key): what earlier towers' calls returned instead of
+    # the update, and the update itself (see `connect_stand_ins`).
+    self._stand_ins: Dict[tuple, List[tf.Operation]] = {}
+    self._update_by_key: Dict[tuple, List[tf.Operation]] = {}
 
   @contextlib.contextmanager
   def routing(self) -> Iterator[None]:
@@ -190,6 +194,8 @@ class OneUpdate:
       result = _placeholder(call)
       if call.kind == calls.GRADIENTS:
         self._routed_outputs[tower].extend(_ops_of(result))
+      else:
+        self._stand_ins.setdefault(key, []).extend(_operations_of(result))
       return result
     missing = [t for t in range(self._num_towers)
                if t not in self._losses[index]]
@@ -210,7 +216,7 @@ class OneUpdate:
       if call.kind == calls.GRADIENTS:
         self._routed_outputs[tower].extend(_ops_of(result))
     if call.kind == calls.UPDATE:
-      self._updates.append((result, self._update_regions[-1]))
+      self._add_update(key, result)
     return result
 
   def _outer_apply(self, call: calls.Call) -> Any:
@@ -232,14 +238,21 @@ class OneUpdate:
           'optimizer (each with its var_list), or use one optimizer and '
           'scale the gradients of each variable before apply_gradients.')
     if tower < self._num_towers - 1:
-      return tf.no_op(name='update_in_last_tower')
+      stand_in = tf.no_op(name='update_in_last_tower')
+      self._stand_ins.setdefault(key, []).append(stand_in)
+      return stand_in
     with self._global_phase(key):
       if self._scaled(call):
         result = self._scaling.run(call)
       else:
         result = self._update(call)
-    self._updates.append((result, self._update_regions[-1]))
+    self._add_update(key, result)
     return result
+
+  def _add_update(self, key: tuple, result) -> None:
+    """Records the last tower's update for the call `key`."""
+    self._updates.append((result, self._update_regions[-1]))
+    self._update_by_key[key] = _operations_of(result)
 
   def _scaled(self, call: calls.Call) -> bool:
     """Whether the last tower makes `call` on a loss-scale wrapper (whose
@@ -278,44 +291,40 @@ class OneUpdate:
     return [op for result, _ in self._updates
             for op in _operations_of(result)]
 
-  def check_run_by(self, train_op) -> None:
-    """Fails when the train_op does not run the one update.
+  def connect_stand_ins(self) -> None:
+    """Makes what earlier towers' update calls returned run the one update.
 
-    A model_fn may run its updates from a training hook instead (TF-GAN's
-    GANEstimator: its train_op only advances global_step, and its
-    RunTrainOpsHook runs the generator's and discriminator's updates). The
-    merged spec keeps tower 0's hooks, whose optimizer calls are routed
-    into the one update and run nothing: every weight stayed where it
-    started, with no error.
-
-    An update the train_op leaves out while it runs another (a model_fn
-    that replaces the spec's train_op with its own) is dead code on one
-    device too, and is left so.
-
-    Args:
-      train_op: The merged spec's train_op.
+    An earlier tower's minimize or apply_gradients returns a no-op stand-in
+    (the update needs every tower's gradients). What the model_fn chains
+    after it must still come after the update, as on one device: a second
+    optimizer whose loss is computed under `tf.control_dependencies`
+    of the first update (a GAN's generator step, then its discriminator
+    step on the updated generator) read the generator's weights from
+    before the update in every earlier tower; a training hook that runs
+    the update (TF-GAN's GANEstimator runs its updates with
+    RunTrainOpsHook, tower 0's hooks are kept) updated nothing. Each
+    stand-in now waits for its update. Call once the checks of the towers'
+    effects are done: they read each tower's own dependencies.
 
     Raises:
-      ValueError: The towers' optimizer calls built updates and the
-        train_op runs none of them.
+      ValueError: an update waits for an earlier tower's stand-in of
+        itself (a control cycle).
     """
-    train_ops = _operations_of(train_op)
-    ran = op_ledger.ancestors(train_ops)
-    graph = train_ops[0].graph if train_ops else None
-    # An update inside a tf.cond branch lives in the branch's graph, run
-    # through the cond op: only the train_op's own graph is checked.
-    built = [op for op in self.result_ops() if op.graph is graph]
-    missing = [op for op in built if op not in ran]
-    if built and len(missing) == len(built):
-      raise ValueError(
-          f'The train_op runs none of the optimizer updates the model_fn '
-          f'built ({_names(missing)}); they run elsewhere, such '
-          "as from a training hook (TF-GAN's GANEstimator runs its updates "
-          'with RunTrainOpsHook). replicate_model_fn makes the towers\' '
-          'optimizer calls one update for the whole batch, which only the '
-          'train_op can run: run from a hook, they would change nothing. Make '
-          'the train_op run them (e.g. tf.group them into the train_op), '
-          'or train this model_fn on one device.')
+    for key, stand_ins in self._stand_ins.items():
+      update = self._update_by_key.get(key)
+      if not update:
+        continue
+      looped = op_ledger.by_creation(set(stand_ins) &
+                                     op_ledger.ancestors(update))
+      if looped:
+        raise ValueError(
+            f'The optimizer update {update[0].name!r} waits for '
+            f'{looped[0].name!r}, what an earlier tower\'s same optimizer '
+            'call returned: the update would wait for itself. Chain work '
+            'after an update from the train_op, not into the loss the '
+            'update trains.')
+      for stand_in in stand_ins:
+        stand_in._add_control_inputs(update)  # pylint: disable=protected-access
 
   @contextlib.contextmanager
   def _whole_batch(self) -> Iterator[None]:
@@ -558,12 +567,6 @@ def _loss_of(call: calls.Call) -> tf.Tensor:
 def _operations_of(result) -> List[tf.Operation]:
   return [getattr(item, 'op', item) for item in tf.nest.flatten(result)
           if isinstance(item, (tf.Tensor, tf.Operation))]
-
-
-def _names(ops: List[tf.Operation], shown: int = 3) -> str:
-  """`ops`' names for a message, the first `shown` of them."""
-  names = ', '.join(repr(op.name) for op in ops[:shown])
-  return names + (f' and {len(ops) - shown} more' if len(ops) > shown else '')
 
 
 def _gradient_variables(call: calls.Call) -> List:
