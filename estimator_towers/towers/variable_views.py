@@ -9,9 +9,12 @@ included, so it averaged tower 0's shadows too ('.../moving_mean/
 ExponentialMovingAverage/ExponentialMovingAverage'), a variable tower 0
 never made: refused as another model.
 
-So while a later tower builds, each variable tower 0 added to these
-collections is hidden from them until the tower asks for it (reuses it);
-what the tower reads is then what tower 0 read at the same point. Variables
+So while a later tower builds, each non-trainable variable tower 0 added
+to these collections is hidden from them until the tower asks for it
+(reuses it); what the tower reads is then what tower 0 read at the same
+point. Trainable variables are never hidden: an optimizer call without a
+var_list reads them, and the last tower's call is the one update (the v1
+canned DNN's partitioned layers failed with "No variables to optimize"). Variables
 made before tower 0 (global_step) and those the later tower makes itself
 stay visible. On exit the collections hold everything again.
 """
@@ -20,6 +23,7 @@ import contextlib
 from typing import Dict, Iterator, List, Optional, Set
 
 import tensorflow as tf
+from tensorflow.python.ops import variables as variables_lib
 
 tf1 = tf.compat.v1
 # The collections a model_fn reads to choose what to train or average.
@@ -52,9 +56,13 @@ class VariableViews:
       before = {key: {id(v) for v in graph.get_collection(key)}
                 for key in KEYS}
       yield
+      # Trainable variables stay visible: an optimizer call without a
+      # var_list reads them, and the last tower's is the one update, which
+      # must see every one of them.
+      trainable = {id(v) for v in tf1.trainable_variables()}
       self._tower0 = {id(v) for key in KEYS
                       for v in graph.get_collection(key)
-                      if id(v) not in before[key]}
+                      if id(v) not in before[key] and id(v) not in trainable}
       return
     self._saved = {key: list(graph.get_collection(key)) for key in KEYS}
     self._shown = set()
@@ -68,12 +76,17 @@ class VariableViews:
         ref[:] = saved[key] + _added(ref, saved[key])
 
   def reached(self, variable) -> None:
-    """A later tower asked for tower 0's `variable`: show it from now on."""
-    if self._saved is None or id(variable) not in self._tower0 or (
-        id(variable) in self._shown):
+    """A later tower asked for tower 0's `variable`: show it from now on.
+
+    Args:
+      variable: A variable, or a partitioned one (its parts are shown).
+    """
+    if self._saved is None:
       return
-    self._shown.add(id(variable))
-    self._refresh(tf1.get_default_graph())
+    parts = {id(v) for v in _parts(variable)} & self._tower0
+    if parts - self._shown:
+      self._shown |= parts
+      self._refresh(tf1.get_default_graph())
 
   def _refresh(self, graph: tf.Graph) -> None:
     """Each collection: what the tower may see, then what it added."""
@@ -82,6 +95,13 @@ class VariableViews:
       visible = [v for v in self._saved[key]
                  if id(v) not in self._tower0 or id(v) in self._shown]
       ref[:] = visible + _added(ref, self._saved[key])
+
+
+def _parts(variable) -> List:
+  """A partitioned variable's parts (they are what collections hold)."""
+  if isinstance(variable, variables_lib.PartitionedVariable):
+    return list(variable)
+  return [variable]
 
 
 def _added(current: List, saved: List) -> List:
