@@ -422,8 +422,7 @@ class _TowerBuilder:
         self._micro.refuse_batch_norm(step.statistics.trains, self._towers)
       one_update_ops = step.update.update_op_names()
       effects = self._check_effects(step, specs, update_ops, one_update_ops)
-      spec = self._merge_train(step, specs, update_ops, effects,
-                               one_update_ops)
+      spec = self._merge_train(step, specs, effects, one_update_ops)
       spec = self._finish_update(step, spec, one_update_ops)
       if self._micro:
         # Last: the backward passes and every other control input exist.
@@ -557,14 +556,13 @@ class _TowerBuilder:
         effects.extend(found)
     return effects
 
-  def _merge_train(self, step: _Step, specs, update_ops, effects,
+  def _merge_train(self, step: _Step, specs, effects,
                    one_update_ops) -> tf.estimator.EstimatorSpec:
     """Phase 4 (TRAIN): one spec with the global loss and one train_op."""
     split = step.split
     spec_merge.check_train(specs)
     spec = spec_merge.merge_train(
-        specs, step.weights.merged_loss([s.loss for s in specs]),
-        [op for ops in update_ops for op in ops], effects)
+        specs, step.weights.merged_loss([s.loss for s in specs]), effects)
     spec = spec._replace(predictions=spec_merge.whole_batch_predictions(
         specs, split.sizes, True, [reduction_lib.ExampleDependence(
             split.shard(i), self._towers.start(i), one_update_ops)
@@ -575,9 +573,11 @@ class _TowerBuilder:
                      one_update_ops) -> tf.estimator.EstimatorSpec:
     """Phase 5 (TRAIN): the one update's copies, sums and write order."""
     spec = self._path.finish(spec, self._towers.first)
-    # Earlier towers' update stand-ins run the update (for what the
-    # model_fn chained after it, and hooks): after the effects checks.
-    step.update.connect_stand_ins()
+    # Earlier towers' stand-ins for the one update and the moving
+    # statistics' updates run them (for what the model_fn chained after
+    # them, and hooks): after the effects checks.
+    step.update.stand_ins.connect()
+    step.statistics.stand_ins.connect()
     # The loss logged (and checked for NaN) is the global batch's.
     if self._task_group.across_tasks:
       # The tasks' stop requests ride in the loss's collective.

@@ -14,7 +14,8 @@ import pytest
 import tensorflow as tf
 
 import trainer
-from helpers import assert_same_variables, build_replicated, seeded
+from helpers import (assert_same_variables, build_replicated, dataset_input_fn,
+                     make_estimator, seeded, variables_of)
 from helpers import train_in_session
 
 tf1 = tf.compat.v1
@@ -232,3 +233,66 @@ def _refused_model_fn(case):
 def test_inexact_moving_statistics_are_refused(case, message):
   with pytest.raises(ValueError, match=message):
     build_replicated(_refused_model_fn(case), 2)
+
+
+def _statistics_outside_the_train_op(run_by_hook):
+  """A v1 batch-norm model_fn whose train_op does not run UPDATE_OPS:
+  either nothing runs them, or a hook runs them with the optimizer update
+  (TF-GAN's generator step: its train_op only advances global_step)."""
+
+  def model_fn(features, labels, mode):
+    normalised = tf1.layers.batch_normalization(features['x'], training=True)
+    logits = tf1.layers.dense(normalised, 2, kernel_initializer=seeded(5))
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    step = tf1.train.get_or_create_global_step()
+    update = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    if not run_by_hook:
+      return tf.estimator.EstimatorSpec(
+          mode, loss=loss, train_op=tf.group(update, step.assign_add(1)))
+    with tf.control_dependencies(
+        tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+      generator_step = tf.group(update)
+    return tf.estimator.EstimatorSpec(
+        mode, loss=loss, train_op=step.assign_add(1),
+        training_hooks=[_RunFirst(generator_step)])
+
+  return model_fn
+
+
+class _RunFirst(tf1.train.SessionRunHook):
+  """Runs `op` in a session.run of its own before each step."""
+
+  def __init__(self, op):
+    self._op = op
+
+  def before_run(self, run_context):
+    run_context.session.run(self._op)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('aggregation', ['global_loss', 'all_reduce'])
+def test_statistics_the_model_fn_never_updates_stay(examples, aggregation):
+  # The merged train_op ran every tower's UPDATE_OPS: the towers moved
+  # statistics one device leaves at their start.
+  x, y = examples
+  model_fn = _statistics_outside_the_train_op(run_by_hook=False)
+  start, one = train_in_session(model_fn, x, y, 1, 7, 2)
+  _, many = train_in_session(model_fn, x, y, 3, 7, 2, start,
+                             aggregation=aggregation)
+  assert_same_variables(one, many)
+  np.testing.assert_array_equal(many['batch_normalization/moving_mean'], 0.)
+
+
+@pytest.mark.training
+def test_statistics_updated_from_a_hook_move_as_one_device(tmp_path, data):
+  # The update ran in the train_op's session.run, on the next batch, and
+  # tower 0's UPDATE_OPS the hook ran were bare reads: 1.4x off (TF-GAN).
+  x, y = data
+  runs = {}
+  for towers in (1, 2):
+    estimator = make_estimator(_statistics_outside_the_train_op(True),
+                               tmp_path / str(towers), towers)
+    estimator.train(dataset_input_fn({'x': x}, y, 10), steps=3)
+    runs[towers] = variables_of(estimator)
+  assert_same_variables(runs[1], runs[2])
+  assert np.abs(runs[2]['batch_normalization/moving_mean']).max() > 1e-3

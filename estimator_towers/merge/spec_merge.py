@@ -34,14 +34,13 @@ def check_train(specs: Sequence[tf.estimator.EstimatorSpec]) -> None:
                        'train_op; set EstimatorSpec(train_op=...).')
 
 
-def merge_train(specs, loss: tf.Tensor, update_ops: Sequence,
+def merge_train(specs, loss: tf.Tensor,
                 effects: Sequence[tf.Operation]) -> tf.estimator.EstimatorSpec:
   """One TRAIN spec: the global loss; the last tower's train_op.
 
   Args:
     specs: The towers' specs (see `check_train`).
     loss: The global-batch loss (loss_reduction.TowerWeights.merged_loss).
-    update_ops: Every tower's UPDATE_OPS (batch-norm statistics).
     effects: What earlier towers' train_ops must still run (see
       tower_effects); their updates are the last tower's one update.
 
@@ -49,7 +48,9 @@ def merge_train(specs, loss: tf.Tensor, update_ops: Sequence,
   optimizer call sees the optimizer's slots only in the last tower, where
   they are created.
   """
-  train_op = tf.group(specs[-1].train_op, *effects, *update_ops,
+  # UPDATE_OPS run where the model_fn runs them, as on one device: earlier
+  # towers' entries wait for the last tower's (graph/stand_ins).
+  train_op = tf.group(specs[-1].train_op, *effects,
                       name='replicated_train_op')
   return specs[0]._replace(loss=loss, train_op=train_op,
                            scaffold=specs[-1].scaffold)

@@ -36,6 +36,7 @@ from keras.src.layers.normalization import batch_normalization as keras_bn
 import tensorflow as tf
 
 from estimator_towers.graph import patching
+from estimator_towers.graph import stand_ins as stand_ins_lib
 
 tf1 = tf.compat.v1
 _Base = keras_bn.BatchNormalizationBase
@@ -86,6 +87,11 @@ class MovingStatistics:
     # The last tower's update ops (by write_key): exact although they write
     # from its shard (tower_effects lets them through).
     self.exact_writes = set()
+    # Earlier towers' reads in place of an update wait for the update, so
+    # the update runs wherever the model_fn runs tower 0's UPDATE_OPS.
+    self.stand_ins = stand_ins_lib.StandIns()
+    # Per tower: how many updates of each moving variable it built so far.
+    self._positions: List[Dict[str, int]] = [{} for _ in range(num_towers)]
 
   @property
   def trains(self) -> bool:
@@ -175,16 +181,15 @@ class MovingStatistics:
     calls = self._shards[self._tower].setdefault(variable.name, [])
     calls.append(shard)
     if self._tower < self._num_towers - 1:
-      # Not an update: the last tower applies the step's one update.
-      return tf.identity(variable, name=_DEFERRED)
+      return self._stand_in(variable)
     shards = self._matching(variable.name, len(calls) - 1)
     if mean is None:
       global_value = self._mean(shards)
     else:
       global_value = self._variance(shards)
-    update = original(layer, variable, global_value, momentum, inputs_size)
-    self.exact_writes.add(write_key(getattr(update, 'op', update)))
-    return update
+    return self._update(
+        variable, original(layer, variable, global_value, momentum,
+                           inputs_size))
 
   def _assign_global(self, original, layer, variable, value, momentum,
                      inputs_size):
@@ -197,10 +202,28 @@ class MovingStatistics:
           'tf.keras.layers.BatchNormalization or tf.compat.v1.layers.'
           'batch_normalization unchanged, or pass batch_norm=\'per_tower\'.')
     if self._tower < self._num_towers - 1:
-      # Not an update: the last tower applies the step's one update.
-      return tf.identity(variable, name='AssignMovingAvgInLastTower')
-    update = original(layer, variable, value, momentum, inputs_size)
-    self.exact_writes.add(write_key(getattr(update, 'op', update)))
+      return self._stand_in(variable)
+    return self._update(variable, original(layer, variable, value, momentum,
+                                           inputs_size))
+
+  def _key(self, variable) -> tuple:
+    """(variable name, how many updates of it this tower built before)."""
+    positions = self._positions[self._tower]
+    position = positions.get(variable.name, 0)
+    positions[variable.name] = position + 1
+    return variable.name, position
+
+  def _stand_in(self, variable) -> tf.Tensor:
+    """Not an update: the last tower applies the step's one update."""
+    read = tf.identity(variable, name=_DEFERRED)
+    self.stand_ins.add(self._key(variable), read.op)
+    return read
+
+  def _update(self, variable, update):
+    """Records the last tower's one update of `variable`."""
+    op = getattr(update, 'op', update)
+    self.exact_writes.add(write_key(op))
+    self.stand_ins.set_real(self._key(variable), [op])
     return update
 
   def _matching(self, name: str, position: int) -> List[_Shard]:

@@ -52,6 +52,7 @@ from estimator_towers.update import gradient_routing as calls
 from estimator_towers.update import loss_scaling
 from estimator_towers.graph import control_gate
 from estimator_towers.graph import op_ledger
+from estimator_towers.graph import stand_ins as stand_ins_lib
 from estimator_towers.update import write_order
 
 # A named logger, not absl's functions: their first call in a script
@@ -128,10 +129,8 @@ class OneUpdate:
     # The last tower's updates (minimize, get_updates, apply_gradients):
     # their results and regions.
     self._updates: List[Tuple[Any, op_ledger.Region]] = []
-    # Per update call (key): what earlier towers' calls returned instead of
-    # the update, and the update itself (see `connect_stand_ins`).
-    self._stand_ins: Dict[tuple, List[tf.Operation]] = {}
-    self._update_by_key: Dict[tuple, List[tf.Operation]] = {}
+    # What earlier towers' update calls returned in place of the update.
+    self.stand_ins = stand_ins_lib.StandIns()
 
   @contextlib.contextmanager
   def routing(self) -> Iterator[None]:
@@ -195,7 +194,8 @@ class OneUpdate:
       if call.kind == calls.GRADIENTS:
         self._routed_outputs[tower].extend(_ops_of(result))
       else:
-        self._stand_ins.setdefault(key, []).extend(_operations_of(result))
+        for op in _operations_of(result):
+          self.stand_ins.add(key, op)
       return result
     missing = [t for t in range(self._num_towers)
                if t not in self._losses[index]]
@@ -239,7 +239,7 @@ class OneUpdate:
           'scale the gradients of each variable before apply_gradients.')
     if tower < self._num_towers - 1:
       stand_in = tf.no_op(name='update_in_last_tower')
-      self._stand_ins.setdefault(key, []).append(stand_in)
+      self.stand_ins.add(key, stand_in)
       return stand_in
     with self._global_phase(key):
       if self._scaled(call):
@@ -252,7 +252,7 @@ class OneUpdate:
   def _add_update(self, key: tuple, result) -> None:
     """Records the last tower's update for the call `key`."""
     self._updates.append((result, self._update_regions[-1]))
-    self._update_by_key[key] = _operations_of(result)
+    self.stand_ins.set_real(key, _operations_of(result))
 
   def _scaled(self, call: calls.Call) -> bool:
     """Whether the last tower makes `call` on a loss-scale wrapper (whose
@@ -290,41 +290,6 @@ class OneUpdate:
     """The ops that end the one update: what its optimizer calls returned."""
     return [op for result, _ in self._updates
             for op in _operations_of(result)]
-
-  def connect_stand_ins(self) -> None:
-    """Makes what earlier towers' update calls returned run the one update.
-
-    An earlier tower's minimize or apply_gradients returns a no-op stand-in
-    (the update needs every tower's gradients). What the model_fn chains
-    after it must still come after the update, as on one device: a second
-    optimizer whose loss is computed under `tf.control_dependencies`
-    of the first update (a GAN's generator step, then its discriminator
-    step on the updated generator) read the generator's weights from
-    before the update in every earlier tower; a training hook that runs
-    the update (TF-GAN's GANEstimator runs its updates with
-    RunTrainOpsHook, tower 0's hooks are kept) updated nothing. Each
-    stand-in now waits for its update. Call once the checks of the towers'
-    effects are done: they read each tower's own dependencies.
-
-    Raises:
-      ValueError: an update waits for an earlier tower's stand-in of
-        itself (a control cycle).
-    """
-    for key, stand_ins in self._stand_ins.items():
-      update = self._update_by_key.get(key)
-      if not update:
-        continue
-      looped = op_ledger.by_creation(set(stand_ins) &
-                                     op_ledger.ancestors(update))
-      if looped:
-        raise ValueError(
-            f'The optimizer update {update[0].name!r} waits for '
-            f'{looped[0].name!r}, what an earlier tower\'s same optimizer '
-            'call returned: the update would wait for itself. Chain work '
-            'after an update from the train_op, not into the loss the '
-            'update trains.')
-      for stand_in in stand_ins:
-        stand_in._add_control_inputs(update)  # pylint: disable=protected-access
 
   @contextlib.contextmanager
   def _whole_batch(self) -> Iterator[None]:
