@@ -221,4 +221,6 @@ def run_scenario(scenario, args, deadline_secs=150):
 if __name__ == '__main__':
   if sys.argv[1] == 'scenario':
     sys.exit(run_scenario(sys.argv[2], json.loads(sys.argv[3])))
-  run_task(json.loads(sys.argv[2]))
+  from tests import sync_cluster_task  # pylint: disable=g-import-not-at-top
+  sync_cluster_task.exit_without_teardown(
+      lambda: run_task(json.loads(sys.argv[2])))
