@@ -12,6 +12,7 @@ import trainer
 from helpers import (assert_same_variables, build_replicated,
                      dataset_input_fn, make_estimator, seeded,
                      train_in_session, variables_of)
+import estimator_towers
 from estimator_towers.towers import loss_reduction
 from estimator_towers.graph import op_ledger
 
@@ -397,3 +398,61 @@ def test_the_square_root_of_a_mean_is_refused_whatever_is_told(told):
                      'loss_reduction.*mean squared error') as raised:
     build_replicated(_rmse_model_fn, 2, loss_reduction=told)
   assert "Pass loss_reduction='mean'" not in str(raised.value)
+
+
+def _metric_after_one_batch(metric_fn, towers):
+  """An EVAL metric's value after one batch of 10 rows (3 towers: 4, 3, 3)."""
+  with tf.Graph().as_default():
+    x = (np.arange(30, dtype=np.float32).reshape(10, 3) % 7) / 3.0
+    y = np.array([1, 0, 0, 1, 1, 1, 0, 0, 0, 1], np.float32)
+    features, labels = tf1.data.make_one_shot_iterator(
+        tf.data.Dataset.from_tensors(({'x': x}, y))).get_next()
+
+    def model_fn(features, labels, mode):
+      w = tf1.get_variable('w', [], initializer=tf1.constant_initializer(.5))
+      scores = features['x'][:, 0] * w
+      return tf.estimator.EstimatorSpec(
+          mode, loss=tf.reduce_mean(scores),
+          eval_metric_ops={'m': metric_fn(scores, features['x'][:, 1],
+                                          labels)})
+
+    config = estimator_towers.make_run_config(cpu_devices=towers)
+    kwargs = {}
+    if towers > 1:
+      model_fn = estimator_towers.replicate_model_fn(model_fn)
+      kwargs['config'] = config
+    spec = model_fn(features=features, labels=labels,
+                    mode=tf.estimator.ModeKeys.EVAL, **kwargs)
+    value, update = spec.eval_metric_ops['m']
+    with tf1.Session(config=config.session_config) as session:
+      session.run([tf1.global_variables_initializer(),
+                   tf1.local_variables_initializer()])
+      session.run(update)
+      return session.run(value)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('towers', [2, 3])
+def test_a_metric_of_a_difference_of_means_equals_one_device(towers):
+  # TF-GAN's GANEstimator reports its Wasserstein critic loss,
+  # mean(D(fake)) - mean(D(real)), as tf.compat.v1.metrics.mean: two means
+  # per tower, which was refused ("a sum of several means").
+  def critic(fake, real, unused_labels):
+    return tf1.metrics.mean(tf.reduce_mean(fake) - tf.reduce_mean(real))
+
+  expected = _metric_after_one_batch(critic, 1)
+  np.testing.assert_allclose(_metric_after_one_batch(critic, towers),
+                             expected, rtol=1e-6)
+
+
+@pytest.mark.fast
+def test_a_metric_of_means_whose_counts_split_unlike_is_refused():
+  # A plain mean minus a mean weighted by the labels: the weights' sums do
+  # not split over the towers as the rows do, so no tower weighting is exact.
+  def skewed(fake, real, labels):
+    weighted = tf.reduce_sum(real * labels) / tf.reduce_sum(labels)
+    return tf1.metrics.mean(tf.reduce_mean(fake) - weighted)
+
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match='adds several means whose divisors do not split'):
+    _metric_after_one_batch(skewed, 3)

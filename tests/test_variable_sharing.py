@@ -184,3 +184,45 @@ def test_a_users_variable_named_like_a_copy_keeps_its_name():
   expected = _after_steps(_replica_named_model_fn, ['w'], 0)
   actual = _after_steps(_replica_named_model_fn, ['w'], 2, 'all_reduce')
   np.testing.assert_allclose(actual[0], expected[0], rtol=1e-5, atol=1e-7)
+
+
+def _ema_by_name_model_fn(features, labels, mode, ordered=False):
+  """EfficientNet's EMA: the trainable variables plus every global variable
+  named like a batch-norm moving statistic, chosen from the collections
+  before the EMA makes its shadows, then applied after the update."""
+  del mode, ordered
+  step = tf1.train.get_or_create_global_step()
+  hidden = tf1.layers.dense(
+      features['x'], 3, kernel_initializer=tf1.constant_initializer(0.1))
+  hidden = tf1.layers.batch_normalization(hidden, training=True)
+  logits = tf1.layers.dense(
+      hidden, 1, kernel_initializer=tf1.constant_initializer(0.2))[:, 0]
+  loss = tf1.losses.mean_squared_error(tf.cast(labels, tf.float32), logits)
+  averaged = tf1.trainable_variables() + [
+      v for v in tf1.global_variables()
+      if 'moving_mean' in v.name or 'moving_variance' in v.name]
+  with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+    update = tf1.train.GradientDescentOptimizer(0.1).minimize(loss, step)
+  ema = tf1.train.ExponentialMovingAverage(0.5, num_updates=step)
+  with tf.control_dependencies([update]):
+    train_op = ema.apply(list(set(averaged)))
+  return tf.estimator.EstimatorSpec(tf.estimator.ModeKeys.TRAIN, loss=loss,
+                                    train_op=train_op)
+
+
+@pytest.mark.parametrize('aggregation', ['global_loss', 'all_reduce'])
+def test_an_ema_chosen_from_the_collections_averages_one_devices_variables(
+    aggregation):
+  # tower 1 read the collections after tower 0 had made its shadows, so it
+  # averaged them too ('batch_normalization/moving_mean/
+  # ExponentialMovingAverage/ExponentialMovingAverage'), refused as a
+  # variable tower 0 did not create. It sees what tower 0 saw.
+  names = ['dense/kernel', 'dense_1/kernel',
+           'batch_normalization/moving_mean',
+           'dense/kernel/ExponentialMovingAverage',
+           'batch_normalization/moving_mean/ExponentialMovingAverage',
+           'batch_normalization/moving_variance/ExponentialMovingAverage']
+  expected = _after_steps(_ema_by_name_model_fn, names, 0)
+  actual = _after_steps(_ema_by_name_model_fn, names, 3, aggregation)
+  for name, want, got in zip(names, expected, actual):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)

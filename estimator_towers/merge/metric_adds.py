@@ -24,6 +24,9 @@ device's step adds:
   examples) is weighted by the tower's share of the count, as the loss is
   (see loss_reduction), so the towers' adds make the batch's mean; an idle
   tower (empty shard) adds zero;
+* an add of several means (a difference of two means over the shard) is
+  weighted by the tower's share of the first mean's count, with a run-time
+  check that every other mean's counts split over the towers alike;
 * an add of a sum plus terms that do not depend on the shard would count
   those terms once per tower: a `ValueError`;
 * an add of any other value per batch (a max, a square of a mean, a mean
@@ -110,11 +113,13 @@ def _count_once(metric: str, adds: List[tf.Operation], depends_on_shard,
           'replicate_model_fn.')
     return
   weights = loss_reduction.exact_weights(values, reductions, active)
-  if weights is None:
-    raise ValueError(
-        f'The metric {metric!r} adds a sum of several means over the '
-        "tower's examples; replicate_model_fn cannot weigh them into the "
-        "whole batch's. Give each mean a metric of its own.")
+  if weights is None:  # Several means (a difference of two): checked shares.
+    weights = loss_reduction.proportional_weights(
+        values, reductions, active,
+        f'The metric {metric!r} adds several means whose divisors do not '
+        "split over the towers alike (e.g. a plain mean plus a weighted "
+        "mean), so no weighting of the towers' adds gives one device's. "
+        'Give each mean a metric of its own.')
   for add, value, weight, on in zip(adds, values, weights, active):
     weighted = value * tf.cast(weight, value.dtype)
     # An empty shard's mean is NaN, which a zero weight would keep.

@@ -546,6 +546,47 @@ def _ratio_weights(reductions: List[Reduction], active: tf.Tensor, total_of
   return [tf.math.divide_no_nan(count, total) for count in counts], total
 
 
+def proportional_weights(values: List[tf.Tensor],
+                         reductions: List[Reduction], active: List[tf.Tensor],
+                         refusal: str) -> List[tf.Tensor]:
+  """Tower weights for values with several ratio terms, checked at run time.
+
+  A difference of two means over the tower's examples (a Wasserstein GAN's
+  discriminator loss: mean(D(fake)) - mean(D(real))) has two divisors per
+  tower. Weighing tower t by its share of the first divisor gives the
+  whole batch's value exactly when every other term's divisors split over
+  the towers in the same shares (two means over the shard's rows); the
+  assertion checks it at run time instead of guessing.
+
+  Args:
+    values: The towers' values (all RATIO, as many terms each).
+    reductions: `analyze` of each.
+    active: A bool per tower: False for idle towers (their weight is 0).
+    refusal: The assertion's message when the shares differ.
+
+  Returns:
+    One scalar float32 weight per tower.
+
+  Raises:
+    ValueError: the towers' values have different numbers of terms.
+  """
+  terms = len(reductions[0].divisors)
+  if any(len(r.divisors) != terms for r in reductions):
+    raise ValueError(f'The towers\' values {values[0].op.name!r} have '
+                     'different numbers of terms; every tower must build one '
+                     'model.')
+  fractions = []
+  for k in range(terms):
+    counts = [tf.where(active[t],
+                       tf.cast(tf.stop_gradient(r.divisors[k]), tf.float32),
+                       0.0) for t, r in enumerate(reductions)]
+    fractions.append(tf.math.divide_no_nan(tf.stack(counts), tf.add_n(counts)))
+  checks = [tf.debugging.assert_near(f, fractions[0], atol=1e-6,
+                                     message=refusal)
+            for f in fractions[1:]]
+  with tf.control_dependencies(checks):
+    return tf.unstack(tf.identity(fractions[0]), num=len(values))
+
 
 def _spread(tensor: tf.Tensor, ratio: tf.Tensor, weight: tf.Tensor,
             reciprocal: tf.Tensor, depends, budget: List[int]

@@ -15,6 +15,10 @@ must reuse them. Two mechanisms cover the ways variables get made:
   every tower's update accumulates into one state and the metric equals the
   one-device value.
 
+While a later tower builds, the variable collections show it tower 0's
+variables only once it has asked for them (variable_views), as one device
+shows them at that point of the model_fn.
+
 Keras names a layer made without a name after a per-graph counter
 (`dense`, `dense_1`, ...): later towers start from the counts tower 0
 started from, so that their layers get tower 0's names. Layers that make
@@ -38,6 +42,7 @@ from keras.src import backend as keras_backend
 import tensorflow as tf
 
 from estimator_towers.graph import op_ledger
+from estimator_towers.towers import variable_views
 
 tf1 = tf.compat.v1
 # Op types that make a variable.
@@ -67,6 +72,8 @@ class VariableSharing:
     self._keras_counts: Dict[str, int] = {}
     self._named = set()  # What tower 0 asked get_variable for.
     self._local = threading.local()
+    # What a later tower reads from the variable collections.
+    self._views = variable_views.VariableViews()
     # The aggregation strategy's gradient path (the builder sets it):
     # `tower_variable` (primary, tower index) -> what that tower uses,
     # `primary_name`; all_reduce's replica_path.ReplicaPath hands out copies.
@@ -102,6 +109,8 @@ class VariableSharing:
       self._local.depth -= 1
     if not index:
       self._named.add(name)
+    elif not unshared:
+      self._views.reached(variable)
     if self._get_variable_depth or unshared:
       return variable
     return self._for_tower(variable, index)
@@ -134,7 +143,7 @@ class VariableSharing:
     with tf1.variable_scope(root, reuse=tf1.AUTO_REUSE if index else None,
                             custom_getter=self._counting_getter,
                             auxiliary_name_scope=False):
-      with tf1.variable_creator_scope(creator):
+      with tf1.variable_creator_scope(creator), self._views.tower(index):
         yield
     if index:
       self._check_all_reused(index)
@@ -203,6 +212,7 @@ class VariableSharing:
       self._local.cursor = cursor + 1
       variable = self._created[cursor]
       _check_same_kind(index, name, kwargs, variable)
+      self._views.reached(variable)
       return self._for_tower(variable, index)
 
     return reuse
