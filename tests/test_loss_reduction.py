@@ -180,9 +180,9 @@ def test_analyze_reads_the_reduction(build, expected):
      loss_reduction.UNKNOWN),
     # A scalar constant equal to the rows (a sequence length) is a scaling.
     (lambda x: tf.reduce_mean(x) / 8.0, loss_reduction.RATIO),
-    # ... and so is one equal to the elements summed (sum / GLOBAL_BATCH):
-    # it was read as the count of a mean.
-    (lambda x: tf.reduce_sum(x) / 24.0, loss_reduction.SUM),
+    # One equal to the elements summed is a count (x.shape[0]) or a scaling
+    # (sum / GLOBAL_BATCH): nothing tells which, loss_reduction must.
+    (lambda x: tf.reduce_sum(x) / 24.0, loss_reduction.UNKNOWN),
     (lambda x: tf.reduce_sum(x) / tf.cast(tf.size(x), tf.float32),
      loss_reduction.RATIO),
 ])
@@ -302,7 +302,8 @@ def test_a_sum_of_per_column_weighted_means_is_refused_whatever_is_told(told):
                      loss_reduction=told)
 
 
-def _static_batch_variables(loss_of, towers, start=None, steps=3):
+def _static_batch_variables(loss_of, towers, start=None, steps=3,
+                            **wrapper_kwargs):
   """(start, end) variables of SGD on static batches of 6."""
   with tf.Graph().as_default():
     features, labels = tf1.data.make_one_shot_iterator(
@@ -310,7 +311,7 @@ def _static_batch_variables(loss_of, towers, start=None, steps=3):
         .batch(6, drop_remainder=True)).get_next()
     config = trainer.make_run_config(cpu_devices=towers)
     model_fn = _linear_model_fn(loss_of)
-    spec = (trainer.replicate_model_fn(model_fn)(
+    spec = (trainer.replicate_model_fn(model_fn, **wrapper_kwargs)(
         features, labels, tf.estimator.ModeKeys.TRAIN, None, config)
             if towers > 1 else model_fn(features, labels, 'train'))
     spec.scaffold.finalize()
@@ -326,18 +327,33 @@ def _static_batch_variables(loss_of, towers, start=None, steps=3):
       return first, session.run(variables)
 
 
-@pytest.mark.fast
-@pytest.mark.parametrize('loss_of', [
+# Constant divisors equal to what a tower's shard (3 of a static batch of 6,
+# on 2 towers) sums: its count or a scaling, which only the user knows.
+_CONSTANT_DIVISORS = {
     # The distribution-strategy idiom sum / GLOBAL_BATCH: a shard's [3, 2]
     # squared errors have 6 elements (was read as a mean: 2.3x off).
-    lambda p, l, x: tf.reduce_sum(tf.square(p - l)) / 6.0,
+    'global_batch': ('sum', lambda p, l, x: tf.reduce_sum(tf.square(p - l))
+                     / 6.0),
     # A constant 3.0 that equals the shard's rows summed (3.3x off).
-    lambda p, l, x: tf.reduce_sum(tf.reduce_sum(tf.square(p - l), 1)) / 3.0,
-], ids=['global_batch', 'shard_rows'])
-def test_a_constant_divisor_equal_to_the_shard_count_is_a_scaling(loss_of):
+    'scaling_as_rows': ('sum', lambda p, l, x: tf.reduce_sum(
+        tf.reduce_sum(tf.square(p - l), 1)) / 3.0),
+    # The rows written as a number: a mean (was 0.30 off when every
+    # constant was taken for a scaling).
+    'rows_from_shape': ('mean', lambda p, l, x: tf.reduce_sum(
+        tf.reduce_sum(tf.square(p - l), 1)) / x.shape[0]),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('case', sorted(_CONSTANT_DIVISORS))
+def test_a_constant_divisor_equal_to_the_shard_count_must_be_told(case):
+  told, loss_of = _CONSTANT_DIVISORS[case]
+  with pytest.raises(ValueError, match='a sum divided by [36], the number of '
+                     "elements a tower sums.*loss_reduction='mean'"):
+    _static_batch_variables(loss_of, 2, steps=0)
   start, _ = _static_batch_variables(loss_of, 1, steps=0)
   _, one = _static_batch_variables(loss_of, 1, start)
-  _, many = _static_batch_variables(loss_of, 2, start)
+  _, many = _static_batch_variables(loss_of, 2, start, loss_reduction=told)
   for name, value in one.items():
     np.testing.assert_allclose(many[name], value, rtol=1e-5, atol=1e-6,
                                err_msg=name)

@@ -177,9 +177,17 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
   elif op.type in _DIVIDE:
     numerator, denominator = op.inputs[0], op.inputs[1]
     if not depends(denominator):
-      if _counts_the_summed(numerator, denominator, depends):
+      counted = _counts_the_summed(numerator, denominator, depends)
+      if counted == 'count':
         # A mean whose count the static batch size fixed while building.
         terms.append((RATIO, tf.cast(denominator, tensor.dtype), op.name))
+      elif counted == 'ambiguous':
+        value = float(np.reshape(_static_value(denominator), []))
+        terms.append((UNKNOWN, None, (
+            f'{op.name}: a sum divided by {value:g}, the number of elements '
+            'a tower sums, either their count written as a number (x.shape'
+            '[0]: a mean) or a fixed scaling that equals it (a global batch '
+            'size: a sum)')))
       elif _is_the_rows(denominator, depends):
         terms.append(_per_row(numerator, denominator, depends, budget, op))
       else:  # A scaling, e.g. by a fixed batch size.
@@ -241,22 +249,30 @@ def _per_row(numerator: tf.Tensor, denominator: tf.Tensor, depends,
 
 
 def _counts_the_summed(numerator: tf.Tensor, denominator: tf.Tensor,
-                       depends) -> bool:
+                       depends) -> Optional[str]:
   """Whether a constant divisor is the number of elements summed.
 
   With a static batch size, tf.compat.v1.losses and Keras compute the count
-  of a mean from static shapes: the divisor no longer depends on the
-  examples, but it still is the tower's count, not a fixed scaling.
+  of a mean from static shapes (tf.size, tf.shape): the divisor no longer
+  depends on the examples, but it still is the tower's count, not a fixed
+  scaling. A constant the user wrote that equals the count is ambiguous:
+  `x.shape[0]` is the count, a global batch size that happens to equal the
+  shard's elements is a scaling; nothing in the graph tells them apart.
+
+  Returns:
+    'count' (from a folded shape), 'ambiguous' (equal, written by the
+    user), or None (not the number of elements summed).
   """
-  if not _reduces_all(numerator, SUM, depends) or not _from_shapes(
-      denominator):
-    return False  # A constant the user wrote is a scaling (sum / BATCH).
+  if not _reduces_all(numerator, SUM, depends):
+    return None
   summed = _skip_pass_through(numerator).op.inputs[0].shape
   if not summed.is_fully_defined():
-    return False
+    return None
   value = _static_value(denominator)
-  return value is not None and np.size(value) == 1 and (
-      float(np.reshape(value, [])) == float(summed.num_elements()))
+  if value is None or np.size(value) != 1 or (
+      float(np.reshape(value, [])) != float(summed.num_elements())):
+    return None
+  return 'count' if _from_shapes(denominator) else 'ambiguous'
 
 
 def _folded_shape(op: tf.Operation) -> bool:
