@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import trainer
 from helpers import (assert_same_variables, build_replicated,
-                     dataset_input_fn, make_estimator, seeded, variables_of)
+                     dataset_input_fn, make_estimator, seeded,
+                     train_in_session, variables_of)
 import estimator_towers
 from estimator_towers.towers import loss_reduction
 from estimator_towers.graph import op_ledger
@@ -123,13 +125,25 @@ def test_unreadable_loss_trains_as_told(tmp_path, data):
     (lambda x: -tf.reduce_sum(x) / tf.cast(tf.shape(x)[0], tf.float32),
      loss_reduction.RATIO),
     (lambda x: tf.negative(tf.reduce_mean(x)), loss_reduction.RATIO),
-    (lambda x: tf.reduce_sum(tf.reduce_mean(x, 0)), loss_reduction.UNKNOWN),
+    # A sum of per-column means is the sum over all elements by the rows.
+    (lambda x: tf.reduce_sum(tf.reduce_mean(x, 0)), loss_reduction.RATIO),
     (lambda x: tf.reduce_mean(x) * tf.reduce_sum(x), loss_reduction.UNKNOWN),
     # A scaled sum over a count of the rows: Keras' activity regularizer
     # (was unknown: only a bare sum was read).
     (lambda x: 0.5 * tf.reduce_sum(tf.square(x)) /
      tf.cast(tf.shape(x)[0], tf.float32), loss_reduction.RATIO),
     (lambda x: tf.reduce_mean(x) / tf.cast(tf.shape(x)[0], tf.float32),
+     loss_reduction.UNKNOWN),
+    # L2Loss (tf.nn.l2_loss, Keras' l2 regularizers) is half a sum of
+    # squares (was unknown).
+    (lambda x: tf.nn.l2_loss(x), loss_reduction.SUM),
+    # Per-column means with the columns unknown while building: their
+    # first dimension compared equal to the unknown batch (read as a sum).
+    (lambda x: tf.reduce_sum(tf.reduce_mean(_dynamic_columns(x), 0)),
+     loss_reduction.RATIO),
+    (lambda x: tf.reduce_sum(tf.reduce_sum(_dynamic_columns(x), 0)),
+     loss_reduction.SUM),
+    (lambda x: tf.reduce_sum(tf.reduce_max(_dynamic_columns(x), 0)),
      loss_reduction.UNKNOWN),
 ])
 def test_analyze_reads_the_reduction(build, expected):
@@ -144,7 +158,8 @@ def test_analyze_reads_the_reduction(build, expected):
 @pytest.mark.parametrize('build,expected', [
     (lambda x: tf.reduce_sum(x), loss_reduction.SUM),
     (lambda x: tf.reduce_mean(x), loss_reduction.RATIO),
-    (lambda x: tf.reduce_sum(tf.reduce_mean(x, 0)), loss_reduction.UNKNOWN),
+    # A sum of per-column means is the sum over all elements by the rows.
+    (lambda x: tf.reduce_sum(tf.reduce_mean(x, 0)), loss_reduction.RATIO),
     # tf.compat.v1.losses' default divides by a count built from shapes.
     (lambda x: tf1.losses.mean_squared_error(tf.zeros_like(x), x),
      loss_reduction.RATIO),
@@ -165,6 +180,11 @@ def test_analyze_reads_the_reduction(build, expected):
      loss_reduction.UNKNOWN),
     # A scalar constant equal to the rows (a sequence length) is a scaling.
     (lambda x: tf.reduce_mean(x) / 8.0, loss_reduction.RATIO),
+    # One equal to the elements summed is a count (x.shape[0]) or a scaling
+    # (sum / GLOBAL_BATCH): nothing tells which, loss_reduction must.
+    (lambda x: tf.reduce_sum(x) / 24.0, loss_reduction.UNKNOWN),
+    (lambda x: tf.reduce_sum(x) / tf.cast(tf.size(x), tf.float32),
+     loss_reduction.RATIO),
 ])
 def test_analyze_with_a_static_batch_size(build, expected):
   with tf.Graph().as_default():
@@ -208,6 +228,192 @@ def test_a_mean_divided_by_the_rows_again_is_refused_whatever_is_told(told):
                      'loss_reduction'):
     build_replicated(_mean_over_rows_model_fn, 3, batch_size=12,
                      loss_reduction=told)
+
+
+def _dynamic_columns(t):
+  """`t` as [rows, columns] with the column count unknown while building."""
+  return tf.reshape(t, tf.stack([tf.shape(t)[0], -1]))
+
+
+_RNG = np.random.RandomState(0)
+_X = _RNG.randn(42, 5).astype(np.float32)
+_Y = _RNG.randn(42, 2).astype(np.float32)
+
+
+def _linear_model_fn(loss_of):
+  """y ~ x @ w + b, trained by SGD on `loss_of(predictions, labels, x)`."""
+
+  def model_fn(features, labels, mode):
+    w = tf1.get_variable('w', [5, 2], initializer=seeded(1))
+    b = tf1.get_variable('b', [2], initializer=tf1.constant_initializer(0.5))
+    loss = loss_of(tf.matmul(features['x'], w) + b, labels, features['x'])
+    train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  return model_fn
+
+
+def _assert_trains_as_one_device(model_fn, towers, batch, x=_X, y=_Y,
+                                 **kwargs):
+  start, _ = train_in_session(model_fn, x, y, 1, batch, 0)
+  _, one = train_in_session(model_fn, x, y, 1, batch, 3, start=start)
+  _, many = train_in_session(model_fn, x, y, towers, batch, 3, start=start,
+                             **kwargs)
+  for name, value in one.items():
+    np.testing.assert_allclose(many[name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('loss_of', [
+    # Old contrib.seq2seq.sequence_loss(average_across_timesteps=False),
+    # summed: was read as a sum over examples (1.9x off).
+    lambda p, l, x: tf.reduce_sum(tf.reduce_mean(
+        _dynamic_columns(tf.square(p - l)), 0)),
+    # A mean of per-column means on 7 rows: was weighed by the columns.
+    lambda p, l, x: tf.reduce_mean(tf.reduce_mean(
+        _dynamic_columns(tf.square(p - l)), 0)),
+], ids=['sum_of_column_means', 'mean_of_column_means'])
+def test_per_column_means_with_unknown_columns_equal_one_device(loss_of):
+  _assert_trains_as_one_device(_linear_model_fn(loss_of), 2, 7)
+
+
+def _per_column_weighted_means_model_fn(features, labels, mode):
+  del labels
+  logits = tf1.layers.dense(features['x'], 3)
+  weights = _dynamic_columns(tf.abs(features['x'][:, :3]))
+  loss = tf.reduce_sum(
+      tf.reduce_sum(_dynamic_columns(tf.square(logits)) * weights, 0) /
+      tf.reduce_sum(weights, 0))
+  train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('told', ['auto', 'mean'])
+def test_a_sum_of_per_column_weighted_means_is_refused_whatever_is_told(told):
+  # Each column divides by its own sum of weights: no tower weights add up
+  # (was read as a sum: 3.2x off).
+  with pytest.raises(ValueError, match='reduces the rows per column.*'
+                     'nor does any loss_reduction.*all the elements'):
+    build_replicated(_per_column_weighted_means_model_fn, 2,
+                     loss_reduction=told)
+
+
+def _static_batch_variables(loss_of, towers, start=None, steps=3,
+                            **wrapper_kwargs):
+  """(start, end) variables of SGD on static batches of 6."""
+  with tf.Graph().as_default():
+    features, labels = tf1.data.make_one_shot_iterator(
+        tf.data.Dataset.from_tensor_slices(({'x': _X}, _Y)).repeat()
+        .batch(6, drop_remainder=True)).get_next()
+    config = trainer.make_run_config(cpu_devices=towers)
+    model_fn = _linear_model_fn(loss_of)
+    spec = (trainer.replicate_model_fn(model_fn, **wrapper_kwargs)(
+        features, labels, tf.estimator.ModeKeys.TRAIN, None, config)
+            if towers > 1 else model_fn(features, labels, 'train'))
+    spec.scaffold.finalize()
+    variables = {v.op.name: v for v in tf1.global_variables()}
+    with tf1.Session(config=config.session_config) as session:
+      session.run(spec.scaffold.init_op)
+      for name, value in (start or {}).items():
+        variables[name].load(value, session)
+      session.run(spec.scaffold.local_init_op)
+      first = session.run(variables)
+      for _ in range(steps):
+        session.run(spec.train_op)
+      return first, session.run(variables)
+
+
+# Constant divisors equal to what a tower's shard (3 of a static batch of 6,
+# on 2 towers) sums: its count or a scaling, which only the user knows.
+_CONSTANT_DIVISORS = {
+    # The distribution-strategy idiom sum / GLOBAL_BATCH: a shard's [3, 2]
+    # squared errors have 6 elements (was read as a mean: 2.3x off).
+    'global_batch': ('sum', lambda p, l, x: tf.reduce_sum(tf.square(p - l))
+                     / 6.0),
+    # A constant 3.0 that equals the shard's rows summed (3.3x off).
+    'scaling_as_rows': ('sum', lambda p, l, x: tf.reduce_sum(
+        tf.reduce_sum(tf.square(p - l), 1)) / 3.0),
+    # The rows written as a number: a mean (was 0.30 off when every
+    # constant was taken for a scaling).
+    'rows_from_shape': ('mean', lambda p, l, x: tf.reduce_sum(
+        tf.reduce_sum(tf.square(p - l), 1)) / x.shape[0]),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('case', sorted(_CONSTANT_DIVISORS))
+def test_a_constant_divisor_equal_to_the_shard_count_must_be_told(case):
+  told, loss_of = _CONSTANT_DIVISORS[case]
+  with pytest.raises(ValueError, match='a sum divided by [36], the number of '
+                     "elements a tower sums.*loss_reduction='mean'"):
+    _static_batch_variables(loss_of, 2, steps=0)
+  start, _ = _static_batch_variables(loss_of, 1, steps=0)
+  _, one = _static_batch_variables(loss_of, 1, start)
+  _, many = _static_batch_variables(loss_of, 2, start, loss_reduction=told)
+  for name, value in one.items():
+    np.testing.assert_allclose(many[name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+
+
+@pytest.mark.fast
+def test_weighted_mean_with_a_shard_of_zero_weights_equals_one_device():
+  # Rows 0-2 of each batch of 7 weigh 0: tower 0's own mean is 0 / 0, which
+  # its zero weight kept as NaN variables.
+  x = _X.copy()
+  x[:, 0] = np.tile([-1, -1, -1, 1, 1, 1, 1], 6)
+
+  def loss_of(p, l, x):
+    weight = tf.cast(x[:, :1] > 0, tf.float32)
+    return (tf.reduce_sum(weight * tf.square(p - l)) / tf.reduce_sum(weight)
+            + 0.01 * tf.add_n([tf.nn.l2_loss(v)
+                               for v in tf1.trainable_variables()]))
+
+  _assert_trains_as_one_device(_linear_model_fn(loss_of), 3, 7, x=x)
+
+
+def _keras_activity_model_fn(features, labels, mode):
+  layer = tf.keras.layers.Dense(
+      2, kernel_initializer=seeded(1),
+      activity_regularizer=tf.keras.regularizers.l2(0.3))
+  predictions = layer(features['x'])
+  loss = tf.reduce_mean(tf.square(predictions - labels)) + tf.add_n(
+      layer.losses)
+  train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('model_fn', [
+    # Keras computes l2 with the L2Loss op: was refused as unknown.
+    _keras_activity_model_fn,
+    _linear_model_fn(lambda p, l, x: tf.nn.l2_loss(p - l)),
+], ids=['keras_activity_l2', 'l2_loss_sum'])
+def test_l2_loss_is_read_as_a_sum(model_fn):
+  _assert_trains_as_one_device(model_fn, 2, 6)
+
+
+def _rmse_model_fn(features, labels, mode):
+  del labels
+  logits = tf1.layers.dense(features['x'], 1)
+  loss = tf.sqrt(tf.reduce_mean(tf.square(logits)))
+  train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('told', ['auto', 'mean'])
+def test_the_square_root_of_a_mean_is_refused_whatever_is_told(told):
+  # Told 'mean', an RMSE trained 0.61x off; 'auto' suggested telling it.
+  with pytest.raises(ValueError, match='nonlinear function.*nor does any '
+                     'loss_reduction.*mean squared error') as raised:
+    build_replicated(_rmse_model_fn, 2, loss_reduction=told)
+  assert "Pass loss_reduction='mean'" not in str(raised.value)
 
 
 def _metric_after_one_batch(metric_fn, towers):

@@ -41,6 +41,24 @@ _ADD = frozenset(['Add', 'AddV2', 'AddN', 'Sub'])
 _SCALE = frozenset(['Mul'])
 _DIVIDE = frozenset(['RealDiv', 'Div', 'DivNoNan', 'TrueDiv'])
 _UNSPLITTABLE = 'unsplittable'  # A term kind: see _per_row.
+_PER_COLUMN = 'per_column'  # A term kind: see _per_column.
+_NONLINEAR = 'nonlinear'  # A term kind: a function of a reduction (sqrt).
+# Ops whose output is no weighted sum of their scalar input's shards.
+_NONLINEAR_OPS = frozenset([
+    'Sqrt', 'Rsqrt', 'Square', 'Pow', 'Log', 'Log1p', 'Exp', 'Expm1', 'Abs',
+    'Maximum', 'Minimum', 'ClipByValue', 'Softplus', 'Tanh', 'Sigmoid',
+    'Reciprocal', 'Inv', 'Relu'])
+# Reductions that may take the rows away (axis 0): what is left is per
+# column. L2Loss sums all its input, as a Sum does.
+_REDUCTIONS = frozenset(['Sum', 'Mean', 'Max', 'Min', 'Prod', 'All', 'Any',
+                         'ArgMax', 'ArgMin', 'EuclideanNorm'])
+# Ops whose output's rows are their inputs' rows (broadcast element-wise).
+_ELEMENTWISE = frozenset([
+    'Mul', 'RealDiv', 'Div', 'DivNoNan', 'TrueDiv', 'Add', 'AddV2', 'Sub',
+    'AddN', 'SquaredDifference', 'Select', 'SelectV2', 'Pow', 'Maximum',
+    'Minimum']) | _NONLINEAR_OPS
+# Where tf.size / tf.shape fold a static shape into a constant.
+_SHAPE_FOLDS = frozenset(['size_internal', 'shape_internal'])
 _SHAPE_ELEMENT = frozenset(['StridedSlice', 'GatherV2', 'Gather'])
 _MAX_OPS = 2000  # Bound on the walk: losses are small subgraphs at the top.
 
@@ -59,12 +77,43 @@ class Reduction:
     splittable: False when a term is no weighted sum of the shards' values
       (a mean divided by the rows again): no loss_reduction makes towers
       compute it.
+    remedy: For an unsplittable loss, what to write instead.
+    ratios: For RATIO, the tensor of each ratio term (what `divisors`
+      divide).
   """
   kind: str
   divisors: List[tf.Tensor] = dataclasses.field(default_factory=list)
   constant_terms: bool = False
   detail: str = ''
   splittable: bool = True
+  remedy: str = ('Divide a sum over the examples by their count once (a '
+                 'mean), or train on one device.')
+  ratios: List[tf.Tensor] = dataclasses.field(default_factory=list)
+
+
+# What each unsplittable term kind is, and what to write instead.
+_UNSPLITTABLE_KINDS = {
+    _UNSPLITTABLE: (
+        'it divides by a count of the examples (the rows, a sum of weights) '
+        'something that is not a sum over them (a mean, or a sum plus a '
+        'constant)',
+        Reduction.remedy),
+    _PER_COLUMN: (
+        'it reduces the rows per column (tf.reduce_sum/reduce_mean/max over '
+        'axis 0) and then combines the columns in a way that is no sum or '
+        'mean over all the elements (e.g. a sum of per-column weighted '
+        'means, as sequence_loss(average_across_timesteps=False) then a sum)',
+        'Sum (or average) over all the elements at once, e.g. '
+        'tf.reduce_sum(losses * weights) / tf.reduce_sum(weights), or train '
+        'on one device.'),
+    _NONLINEAR: (
+        'it applies a nonlinear function to a reduction over the examples '
+        '(e.g. the square root of a mean, an RMSE): the towers\' weighted '
+        'sum of sqrt(mean) is not the square root of the global mean',
+        'Minimize the reduction itself (e.g. the mean squared error, which '
+        'has the same minimum as its square root) and report the nonlinear '
+        'value as an eval metric, or train on one device.'),
+}
 
 
 def analyze(loss: tf.Tensor,
@@ -84,13 +133,11 @@ def analyze(loss: tf.Tensor,
   kinds = {kind for kind, _, _ in terms}
   constant = 'constant' in kinds
   kinds.discard('constant')
-  if _UNSPLITTABLE in kinds:
-    names = ', '.join(sorted(n for k, _, n in terms if k == _UNSPLITTABLE))
-    return Reduction(
-        UNKNOWN, constant_terms=constant, splittable=False,
-        detail=('it divides by a count of the examples (the rows, a sum '
-                'of weights) something that is not a sum over them (a mean, '
-                f'or a sum plus a constant): {names}'))
+  for bad, (what, remedy) in _UNSPLITTABLE_KINDS.items():
+    if bad in kinds:
+      names = ', '.join(sorted(n for k, _, n in terms if k == bad))
+      return Reduction(UNKNOWN, constant_terms=constant, splittable=False,
+                       detail=f'{what}: {names}', remedy=remedy)
   found = ', '.join(sorted(f'{k} ({name})' for k, _, name in terms
                            if k != 'constant'))
   if not kinds or UNKNOWN in kinds or kinds == {SUM, RATIO}:
@@ -100,7 +147,9 @@ def analyze(loss: tf.Tensor,
     return Reduction(UNKNOWN, constant_terms=constant, detail=detail)
   kind = kinds.pop()
   divisors = [d for k, d, _ in terms if k == RATIO]
-  return Reduction(kind, divisors, constant, found)
+  ratios = [loss.graph.get_operation_by_name(n).outputs[0]
+            for k, _, n in terms if k == RATIO]
+  return Reduction(kind, divisors, constant, found, ratios=ratios)
 
 
 def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
@@ -128,9 +177,17 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
   elif op.type in _DIVIDE:
     numerator, denominator = op.inputs[0], op.inputs[1]
     if not depends(denominator):
-      if _counts_the_summed(numerator, denominator, depends):
+      counted = _counts_the_summed(numerator, denominator, depends)
+      if counted == 'count':
         # A mean whose count the static batch size fixed while building.
         terms.append((RATIO, tf.cast(denominator, tensor.dtype), op.name))
+      elif counted == 'ambiguous':
+        value = float(np.reshape(_static_value(denominator), []))
+        terms.append((UNKNOWN, None, (
+            f'{op.name}: a sum divided by {value:g}, the number of elements '
+            'a tower sums, either their count written as a number (x.shape'
+            '[0]: a mean) or a fixed scaling that equals it (a global batch '
+            'size: a sum)')))
       elif _is_the_rows(denominator, depends):
         terms.append(_per_row(numerator, denominator, depends, budget, op))
       else:  # A scaling, e.g. by a fixed batch size.
@@ -142,6 +199,12 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
   elif _reduces_all(tensor, 'mean', depends):
     count = tf.cast(tf.size(op.inputs[0]), tensor.dtype)
     terms.append((RATIO, count, op.name))
+  elif (op.type in ('Sum', 'Mean') and tensor.shape.rank == 0 and
+        _row_reduction_below(op.inputs[0], depends) is not None):
+    terms.append(_per_column(tensor, depends))
+  elif op.type in _NONLINEAR_OPS and all(
+      t.shape.rank == 0 for t in op.inputs if depends(t)):
+    terms.append((_NONLINEAR, None, op.name))
   else:
     terms.append((UNKNOWN, None, op.name))
 
@@ -160,7 +223,7 @@ def _is_the_rows(denominator: tf.Tensor, depends) -> bool:
   if rows is None or element.type not in _SHAPE_ELEMENT:
     return False
   shape = element.inputs[0]
-  if shape.op.type != 'Const' or shape.shape.rank != 1:
+  if not _folded_shape(shape.op) or shape.shape.rank != 1:
     return False
   value = _static_value(denominator)
   return value is not None and np.size(value) == 1 and (
@@ -179,27 +242,136 @@ def _per_row(numerator: tf.Tensor, denominator: tf.Tensor, depends,
   kinds = {kind for kind, _, _ in inner}
   if kinds == {SUM}:
     return (RATIO, tf.cast(denominator, op.outputs[0].dtype), op.name)
-  if kinds & {RATIO, 'constant', _UNSPLITTABLE} and UNKNOWN not in kinds:
+  if kinds & ({RATIO, 'constant'} | set(_UNSPLITTABLE_KINDS)) and (
+      UNKNOWN not in kinds):
     return (_UNSPLITTABLE, None, op.name)
   return (UNKNOWN, None, op.name)
 
 
 def _counts_the_summed(numerator: tf.Tensor, denominator: tf.Tensor,
-                       depends) -> bool:
+                       depends) -> Optional[str]:
   """Whether a constant divisor is the number of elements summed.
 
   With a static batch size, tf.compat.v1.losses and Keras compute the count
-  of a mean from static shapes: the divisor no longer depends on the
-  examples, but it still is the tower's count, not a fixed scaling.
+  of a mean from static shapes (tf.size, tf.shape): the divisor no longer
+  depends on the examples, but it still is the tower's count, not a fixed
+  scaling. A constant the user wrote that equals the count is ambiguous:
+  `x.shape[0]` is the count, a global batch size that happens to equal the
+  shard's elements is a scaling; nothing in the graph tells them apart.
+
+  Returns:
+    'count' (from a folded shape), 'ambiguous' (equal, written by the
+    user), or None (not the number of elements summed).
   """
   if not _reduces_all(numerator, SUM, depends):
-    return False
+    return None
   summed = _skip_pass_through(numerator).op.inputs[0].shape
   if not summed.is_fully_defined():
-    return False
+    return None
   value = _static_value(denominator)
-  return value is not None and np.size(value) == 1 and (
-      float(np.reshape(value, [])) == float(summed.num_elements()))
+  if value is None or np.size(value) != 1 or (
+      float(np.reshape(value, [])) != float(summed.num_elements())):
+    return None
+  return 'count' if _from_shapes(denominator) else 'ambiguous'
+
+
+def _folded_shape(op: tf.Operation) -> bool:
+  """Whether `op` is a constant tf.size / tf.shape folded from a static shape.
+
+  A constant made that way is a count of the shard's elements; one the user
+  wrote (`/ 6.0`, a global batch size) is a scaling, even when it happens to
+  equal the shard's count. Only where the constant was created tells them
+  apart.
+  """
+  return op.type == 'Const' and any(
+      frame.name in _SHAPE_FOLDS for frame in op.traceback)
+
+
+def _from_shapes(tensor: tf.Tensor) -> bool:
+  """Whether a constant-valued tensor is computed from a folded shape."""
+  pending, seen = [tensor.op], set()
+  while pending and len(seen) < _MAX_OPS:
+    op = pending.pop()
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    if _folded_shape(op):
+      return True
+    pending.extend(t.op for t in op.inputs)
+  return False
+
+
+def _reduced_axes(op: tf.Operation) -> Optional[List[int]]:
+  """The non-negative axes a reduction op reduces, None if unknown."""
+  rank = op.inputs[0].shape.rank
+  axes = _static_value(op.inputs[1]) if len(op.inputs) > 1 else None
+  if rank is None or axes is None:
+    return None
+  return sorted({int(a) % rank for a in np.ravel(axes)}) if rank else []
+
+
+def _row_reduction_below(tensor: tf.Tensor, depends) -> Optional[tf.Operation]:
+  """A reduction over the rows (axis 0) under element-wise ops, else None.
+
+  Its result has columns, not rows, first: a reduction of it is no
+  reduction over the examples, whatever its (unknown) first dimension.
+  The walk follows only ops that keep their inputs' rows.
+  """
+  pending, seen = [tensor], set()
+  while pending and len(seen) < _MAX_OPS:
+    current = pending.pop()
+    op = current.op
+    if op.name in seen or not depends(current):
+      continue
+    seen.add(op.name)
+    if op.type in _REDUCTIONS and op.outputs[0].shape.rank != 0:
+      axes = _reduced_axes(op)
+      if axes is None or 0 in axes:
+        return op
+      pending.append(op.inputs[0])
+    elif op.type in _PASS_THROUGH or op.type in _ELEMENTWISE:
+      pending.extend(op.inputs)
+  return None
+
+
+def _skip_scalings(tensor: tf.Tensor, depends) -> tf.Tensor:
+  """`tensor` without pass-through ops and factors that are not examples'."""
+  while True:
+    tensor = _skip_pass_through(tensor)
+    op = tensor.op
+    varying = [t for t in op.inputs if depends(t)]
+    if op.type not in _SCALE or len(varying) != 1:
+      return tensor
+    tensor = varying[0]
+
+
+def _per_column(tensor: tf.Tensor, depends) -> tuple:
+  """The term of a scalar Sum/Mean of a reduction over the rows.
+
+  Sum(Mean(t, rows)) sums every element of t over the product of the
+  reduced dimensions (the rows times any others): a ratio. A mean of it
+  divides by all of t's elements. Sum(Sum(t, rows)) is a sum; a mean of it
+  is a sum scaled by the columns, a fixed scaling only if they are static.
+  Anything else (per-column weighted means summed, a max over the rows) is
+  no weighted sum of the shards' values.
+  """
+  op = tensor.op
+  inner_out = _skip_scalings(op.inputs[0], depends)
+  inner = inner_out.op
+  axes = _reduced_axes(inner) if inner.type in ('Sum', 'Mean') else None
+  if (axes is None or 0 not in axes or
+      _row_reduction_below(inner.inputs[0], depends) is not None):
+    return (_PER_COLUMN, None, op.name)
+  summed = inner.inputs[0]
+  if inner.type == 'Sum':
+    if op.type == 'Sum' or inner_out.shape.is_fully_defined():
+      return (SUM, None, op.name)
+    return (UNKNOWN, None, op.name)  # Scaled by a count of the columns.
+  if op.type == 'Mean':
+    count = tf.size(summed)
+  else:  # What the inner mean divides every column by.
+    count = tf.reduce_prod(tf.gather(tf.shape(summed), axes))
+  return (RATIO, tf.cast(count, tensor.dtype), op.name)
 
 
 _STATEFUL_OR_FED = frozenset(['Placeholder', 'PlaceholderWithDefault',
@@ -248,9 +420,11 @@ def _reduces_all(tensor: tf.Tensor, how: str, depends) -> bool:
   input's batch size is static, the tower's static share of it.
   """
   op = _skip_pass_through(tensor).op
-  wanted = 'Sum' if how == SUM else 'Mean'
-  if op.type != wanted or tensor.shape.rank != 0:
+  wanted = ('Sum', 'L2Loss') if how == SUM else ('Mean',)
+  if op.type not in wanted or tensor.shape.rank != 0:
     return False
+  if _row_reduction_below(op.inputs[0], depends) is not None:
+    return False  # Per column: unknown columns compare equal to the rows.
   reduced = op.inputs[0].shape
   if reduced.rank is None:
     return True
@@ -373,13 +547,19 @@ def exact_weights(losses: List[tf.Tensor], reductions: List[Reduction],
             for t, loss in enumerate(losses)]
   if any(len(r.divisors) != 1 for r in reductions):
     return None
+  return _ratio_weights(reductions, active, total_of)[0]
+
+
+def _ratio_weights(reductions: List[Reduction], active: tf.Tensor, total_of
+                   ) -> tuple:
+  """`exact_weights` of one-ratio losses, and the divisors' total."""
   counts = [tf.where(active[t],
                      tf.cast(tf.stop_gradient(r.divisors[0]), tf.float32),
                      0.0) for t, r in enumerate(reductions)]
   total = tf.add_n(counts)
   if total_of is not None:
     total = total_of(total)
-  return [tf.math.divide_no_nan(counts[t], total) for t in range(num)]
+  return [tf.math.divide_no_nan(count, total) for count in counts], total
 
 
 def proportional_weights(values: List[tf.Tensor],
@@ -424,6 +604,69 @@ def proportional_weights(values: List[tf.Tensor],
     return tf.unstack(tf.identity(fractions[0]), num=len(values))
 
 
+def _spread(tensor: tf.Tensor, ratio: tf.Tensor, weight: tf.Tensor,
+            reciprocal: tf.Tensor, depends, budget: List[int]
+            ) -> Optional[tf.Tensor]:
+  """`tensor * weight` with the ratio N / D computed as N / total.
+
+  `weight` is D / total: each term the loss adds is multiplied by it, and
+  the ratio term becomes its numerator times 1 / total, which has no 0 / 0
+  when D is 0 (when every D is, 1 / total is 0: a global sum of no
+  weights, which tf.compat.v1.losses make 0 too). Follows the ops
+  `analyze` reads; None for any other.
+
+  Args:
+    tensor: The loss, or a part of it on the way to the ratio.
+    ratio: The ratio term's tensor.
+    weight: The tower's weight.
+    reciprocal: 1 / the sum of the towers' divisors (0 for idle towers).
+    depends: The tower's `ExampleDependence`.
+    budget: Ops walked so far (a one-element list).
+
+  Returns:
+    The weighted tensor, or None.
+  """
+  budget[0] += 1
+  op = tensor.op
+  if tensor is ratio and op.type in _DIVIDE:
+    numerator = op.inputs[0]
+    return tf.cast(numerator * tf.cast(reciprocal, numerator.dtype),
+                   tensor.dtype)
+  if tensor is ratio or not depends(tensor):
+    return tensor * tf.cast(weight, tensor.dtype)
+  if budget[0] > _MAX_OPS:
+    return None
+  spread = lambda t: _spread(t, ratio, weight, reciprocal, depends, budget)  # pylint: disable=unnecessary-lambda-assignment
+  if op.type in _DIVIDE and not depends(op.inputs[1]):
+    inner = spread(op.inputs[0])
+    return None if inner is None else inner / op.inputs[1]
+  if op.type in _SCALE:
+    varying = [t for t in op.inputs if depends(t)]
+    fixed = [t for t in op.inputs if not depends(t)]
+    inner = spread(varying[0]) if len(varying) == 1 else None
+    return None if inner is None else inner * fixed[0]
+  inner = [spread(t) for t in op.inputs] if op.type in _ADD else [
+      spread(op.inputs[0])] if (op.type in _PASS_THROUGH or
+                                _reduces_a_scalar(tensor)) else [None]
+  if any(t is None for t in inner):
+    return None
+  return _rebuild(op, tensor, inner)
+
+
+def _rebuild(op: tf.Operation, tensor: tf.Tensor, inner: List[tf.Tensor]
+             ) -> tf.Tensor:
+  """`op` (an addition or a pass-through) applied to new inputs."""
+  if op.type in ('Add', 'AddV2', 'AddN'):
+    return tf.add_n(inner)
+  if op.type == 'Sub':
+    return inner[0] - inner[1]
+  if op.type == 'Neg':
+    return -inner[0]
+  if op.type == 'StopGradient':
+    return tf.stop_gradient(inner[0])
+  return tf.reshape(tf.cast(inner[0], tensor.dtype), tf.shape(tensor))
+
+
 class TowerWeights:
   """Weights the towers' losses so that they add up to the global-batch loss.
 
@@ -456,6 +699,8 @@ class TowerWeights:
     self._in_advance = in_advance
     self._cache: Dict[tuple, List[tf.Tensor]] = {}
     self._kinds: Dict[tuple, str] = {}
+    self._reductions: Dict[tuple, List[Reduction]] = {}
+    self._totals: Dict[tuple, tf.Tensor] = {}
     self._advance_cache: Dict[tuple, List[tf.Tensor]] = {}
     self.checks: List[tf.Operation] = []
 
@@ -489,9 +734,11 @@ class TowerWeights:
     Returns:
       One term per tower.
     """
-    weights = self._known_in_advance(losses) if self._in_advance else (
-        self(losses))
-    weighted = lambda t: losses[t] * tf.cast(weights[t], losses[t].dtype)  # pylint: disable=unnecessary-lambda-assignment
+    if self._in_advance:
+      weights = self._known_in_advance(losses)
+      weighted = lambda t: losses[t] * tf.cast(weights[t], losses[t].dtype)  # pylint: disable=unnecessary-lambda-assignment
+    else:
+      weighted = self._weighted(losses)
     if place is None:
       return [weighted(t) for t in range(len(losses))]
     return place(weighted)
@@ -508,12 +755,43 @@ class TowerWeights:
     Returns:
       The weighted sum.
     """
-    weights = self(losses)
+    weighted = self._weighted(losses)
     terms = []
     for i, loss in enumerate(losses):
-      term = loss * tf.cast(weights[i], loss.dtype)
+      term = weighted(i)
       terms.append(tf.where(self._sizes[i] > 0, term, tf.zeros_like(term)))
     return tf.add_n(terms, name='tower_weighted_loss')
+
+  def _weighted(self, losses: List[tf.Tensor]
+                ) -> Callable[[int], tf.Tensor]:
+    """Builds tower t's loss times its weight, as `weighted(t)`.
+
+    For a loss with one ratio N / D, weight D / total, the ratio's part is
+    built as N / total: a tower whose D is 0 (every weight of its shard 0)
+    then adds 0, where its own N / D is 0 / 0, NaN in the loss and in the
+    gradients, which a zero weight keeps. One device never divides by it.
+    """
+    weights = self(losses)
+    key = tuple(id(loss) for loss in losses)
+    reductions = self._reductions[key]
+
+    def weighted(t: int) -> tf.Tensor:
+      weight = tf.cast(weights[t], losses[t].dtype)
+      plain = losses[t] * weight
+      reduction = reductions[t]
+      if key not in self._totals or len(reduction.ratios) != 1:
+        return plain
+      depends = ExampleDependence(self._shards[t], self._towers.start(t))
+      # An idle tower (a padding copy) counts for nothing: a tf.where
+      # would still send its unselected branch's zero gradient through
+      # N / D, so the reciprocal of the total is 0 instead.
+      reciprocal = tf.where(self._sizes[t] > 0,
+                            tf.math.reciprocal_no_nan(self._totals[key]), 0.0)
+      rebuilt = _spread(losses[t], reduction.ratios[0], weight, reciprocal,
+                        depends, [0])
+      return plain if rebuilt is None else rebuilt
+
+    return weighted
 
   def _known_in_advance(self, losses: List[tf.Tensor]) -> List[tf.Tensor]:
     """Weights from the split alone, checked against the exact ones.
@@ -555,14 +833,16 @@ class TowerWeights:
                   for t, loss in enumerate(losses)]
     kind = self._resolve(losses[0], reductions)
     self._kinds[key] = kind
+    self._reductions[key] = reductions
     active = self._sizes > 0
     if kind == SUM:
       return [tf.where(active[t], tf.ones([], loss.dtype),
                        tf.zeros([], loss.dtype))
               for t, loss in enumerate(losses)]
     if all(r.kind == RATIO for r in reductions):
-      exact = exact_weights(losses, reductions, active, self._total_of)
-      if exact is not None:
+      if all(len(r.divisors) == 1 for r in reductions):
+        exact, self._totals[key] = _ratio_weights(reductions, active,
+                                                  self._total_of)
         return exact
       return self._shares_checked(reductions, losses[0])
     return self._shares()
@@ -587,8 +867,7 @@ class TowerWeights:
       raise ValueError(
           f'The loss {name!r}: {unsplittable[0].detail}. Towers weigh and '
           "add their shards' losses, and no weights add up to this one (nor "
-          "does any loss_reduction). Divide a sum over the examples by their "
-          'count once (a mean), or train on one device.')
+          f'does any loss_reduction). {unsplittable[0].remedy}')
     requested = {'mean': RATIO, 'sum': SUM}.get(self._requested)
     if found.kind == UNKNOWN:
       if requested is None:
