@@ -70,6 +70,7 @@ _REDUCTIONS = frozenset(['Sum', 'Mean', 'Max', 'Min', 'Prod', 'Any', 'All',
                          'EuclideanNorm', 'ArgMax', 'ArgMin'])
 _MATMULS = frozenset(['MatMul', 'BatchMatMul', 'BatchMatMulV2',
                       'BatchMatMulV3'])
+_SHAPE_READS = frozenset(['Shape', 'ShapeN', 'Size', 'Rank'])
 _MAX_OPS = 50_000  # Bound on the walk: a loss's graph is rarely this big.
 
 
@@ -154,6 +155,7 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark):
   ops = op_ledger.ancestors([tensor.op], since)
   if len(ops) > _MAX_OPS:
     return None
+  values = _value_ancestors(tensor.op, ops)
   for op in op_ledger.by_creation(ops):
     inputs = [rows.get(t.name, _NONE) for t in op.inputs]
     if not any(inputs):
@@ -161,13 +163,30 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark):
     try:
       outputs = _rule(op, inputs)
     except _Subset as subset:
-      return _Found(subset.op, subset.what, subset=True)
+      if op in values:
+        return _Found(subset.op, subset.what, subset=True)
+      outputs = [_NONE] * len(op.outputs)  # Only its shape is read.
     except _Mixing as mixing:
       return _Found(mixing.op, mixing.what)
     for output, axes in zip(op.outputs, outputs):
       if axes:
         rows[output.name] = axes
   return None
+
+
+def _value_ancestors(op: tf.Operation, ops) -> set:
+  """The ops among `ops` whose values `op` reads: not those read only for
+  their shape (a subset of rows that sizes a draw takes no example) or
+  waited for (an assert on some rows)."""
+  ops, seen, pending = set(ops), set(), [op]
+  while pending:
+    current = pending.pop()
+    if current in seen or current not in ops:
+      continue
+    seen.add(current)
+    if current.type not in _SHAPE_READS:
+      pending.extend(t.op for t in current.inputs)
+  return seen
 
 
 def _rule(op: tf.Operation, inputs: List[Axes]) -> Sequence[Axes]:
