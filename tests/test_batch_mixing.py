@@ -201,3 +201,74 @@ def test_labels_broadcast_against_a_column_of_predictions_are_refused():
 
   with pytest.raises(ValueError, match='SquaredDifference|Sub .*reshape one'):
     build_replicated(model_fn, towers=2)
+
+
+def _regression(loss_of):
+  """y ~ x @ w + b by SGD on loss_of(predictions, labels, x)."""
+  def model_fn(features, labels, mode):
+    x = features['x']
+    w = tf1.get_variable('w', [5, 2], initializer=seeded(1))
+    b = tf1.get_variable('b', [2], initializer=tf1.zeros_initializer())
+    loss = loss_of(tf.matmul(x, w) + b, labels, x)
+    train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+  return model_fn
+
+
+def _squares(p, l):
+  if l.shape.rank == 1:  # build_replicated's class ids.
+    l = tf.one_hot(l, 2)
+  return tf.square(p - l)
+
+
+_SUBSETS = {
+    # Each trained silently on towers: a shard drops its own last row.
+    'drop_last_row': (lambda p, l, x: tf.reduce_mean(_squares(p, l)[:-1]),
+                      'StridedSlice'),
+    'first_rows': (lambda p, l, x: tf.reduce_mean(_squares(p, l)[:2]),
+                   'StridedSlice'),
+    'smoothness': (lambda p, l, x: tf.reduce_mean(_squares(p, l)) + 0.1 *
+                   tf.reduce_mean(tf.square(p[1:] - p[:-1])), 'StridedSlice'),
+    'sorted_tail': (lambda p, l, x: tf.reduce_mean(
+        tf.sort(tf.reduce_sum(_squares(p, l), 1))[1:]), 'StridedSlice'),
+    'one_row': (lambda p, l, x: tf.reduce_mean(_squares(p, l)[0]),
+                'StridedSlice'),
+    'tf_slice': (lambda p, l, x: tf.reduce_mean(
+        tf.slice(_squares(p, l), [1, 0], [-1, -1])), 'Slice'),
+    'gather': (lambda p, l, x: tf.reduce_mean(
+        tf.gather(_squares(p, l), [0, 1])), 'GatherV2'),
+    'top_k': (lambda p, l, x: tf.reduce_mean(tf.math.top_k(
+        tf.reduce_sum(_squares(p, l), 1), k=2).values), 'TopKV2'),
+}
+
+
+@pytest.mark.parametrize('name', sorted(_SUBSETS))
+def test_a_subset_of_rows_by_position_is_refused(name):
+  loss_of, op_type = _SUBSETS[name]
+  with pytest.raises(ValueError, match=f'keeps only some examples of its '
+                     f'batch by their position: {op_type} .*tf.boolean_mask'):
+    build_replicated(_regression(loss_of), towers=2, loss_reduction='mean')
+
+
+def test_per_example_selections_train_as_one_device():
+  # Other axes' slices, a full-range slice, a full sort and a boolean mask
+  # by a per-example condition keep each example's term its own.
+  def loss_of(p, l, x):
+    squares = _squares(p, l)
+    return (tf.reduce_mean(squares[:, 0]) + tf.reduce_mean(squares[..., 1:])
+            + tf.reduce_mean(squares[:]) + tf.reduce_mean(
+                tf.sort(tf.reduce_sum(squares, 1)))
+            + tf.reduce_mean(tf.boolean_mask(squares, x[:, 0] > 0)))
+
+  rng = np.random.RandomState(0)
+  x = rng.randn(48, 5).astype(np.float32)
+  x[:, 0] = np.tile([1, -1, 1, 1, -1, 1], 8)  # Both shards keep rows.
+  y = rng.randn(48, 2).astype(np.float32)
+  model_fn = _regression(loss_of)
+  start, _ = train_in_session(model_fn, x, y, 1, 6, 0)
+  _, one = train_in_session(model_fn, x, y, 1, 6, 3, start=start)
+  _, many = train_in_session(model_fn, x, y, 2, 6, 3, start=start)
+  for name, value in one.items():
+    np.testing.assert_allclose(many[name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)

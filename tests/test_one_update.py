@@ -345,3 +345,42 @@ def test_an_update_waiting_for_its_own_stand_in_is_refused():
   with pytest.raises(ValueError, match="waits for 'update_in_last_tower'.*"
                      'would wait for itself'):
     build_replicated(model_fn, 2)
+
+
+def _inner_steps_model_fn(form):
+  """SGD on y ~ x @ w whose minimize sits in a tf.while_loop (two inner
+  steps per train step) or in one branch of a tf.cond."""
+
+  def model_fn(features, labels, mode):
+    w = tf1.get_variable('w', [5, 2], initializer=seeded(3))
+    labels = tf.one_hot(labels, 2)
+    loss_of = lambda: tf.reduce_mean(  # pylint: disable=g-long-lambda
+        tf.square(tf.matmul(features['x'], w) - labels))
+    step = tf1.train.get_or_create_global_step()
+    optimizer = tf1.train.GradientDescentOptimizer(0.1)
+    if form == 'while_loop':
+      def body(i):
+        with tf.control_dependencies([optimizer.minimize(loss_of())]):
+          return i + 1
+      done = tf1.while_loop(lambda i: i < 2, body, [tf.constant(0)])
+    else:
+      done = tf.cond(tf.equal(step % 2, 0),
+                     lambda: tf.group(optimizer.minimize(loss_of())),
+                     tf.no_op)
+    train_op = tf.group(done, tf1.assign_add(step, 1))
+    return tf.estimator.EstimatorSpec(mode, loss=loss_of(),
+                                      train_op=train_op)
+
+  return model_fn
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('form', ['while_loop', 'cond'])
+@pytest.mark.parametrize('aggregation', ['global_loss', 'all_reduce'])
+def test_an_optimizer_call_inside_control_flow_is_refused(form, aggregation):
+  # Unrouted, each tower's loop updated w from its own shard: 'global_loss'
+  # trained on the last tower's rows only (w[0] -0.097 against one
+  # device's -0.120), and a tf.cond was refused as "no such call".
+  with pytest.raises(ValueError, match=r'Optimizer\.minimize inside a '
+                     r'tf\.cond, tf\.while_loop.*Make the call outside'):
+    build_replicated(_inner_steps_model_fn(form), 2, aggregation=aggregation)

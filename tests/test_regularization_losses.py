@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import estimator_towers
 from helpers import assert_same_variables, seeded
 import trainer
 
@@ -184,3 +185,67 @@ def test_a_later_tower_sees_only_its_own_entry():
   assert seen == [['dense/kernel/Regularizer/mul:0'],
                   ['tower_1/dense/kernel/Regularizer/mul:0'],
                   ['tower_2/dense/kernel/Regularizer/mul:0']]
+
+
+def _absolute_scope_model_fn(features, labels, mode):
+  """A per-example activity penalty added under an absolute name scope:
+  every tower's entry is named outside its tower scope."""
+  hidden = tf1.layers.dense(features['x'], 6, activation=tf.nn.tanh,
+                            kernel_initializer=seeded(1),
+                            kernel_regularizer=_l2)
+  with tf.name_scope('penalty/'):
+    tf1.add_to_collection(
+        tf1.GraphKeys.REGULARIZATION_LOSSES,
+        0.05 * tf.reduce_sum(tf.square(hidden)) /
+        tf.cast(tf.shape(hidden)[0], tf.float32))
+  return _finish(mode, hidden, labels, tf1.losses.get_regularization_loss())
+
+
+def _counted_before_model_fn(features, labels, mode):
+  """Takes the entries its layers add: those after a count taken first."""
+  before = len(tf1.losses.get_regularization_losses())
+  hidden = tf1.layers.dense(
+      features['x'], 6, activation=tf.nn.tanh, kernel_initializer=seeded(1),
+      kernel_regularizer=_l2,
+      activity_regularizer=lambda a: 0.02 * tf.reduce_sum(tf.square(a)))
+  added = tf1.losses.get_regularization_losses()[before:]
+  return _finish(mode, hidden, labels, tf.add_n(added))
+
+
+def _finish(mode, hidden, labels, regularization):
+  logits = tf1.layers.dense(hidden, 2, kernel_initializer=seeded(2))
+  loss = tf1.losses.sparse_softmax_cross_entropy(
+      labels, logits, loss_collection=None) + regularization
+  train_op = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('model_fn', [_absolute_scope_model_fn,
+                                      _counted_before_model_fn],
+                         ids=['absolute_scope', 'counted_before'])
+@pytest.mark.parametrize('aggregation', ['global_loss', 'all_reduce'])
+def test_entries_matched_by_build_order(model_fn, aggregation):
+  # Absolute scope: tower t's entry is not `tower_<t>/X`; it was counted
+  # beside tower 0's (global_loss rel 1.27). Counted before: a later tower
+  # saw tower 0's entries before building, so its slice missed its own
+  # (rel 0.185; tf.add_n of the empty slice failed).
+  expected_losses, expected = _train(model_fn, 1)
+  losses, actual = _train(model_fn, 3, aggregation=aggregation)
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  assert_same_variables(expected, actual, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.fast
+def test_an_unscoped_entry_without_a_counterpart_is_refused():
+  def model_fn(features, labels, mode):
+    hidden = tf1.layers.dense(features['x'], 6, kernel_initializer=seeded(1))
+    if estimator_towers.tower_context().index:  # Only later towers add it.
+      with tf.name_scope('penalty/'):
+        tf1.add_to_collection(tf1.GraphKeys.REGULARIZATION_LOSSES,
+                              tf.reduce_sum(tf.square(hidden)))
+    return _finish(mode, hidden, labels, tf1.losses.get_regularization_loss())
+
+  with pytest.raises(ValueError, match='penalty/.*outside its name scope'):
+    _train(model_fn, 2, aggregation='global_loss')

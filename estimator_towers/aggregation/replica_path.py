@@ -42,38 +42,6 @@ class ReplicaPath:
     """[fn(i) built on tower i's device for every tower i]."""
     return self._replicas.on_tower_devices(fn)
 
-  def check_nested_call(self, call: calls.Call, graph: tf.Graph,
-                        towers_graph: tf.Graph) -> None:
-    """Refuses an optimizer call of the model_fn inside its `tf.cond`,
-    `tf.while_loop` or `tf.function` (a graph nested in the towers' graph):
-    it cannot be routed there, and run as it is it would update one
-    tower's copies (or hang on the all-reduce).
-
-    Args:
-      call: The optimizer call, made in `graph`.
-      graph: The graph the call is made in.
-      towers_graph: The graph the towers are built in.
-
-    Raises:
-      ValueError: `graph` is nested in `towers_graph` and the call is not
-        a `tf.gradients` w.r.t. tensors.
-    """
-    while graph is not None and graph is not towers_graph:
-      graph = getattr(graph, 'outer_graph', None)
-    if graph is None:
-      return  # Another graph altogether: not the towers' business.
-    if call.name == 'gradients' and (
-        calls.variables_of_gradients_call(call) is None):
-      return  # Gradients w.r.t. tensors: the tower's own.
-    raise ValueError(
-        f"aggregation='all_reduce': the model_fn calls {call.qualified_name} "
-        'inside a tf.cond, tf.while_loop or tf.function, where '
-        'replicate_model_fn cannot turn it into the one update of every '
-        "device's copy of the variables. Make the call outside control "
-        'flow; for an update made only on some steps: ' +
-        replicas_lib.instead_of_all_reduce(
-            self._replicas.task_group.across_tasks))
-
   def weighted_terms(self, weights, losses: List[tf.Tensor]
                      ) -> List[tf.Tensor]:
     """The towers' weighted losses, each on its tower's device: its copies'

@@ -162,12 +162,6 @@ class SharedVariables:
     del tower
     return name
 
-  def check_nested_call(self, call, graph: tf.Graph,
-                        towers_graph: tf.Graph) -> None:
-    """Accepts an optimizer call inside the model_fn's control flow: run
-    as it is, it updates the one set of variables."""
-    del call, graph, towers_graph
-
   def weighted_terms(self, weights, losses: List[tf.Tensor]
                      ) -> List[tf.Tensor]:
     """The towers' weighted losses, under the current device.

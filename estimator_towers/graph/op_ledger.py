@@ -50,23 +50,39 @@ def position(graph: Optional[tf.Graph] = None) -> Mark:
   return Mark(max(graph._nodes_by_id, default=0) + 1)  # pylint: disable=protected-access
 
 
-def _id_of(op: tf.Operation) -> int:
+def id_of(op: tf.Operation) -> int:
+  """`op`'s place in its graph's creation order."""
   return op._id  # pylint: disable=protected-access
+
+
+def ops_between(graph: tf.Graph, start: int, end: int
+                ) -> List[tf.Operation]:
+  """The ops of `graph` whose ids lie in [start, end), in creation order."""
+  # Private, but the only index of ops by creation order.
+  nodes = graph._nodes_by_id  # pylint: disable=protected-access
+  return [nodes[i] for i in range(start, end) if i in nodes]
+
+
+def op_named(graph: tf.Graph, name: str) -> Optional[tf.Operation]:
+  """The op of `graph` named `name`; None if there is none."""
+  # Private, but get_operation_by_name raises for a miss.
+  nodes = graph._nodes_by_name  # pylint: disable=protected-access
+  return nodes[name] if name in nodes else None
 
 
 def made_before(op: tf.Operation, mark: Mark) -> bool:
   """Whether `op` existed when `mark` was taken."""
-  return _id_of(op) < mark.next_id
+  return id_of(op) < mark.next_id
 
 
 def made_after(op: tf.Operation, mark: Mark) -> bool:
   """Whether `op` was created after `mark` was taken."""
-  return _id_of(op) >= mark.next_id
+  return id_of(op) >= mark.next_id
 
 
 def by_creation(ops: Iterable[tf.Operation]) -> List[tf.Operation]:
   """`ops` sorted in the order they were created."""
-  return sorted(ops, key=_id_of)
+  return sorted(ops, key=id_of)
 
 
 def ancestors(ops: Iterable[tf.Operation],
@@ -104,7 +120,7 @@ class Region:
     if self.end is None:
       raise ValueError('The region is still being built; its ops are not '
                        'known yet.')
-    return self.start.next_id <= _id_of(op) < self.end.next_id
+    return self.start.next_id <= id_of(op) < self.end.next_id
 
 
 @contextlib.contextmanager
@@ -186,4 +202,4 @@ class TowerLedger:
     tower built) counts as the last tower's.
     """
     ids = [r.start.next_id for r in self._regions]
-    return bisect.bisect_right(ids, _id_of(op)) - 1
+    return bisect.bisect_right(ids, id_of(op)) - 1

@@ -18,7 +18,14 @@ reduced row axis). The loss mixes examples where one tensor gets two row
 axes: a MatMul or batched matmul, an einsum, or a broadcasting elementwise
 op whose output is [rows, rows] from two shard-dependent operands. A batched
 matmul whose batch dimension holds the examples on both sides (attention
-within an example, [batch, heads, seq, seq]) keeps them apart. An op the
+within an example, [batch, heads, seq, seq]) keeps them apart.
+
+It also refuses a loss that keeps a subset of the shard's rows chosen by
+position: a slice of a row axis other than its full range (`sq[:-1]`,
+`p[1:] - p[:-1]`, `x[0]`), a `tf.gather` along a row axis, a `top_k` over
+one. Each shard drops or pairs its own rows, not the batch's. A
+`tf.boolean_mask` (a gather at the rows a per-example mask picks) and a
+full sort stay per example. An op the
 walk does not know ends the trail: the check only refuses what it proves,
 so a mixing it cannot follow (a roll or shuffle of the batch, a custom op,
 control flow, batch statistics other than batch norm's) is not caught.
@@ -63,6 +70,7 @@ _REDUCTIONS = frozenset(['Sum', 'Mean', 'Max', 'Min', 'Prod', 'Any', 'All',
                          'EuclideanNorm', 'ArgMax', 'ArgMin'])
 _MATMULS = frozenset(['MatMul', 'BatchMatMul', 'BatchMatMulV2',
                       'BatchMatMulV3'])
+_SHAPE_READS = frozenset(['Shape', 'ShapeN', 'Size', 'Rank'])
 _MAX_OPS = 50_000  # Bound on the walk: a loss's graph is rarely this big.
 
 
@@ -73,6 +81,10 @@ class _Mixing(Exception):
     super().__init__(what)
     self.op = op
     self.what = what
+
+
+class _Subset(_Mixing):
+  """An op that keeps some of the rows, chosen by their position."""
 
 
 def check_loss(loss: tf.Tensor, shard, since: op_ledger.Mark) -> None:
@@ -91,6 +103,18 @@ def check_loss(loss: tf.Tensor, shard, since: op_ledger.Mark) -> None:
   if found is None:
     return
   op, what = found
+  if found.subset:
+    raise ValueError(
+        f'The loss {loss.op.name!r} keeps only some examples of its batch '
+        f'by their position: {op.type} {op.name!r} {what}. Each tower '
+        'would take that subset of its own shard (x[:-1] drops each '
+        "shard's last row, not the batch's) and train another model than "
+        'one device. Weigh '
+        
+        'examples out instead (tf.boolean_mask by a per-example mask, or a '
+        '0/1 weight per example), slice another axis, exchange the rows '
+        'with estimator_towers.whole_batch (see docs/writing_model_fns.md, '
+        '"Losses over the whole batch"), or train on one device.')
   raise ValueError(
       f'The loss {loss.op.name!r} mixes the examples of its batch: '
       f'{op.type} {op.name!r} {what} (in-batch negatives, as in SimCLR or '
@@ -99,6 +123,16 @@ def check_loss(loss: tf.Tensor, shard, since: op_ledger.Mark) -> None:
       'the rows with estimator_towers.whole_batch (see '
       'docs/writing_model_fns.md, "Losses over the whole batch"), or train '
       'on one device.')
+
+
+class _Found(tuple):
+  """(op, phrase): what `mixing_op` found; `subset` if it keeps some rows
+  by position rather than pairing them."""
+
+  def __new__(cls, op, what, subset=False):
+    found = super().__new__(cls, (op, what))
+    found.subset = subset
+    return found
 
 
 def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark):
@@ -110,7 +144,8 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark):
     since: The mark taken before the tower's model_fn call.
 
   Returns:
-    (op, phrase saying how it mixes), or None.
+    (op, phrase saying how it mixes), or None; its `subset` says whether
+    the op keeps some of the rows by position.
   """
   rows: Dict[str, Axes] = {}
   for leaf in sharding.leaves(shard):
@@ -120,23 +155,45 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark):
   ops = op_ledger.ancestors([tensor.op], since)
   if len(ops) > _MAX_OPS:
     return None
+  values = _value_ancestors(tensor.op, ops)
   for op in op_ledger.by_creation(ops):
     inputs = [rows.get(t.name, _NONE) for t in op.inputs]
     if not any(inputs):
       continue
     try:
       outputs = _rule(op, inputs)
+    except _Subset as subset:
+      if op in values:
+        return _Found(subset.op, subset.what, subset=True)
+      outputs = [_NONE] * len(op.outputs)  # Only its shape is read.
     except _Mixing as mixing:
-      return mixing.op, mixing.what
+      return _Found(mixing.op, mixing.what)
     for output, axes in zip(op.outputs, outputs):
       if axes:
         rows[output.name] = axes
   return None
 
 
+def _value_ancestors(op: tf.Operation, ops) -> set:
+  """The ops among `ops` whose values `op` reads: not those read only for
+  their shape (a subset of rows that sizes a draw takes no example) or
+  waited for (an assert on some rows)."""
+  ops, seen, pending = set(ops), set(), [op]
+  while pending:
+    current = pending.pop()
+    if current in seen or current not in ops:
+      continue
+    seen.add(current)
+    if current.type not in _SHAPE_READS:
+      pending.extend(t.op for t in current.inputs)
+  return seen
+
+
 def _rule(op: tf.Operation, inputs: List[Axes]) -> Sequence[Axes]:
   """The row axes of each of `op`'s outputs (empty where unknown)."""
   kind = op.type
+  if kind == 'Slice':
+    _check_slice(op, inputs[0])
   if kind in _ELEMENTWISE:
     return [inputs[0]]
   if kind in _BROADCASTING:
@@ -160,6 +217,8 @@ def _rule(op: tf.Operation, inputs: List[Axes]) -> Sequence[Axes]:
     return [_gather(op, inputs)]
   if kind == 'OneHot':
     return [_one_hot(op, inputs[0])]
+  if kind == 'TopKV2':
+    return _top_k(op, inputs[0])
   if kind in ('SoftmaxCrossEntropyWithLogits',
               'SparseSoftmaxCrossEntropyWithLogits'):
     per_row = frozenset([0]) if any(0 in axes for axes in inputs) else _NONE
@@ -303,6 +362,10 @@ def _reshaped(op: tf.Operation, axes: Axes) -> Axes:
   return _strided(op, axes, rank)
 
 
+def _subset(op: tf.Operation, what: str) -> _Subset:
+  return _Subset(op, what)
+
+
 def _strided(op: tf.Operation, axes: Axes, rank: int) -> Axes:
   """StridedSlice: walk its spec, input axis by input axis."""
   if op.get_attr('ellipsis_mask'):
@@ -316,13 +379,77 @@ def _strided(op: tf.Operation, axes: Axes, rank: int) -> Axes:
     if new & (1 << i):
       target += 1
     elif shrink & (1 << i):
+      if source in axes:
+        raise _subset(op, f'takes one row of axis {source}, which indexes '
+                      "the tower's examples")
       source += 1
     else:
+      if source in axes and not _full_range(op, i, source):
+        raise _subset(op, f'slices axis {source}, which indexes the '
+                      "tower's examples, to less than its full range")
       mapping[source] = target
       source, target = source + 1, target + 1
   for rest in range(source, rank):
     mapping[rest] = target + rest - source
   return frozenset(mapping[a] for a in axes if a in mapping)
+
+
+def _full_range(op: tf.Operation, i: int, axis: int) -> bool:
+  """Whether entry `i` of StridedSlice `op`'s spec keeps all of `axis` in
+  order (`[:]`); an entry it cannot read counts as full (the check only
+  refuses what it proves)."""
+  begin, end, strides = (_constant(t) for t in op.inputs[1:4])
+  if strides is None or begin is None or end is None:
+    return True
+  if int(strides[i]) != 1:
+    return False
+  size = tf.compat.dimension_value(op.inputs[0].shape[axis])
+  starts = op.get_attr('begin_mask') & (1 << i) or int(begin[i]) == 0
+  ends = op.get_attr('end_mask') & (1 << i) or (
+      size is not None and int(end[i]) >= size)
+  return bool(starts and ends)
+
+
+def _check_slice(op: tf.Operation, axes: Axes) -> None:
+  """tf.slice: a row axis must start at 0 and keep every row."""
+  begin, size = _constant(op.inputs[1]), _constant(op.inputs[2])
+  if begin is None or size is None:
+    return
+  for axis in axes:
+    rows = tf.compat.dimension_value(op.inputs[0].shape[axis])
+    if int(begin[axis]) != 0 or not (
+        int(size[axis]) == -1 or (rows is not None and size[axis] == rows)):
+      raise _subset(op, f'slices axis {axis}, which indexes the tower\'s '
+                    'examples, to less than its full range')
+
+
+def _top_k(op: tf.Operation, axes: Axes) -> List[Axes]:
+  """TopKV2 over the last axis: a full sort of rows keeps every row (in
+  another order, which a later slice would exploit); fewer is a subset."""
+  rank = _rank(op.inputs[0])
+  if rank is None:
+    return [_NONE, _NONE]
+  if rank - 1 in axes and not _whole_axis(op.inputs[1], op.inputs[0]):
+    raise _subset(op, 'keeps the k largest rows of an axis that indexes the '
+                  "tower's examples")
+  return [axes, axes]
+
+
+def _whole_axis(k: tf.Tensor, values: tf.Tensor) -> bool:
+  """Whether `k` is the size of `values`' last axis: a constant equal to
+  it, or the last entry of a shape of `values`' rank (tf.sort's k)."""
+  size = tf.compat.dimension_value(values.shape[-1])
+  constant = _constant(k)
+  if constant is not None:
+    return size is not None and int(constant) == size
+  op = k.op
+  while op.type in ('StridedSlice', 'Identity', 'Cast'):
+    op = op.inputs[0].op
+  if op.type == 'Shape':  # tf.sort reads the shape of what it negates.
+    return _rank(op.inputs[0]) == _rank(values)
+  shape = _constant(op.outputs[0]) if op.type == 'Const' else None
+  return (shape is not None and shape.ndim == 1 and size is not None and
+          len(shape) == _rank(values) and int(shape[-1]) == size)
 
 
 def _joined(op: tf.Operation, inputs: List[Axes]) -> List[Axes]:
@@ -362,7 +489,13 @@ def _gather(op: tf.Operation, inputs: List[Axes]) -> Axes:
     axis = int(axis) % rank_p
   else:
     axis = 0
+  if axis in inputs[0] and op.type != 'ResourceGather' and (
+      not _picked_by_mask(indices)):
+    raise _subset(op, f'gathers along axis {axis}, which indexes the '
+                  "tower's examples, by position")
   found = set()
+  if axis in inputs[0]:
+    found.add(axis)  # The rows a per-example mask picked.
   for a in inputs[1]:
     found.add(a if a < batch_dims else axis + a - batch_dims)
   if op.type != 'ResourceGather':
@@ -372,6 +505,15 @@ def _gather(op: tf.Operation, inputs: List[Axes]) -> Axes:
       elif a > axis:
         found.add(a + rank_i - batch_dims - 1)
   return frozenset(found) if len(found) == 1 else _NONE
+
+
+def _picked_by_mask(indices: tf.Tensor) -> bool:
+  """Whether `indices` are the positions tf.where gives of a mask (as
+  tf.boolean_mask gathers): each row is kept or not on its own."""
+  op = indices.op
+  while op.type in ('Squeeze', 'Reshape', 'Identity', 'Cast'):
+    op = op.inputs[0].op
+  return op.type == 'Where'
 
 
 def _one_hot(op: tf.Operation, axes: Axes) -> Axes:

@@ -16,19 +16,28 @@ more:
   itself, is added by every tower call: tower t counted towers 0..t.
 
 A later tower builds its ops under `tower_<t>/` with the names tower 0 gave
-its own, so its entry `tower_<t>/X` stands for tower 0's `X`. Inside
-`tower`, REGULARIZATION_LOSSES as tower t sees it is tower 0's entries (and
-those made before the towers), each replaced by the tower's own entry of
-the same name if it made one: one device's terms, over the tower's own
-variables and activations. An entry of the tower's with no counterpart in
-tower 0 (a regularizer added again for a copy) is left out, and so are other
-towers' entries. Entries made lazily from a variable
-(`tf.compat.v1.get_variable(regularizer=...)`) are read in the tower that
-asks and stay as they are.
+its own, so its entry `tower_<t>/X` stands for tower 0's `X`. An entry added
+under an absolute name scope (`tf.name_scope('reg/')`) gets no such prefix:
+it stands for the first tower-0 entry, not matched otherwise, that tower 0
+added after the point the tower has reached (see `_Progress`), if its shape
+and dtype agree; otherwise it is refused.
+
+Inside `tower`, REGULARIZATION_LOSSES as tower t sees it is what one device
+sees at the same point of its build: the entries made before the towers,
+then tower 0's entries, each replaced by the tower's own counterpart if it
+made one, and shown only once the tower made that counterpart or built past
+the point where tower 0 added it (a kernel regularizer of a variable the
+tower reuses is added by tower 0 alone). So a model_fn that counts the
+entries before building and slices the new ones afterwards takes its own.
+An entry of the tower's with no counterpart in tower 0 (a regularizer added
+again for a copy) is left out, and so are other towers' entries. Entries
+made lazily from a variable (`tf.compat.v1.get_variable(regularizer=...)`)
+are read in the tower that asks and stay as they are.
 """
 
+import bisect
 import contextlib
-from typing import Iterator, List
+from typing import Iterator, List, Optional, Tuple
 
 import tensorflow as tf
 
@@ -54,12 +63,13 @@ def tower(index: int, ledger: op_ledger.TowerLedger) -> Iterator[None]:
     yield
     return
   original = tf.Graph.get_collection
+  progress = _Progress(index, ledger)
 
   def get_collection(graph, name, scope=None):
     items = original(graph, name, scope)
     if name != _KEY:
       return items
-    return _one_devices(items, index, ledger)
+    return _one_devices(items, index, ledger, progress)
 
   with patching.Patcher() as patcher:
     patcher.set(tf.Graph, 'get_collection',
@@ -67,26 +77,104 @@ def tower(index: int, ledger: op_ledger.TowerLedger) -> Iterator[None]:
     yield
 
 
-def _one_devices(items: List, index: int,
-                 ledger: op_ledger.TowerLedger) -> List:
+class _Progress:
+  """How far tower t's build has come, in tower 0's terms.
+
+  A tower's op `tower_<t>/X` stands for tower 0's op `X`; the point tower t
+  has reached is the latest tower-0 op one of its ops stands for. Scanned
+  incrementally: a tower's ops only grow while it builds.
+
+  Args:
+    index: The tower (> 0).
+    ledger: The towers' regions.
+  """
+
+  def __init__(self, index: int, ledger: op_ledger.TowerLedger):
+    self._prefix = f'tower_{index}/'
+    self._ledger = ledger
+    self._index = index
+    self._next = None  # The id of the next of the tower's ops to scan.
+    # (id of a tower-t op, latest tower-0 id reached up to it), ascending.
+    self._reached: List[Tuple[int, int]] = []
+
+  def reached(self, before: Optional[tf.Operation] = None) -> int:
+    """The latest tower-0 op id the tower stood for (before op `before`
+    was made, if given); -1 if none."""
+    self._scan()
+    if before is None:
+      return self._reached[-1][1] if self._reached else -1
+    at = bisect.bisect_left(self._reached, (op_ledger.id_of(before), -1))
+    return self._reached[at - 1][1] if at else -1
+
+  def _scan(self) -> None:
+    graph = tf1.get_default_graph()
+    if self._next is None:
+      self._next = self._ledger.start(self._index).next_id
+    latest = self._reached[-1][1] if self._reached else -1
+    end = op_ledger.position(graph).next_id
+    for op in op_ledger.ops_between(graph, self._next, end):
+      if op.name.startswith(self._prefix):
+        theirs = op_ledger.op_named(graph, op.name[len(self._prefix):])
+        if theirs is not None and self._ledger.tower_of(theirs) == 0 and (
+            op_ledger.made_after(theirs, self._ledger.first)):
+          latest = max(latest, op_ledger.id_of(theirs))
+      self._reached.append((op_ledger.id_of(op), latest))
+    self._next = end
+
+
+def _one_devices(items: List, index: int, ledger: op_ledger.TowerLedger,
+                 progress: _Progress) -> List:
   """`items` as tower `index` should see them (see the module docstring)."""
   prefix = f'tower_{index}/'
-  own = {}  # Tower 0's name -> the tower's entry standing for it.
-  unmatched = []  # Own entries not named under the tower's scope.
+  firsts = [item for item in items if _tower_of(item, ledger) == 0]
+  own = {}  # Tower 0's entry name -> the tower's entry standing for it.
+  unscoped = []  # Own entries not named under the tower's scope.
   for item in items:
     if _tower_of(item, ledger) == index:
       if item.name.startswith(prefix):
         own[item.name[len(prefix):]] = item
       else:
-        unmatched.append(item)
+        unscoped.append(item)
+  for item in unscoped:
+    first = _counterpart(item, firsts, own, progress)
+    own[first.name] = item
+  reached = progress.reached()
   seen = []
   for item in items:
-    if _tower_of(item, ledger) <= 0:  # Tower 0's, earlier, or lazy.
-      name = item.name if isinstance(item, tf.Tensor) else None
-      seen.append(own.get(name, item))
-  # An own entry named outside the tower's scope cannot be matched: it is
-  # kept (as before this module), beside whatever tower 0's it stands for.
-  return seen + unmatched
+    tower = _tower_of(item, ledger)
+    if tower < 0:  # Made before the towers, or lazy.
+      seen.append(item)
+    elif tower == 0:
+      if item.name in own:
+        seen.append(own[item.name])
+      elif op_ledger.id_of(item.op) < reached:
+        seen.append(item)  # The tower built past it without its own.
+  return seen
+
+
+def _counterpart(item: tf.Tensor, firsts: List[tf.Tensor], own: dict,
+                 progress: _Progress) -> tf.Tensor:
+  """Tower 0's entry that the tower's unscoped entry `item` stands for.
+
+  Raises:
+    ValueError: There is none, or its shape or dtype differs.
+  """
+  reached = progress.reached(before=item.op)
+  for first in firsts:
+    if first.name in own or op_ledger.id_of(first.op) <= reached:
+      continue
+    if first.dtype == item.dtype and first.shape.as_list() == (
+        item.shape.as_list() if item.shape.rank is not None else None):
+      return first
+    break
+  raise ValueError(
+      f'A tower added {item.name} to REGULARIZATION_LOSSES outside its '
+      "name scope (an absolute tf.name_scope such as 'reg/'), and tower 0 "
+      'added no entry of the same shape and dtype at that point of its '
+      "build. replicate_model_fn matches each tower's entries to tower 0's "
+      'to count every term once, as one device does: add the entry under a '
+      "relative name scope (tf.name_scope('reg'), without the trailing "
+      'slash), or add the same entries in every tower.')
 
 
 def _tower_of(item, ledger: op_ledger.TowerLedger) -> int:

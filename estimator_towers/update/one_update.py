@@ -155,8 +155,8 @@ class OneUpdate:
       return call.run()
     graph = tf1.get_default_graph()
     if graph is not self._graph:
-      if not self.applying:
-        self._path.check_nested_call(call, graph, self._graph)
+      if not self.applying and self._training:
+        _refuse_nested_call(call, graph, self._graph)
       return call.run()
     if call.name == 'gradients':
       if not self._training:
@@ -493,6 +493,47 @@ class OneUpdate:
             'cannot be split over towers. Gradients with respect to inputs '
             '(per example, as in a WGAN-GP penalty) are fine; train this '
             'model_fn on one device.')
+
+
+def _refuse_nested_call(call: calls.Call, graph: tf.Graph,
+                        towers_graph: tf.Graph) -> None:
+  """Refuses a TRAIN optimizer call of the model_fn inside its `tf.cond`,
+  `tf.while_loop` or `tf.function` (a graph nested in the towers' graph).
+
+  Such a call cannot be routed: a tower's branch or loop body is its own
+  function, whose result the last tower cannot combine with the others'.
+  Run as it is, each tower would update from its own shard (under
+  'global_loss' the last one's update wins; under 'all_reduce' one copy
+  drifts or the all-reduce hangs), so it is refused under every aggregation.
+
+  Args:
+    call: The optimizer call, made in `graph`.
+    graph: The graph the call is made in.
+    towers_graph: The graph the towers are built in.
+
+  Raises:
+    ValueError: `graph` is nested in `towers_graph` and the call is not a
+      `tf.gradients` w.r.t. tensors.
+  """
+  outer = graph
+  while outer is not None and outer is not towers_graph:
+    outer = getattr(outer, 'outer_graph', None)
+  if outer is None:
+    return  # Another graph altogether: not the towers' business.
+  if call.name == 'gradients' and (
+      calls.variables_of_gradients_call(call) is None):
+    return  # Gradients w.r.t. tensors: the tower's own.
+  raise ValueError(
+      f'The model_fn calls {call.qualified_name} inside a tf.cond, '
+      f'tf.while_loop or tf.function (in {graph.name}). replicate_model_fn '
+      "turns each tower's optimizer calls into one update of the whole "
+      'batch only when they are made in the model_fn itself: inside control '
+      "flow each tower would update from its own shard alone, under every "
+      'aggregation. Make the call outside the tf.cond, tf.while_loop or '
+      'tf.function (e.g. compute the loss inside and return it, then '
+      'minimize it outside; several inner steps become several calls '
+      'in a Python loop), or train this model_fn on one device without '
+      'replicate_model_fn.')
 
 
 def _writes_trainable_variables(train_op) -> bool:
