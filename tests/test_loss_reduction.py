@@ -472,3 +472,30 @@ def test_a_metric_of_means_whose_counts_split_unlike_is_refused():
   with pytest.raises(tf.errors.InvalidArgumentError,
                      match='adds several means whose divisors do not split'):
     _metric_after_one_batch(skewed, 3)
+
+
+def _weights_only_model_fn(features, labels, mode):
+  """A loss of the weights alone (estimator_test's model_fns use a constant
+  one): every tower computes the same value."""
+  del features, labels
+  w = tf1.get_variable('w', [3], initializer=tf1.constant_initializer(2.0))
+  loss = tf.reduce_sum(tf.square(w - 1.0))
+  train_op = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('towers,batch', [(2, 6), (3, 2)])
+def test_a_loss_free_of_the_examples_trains_as_one_device(towers, batch):
+  # It was refused ('no reduction over the examples') although any weights
+  # that add up to 1 give one device's value; 3 towers on 2 rows: one idle.
+  _assert_trains_as_one_device(_weights_only_model_fn, towers, batch)
+
+
+@pytest.mark.fast
+def test_a_loss_free_of_the_examples_told_sum_is_refused():
+  # Added over the towers, the same value would count once per tower.
+  with pytest.raises(ValueError, match="loss_reduction='sum', but the loss "
+                     "'.*' does not depend on the examples"):
+    build_replicated(_weights_only_model_fn, 2, loss_reduction='sum')

@@ -80,6 +80,8 @@ class Reduction:
     remedy: For an unsplittable loss, what to write instead.
     ratios: For RATIO, the tensor of each ratio term (what `divisors`
       divide).
+    example_free: No term depends on the examples (a loss of the weights
+      alone, a constant): every tower computes the same value.
   """
   kind: str
   divisors: List[tf.Tensor] = dataclasses.field(default_factory=list)
@@ -89,6 +91,7 @@ class Reduction:
   remedy: str = ('Divide a sum over the examples by their count once (a '
                  'mean), or train on one device.')
   ratios: List[tf.Tensor] = dataclasses.field(default_factory=list)
+  example_free: bool = False
 
 
 # What each unsplittable term kind is, and what to write instead.
@@ -144,7 +147,8 @@ def analyze(loss: tf.Tensor,
     detail = found or 'no reduction over the examples'
     if kinds == {SUM, RATIO}:
       detail = f'it adds a sum and a mean: {found}'
-    return Reduction(UNKNOWN, constant_terms=constant, detail=detail)
+    return Reduction(UNKNOWN, constant_terms=constant, detail=detail,
+                     example_free=not kinds)
   kind = kinds.pop()
   divisors = [d for k, d, _ in terms if k == RATIO]
   ratios = [loss.graph.get_operation_by_name(n).outputs[0]
@@ -869,6 +873,16 @@ class TowerWeights:
           "add their shards' losses, and no weights add up to this one (nor "
           f'does any loss_reduction). {unsplittable[0].remedy}')
     requested = {'mean': RATIO, 'sum': SUM}.get(self._requested)
+    if all(r.example_free for r in reductions):
+      if requested == SUM:
+        raise ValueError(
+            f"loss_reduction='sum', but the loss {name!r} does not depend "
+            'on the examples (a loss of the weights alone, a constant): '
+            'every tower computes the same value, which a sum would count '
+            "once per tower. Leave loss_reduction at 'auto'.")
+      # Weighed by the towers' shares of the examples, which add up to 1,
+      # the towers' equal values give it once, as one device does.
+      return RATIO
     if found.kind == UNKNOWN:
       if requested is None:
         # Guessing would train a summed loss with shrunk gradients, silently.
