@@ -212,6 +212,26 @@ def _counted_before_model_fn(features, labels, mode):
   return _finish(mode, hidden, labels, tf.add_n(added))
 
 
+def _prebuilt_layer_model_fn():
+  """One tf.compat.v1.layers object, built by tower 0 and called by every
+  tower: its kernel term is added once (tower 0's, on the primary), its
+  activity term by every call, under the scope of the first call."""
+  built = {}
+
+  def model_fn(features, labels, mode):
+    if built.get('graph') is not tf1.get_default_graph():
+      built['graph'] = tf1.get_default_graph()
+      built['layer'] = tf1.layers.Dense(
+          6, activation=tf.nn.tanh, kernel_initializer=seeded(1),
+          kernel_regularizer=_l2,
+          activity_regularizer=lambda a: 0.02 * tf.reduce_sum(tf.square(a)))
+    hidden = built['layer'](features['x'])
+    return _finish(mode, hidden, labels,
+                   tf1.losses.get_regularization_loss())
+
+  return model_fn
+
+
 def _finish(mode, hidden, labels, regularization):
   logits = tf1.layers.dense(hidden, 2, kernel_initializer=seeded(2))
   loss = tf1.losses.sparse_softmax_cross_entropy(
@@ -222,17 +242,21 @@ def _finish(mode, hidden, labels, regularization):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize('model_fn', [_absolute_scope_model_fn,
-                                      _counted_before_model_fn],
-                         ids=['absolute_scope', 'counted_before'])
+@pytest.mark.parametrize('make_model_fn', [
+    lambda: _absolute_scope_model_fn, lambda: _counted_before_model_fn,
+    _prebuilt_layer_model_fn],
+                         ids=['absolute_scope', 'counted_before', 'prebuilt'])
 @pytest.mark.parametrize('aggregation', ['global_loss', 'all_reduce'])
-def test_entries_matched_by_build_order(model_fn, aggregation):
+def test_entries_matched_by_build_order(make_model_fn, aggregation):
   # Absolute scope: tower t's entry is not `tower_<t>/X`; it was counted
   # beside tower 0's (global_loss rel 1.27). Counted before: a later tower
   # saw tower 0's entries before building, so its slice missed its own
-  # (rel 0.185; tf.add_n of the empty slice failed).
-  expected_losses, expected = _train(model_fn, 1)
-  losses, actual = _train(model_fn, 3, aggregation=aggregation)
+  # (rel 0.185; tf.add_n of the empty slice failed). Prebuilt: a later
+  # tower's activity term stood for tower 0's kernel term, a scalar too
+  # (rel 0.25), and under all_reduce the later towers' share of the kernel
+  # term tower 0 added alone was not differentiated (rel 0.19).
+  expected_losses, expected = _train(make_model_fn(), 1)
+  losses, actual = _train(make_model_fn(), 3, aggregation=aggregation)
   np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
   assert_same_variables(expected, actual, rtol=1e-5, atol=1e-6)
 

@@ -277,13 +277,15 @@ class Replicas:
                        ) -> List:
     """Tower `tower`'s gradients, one per primary, w.r.t. its copies.
 
-    A tower reads its copies through its layers, but its own ops can also
-    read a primary: `tf.compat.v1.trainable_variables()` lists only the
-    primaries, which is how many model_fns add weight decay. The gradient
-    through those reads is the tower's too, so it is added to the copy's
-    (the later towers' share was lost: 0.05 off in a kernel, every run).
-    Reads made before the tower (a regularizer op every tower's total loss
-    shares) belong to tower 0's copy, which is the primary.
+    A tower reads its copies through its layers, but its loss can also
+    depend on reads of a primary: `tf.compat.v1.trainable_variables()`
+    lists only the primaries, which is how many model_fns add weight decay;
+    a layer object built in tower 0 and called again reads them; and a
+    kernel regularizer tower 0 added alone is part of every tower's total
+    loss. The gradient of this tower's loss through those reads, wherever
+    they were made, is this tower's share, so it is added to its copy's
+    (tower 0 differentiates its own loss only: the later towers' share was
+    lost, 0.05 off in a kernel in every run).
     """
     copies = [self.tower_variable(p, tower) for p in primaries]
     grads = list(differentiate(loss, copies))
@@ -293,9 +295,8 @@ class Replicas:
                 in enumerate(zip(primaries, copies)) if c is not p}
     reads = [(position[op.inputs[0].name], op.outputs[0])
              for op in op_ledger.ancestors([loss.op],
-                                           since=self._ledger.start(tower))
-             if op.type == 'ReadVariableOp' and op.inputs[0].name in position
-             and self._ledger.tower_of(op) == tower]
+                                           since=self._ledger.first)
+             if op.type == 'ReadVariableOp' and op.inputs[0].name in position]
     if reads:
       direct = tf.gradients(loss, [value for _, value in reads])
       for (k, _), grad in zip(reads, direct):

@@ -37,6 +37,7 @@ are read in the tower that asks and stay as they are.
 
 import bisect
 import contextlib
+import re
 from typing import Iterator, List, Optional, Tuple
 
 import tensorflow as tf
@@ -81,8 +82,12 @@ class _Progress:
   """How far tower t's build has come, in tower 0's terms.
 
   A tower's op `tower_<t>/X` stands for tower 0's op `X`; the point tower t
-  has reached is the latest tower-0 op one of its ops stands for. Scanned
-  incrementally: a tower's ops only grow while it builds.
+  has reached is the latest tower-0 op one of its ops stands for. An op
+  outside the tower's scope (a layer object built by tower 0 and called
+  again enters the scope of its first call: `dense/MatMul_1`) stands for
+  the tower-0 op of the same name but for uniquifying suffixes, the k-th
+  such op of the tower for the k-th of tower 0. Scanned incrementally: a
+  tower's ops only grow while it builds.
 
   Args:
     index: The tower (> 0).
@@ -94,6 +99,10 @@ class _Progress:
     self._ledger = ledger
     self._index = index
     self._next = None  # The id of the next of the tower's ops to scan.
+    # Tower 0's ops by name without suffixes, and how many of each the
+    # tower's unscoped ops have stood for so far.
+    self._firsts: Optional[dict] = None
+    self._used: dict = {}
     # (id of a tower-t op, latest tower-0 id reached up to it), ascending.
     self._reached: List[Tuple[int, int]] = []
 
@@ -113,13 +122,37 @@ class _Progress:
     latest = self._reached[-1][1] if self._reached else -1
     end = op_ledger.position(graph).next_id
     for op in op_ledger.ops_between(graph, self._next, end):
-      if op.name.startswith(self._prefix):
-        theirs = op_ledger.op_named(graph, op.name[len(self._prefix):])
-        if theirs is not None and self._ledger.tower_of(theirs) == 0 and (
-            op_ledger.made_after(theirs, self._ledger.first)):
-          latest = max(latest, op_ledger.id_of(theirs))
+      theirs = self._stands_for(graph, op)
+      if theirs is not None:
+        latest = max(latest, op_ledger.id_of(theirs))
       self._reached.append((op_ledger.id_of(op), latest))
     self._next = end
+
+  def _stands_for(self, graph: tf.Graph,
+                  op: tf.Operation) -> Optional[tf.Operation]:
+    """Tower 0's op that the tower's `op` repeats, if any."""
+    if op.name.startswith(self._prefix):
+      theirs = op_ledger.op_named(graph, op.name[len(self._prefix):])
+      if theirs is not None and self._ledger.tower_of(theirs) == 0 and (
+          op_ledger.made_after(theirs, self._ledger.first)):
+        return theirs
+      return None
+    if op.name.startswith('tower_'):
+      return None  # Another tower's scope, or the wrapper's.
+    if self._firsts is None:
+      self._firsts = {}
+      zero = self._ledger.region(0)
+      for first in op_ledger.ops_between(graph, zero.start.next_id,
+                                         self._ledger.start(1).next_id):
+        self._firsts.setdefault(_without_suffixes(first.name),
+                                []).append(first)
+    name = _without_suffixes(op.name)
+    candidates = self._firsts.get(name, [])
+    used = self._used.get(name, 0)
+    if used >= len(candidates):
+      return None
+    self._used[name] = used + 1
+    return candidates[used]
 
 
 def _one_devices(items: List, index: int, ledger: op_ledger.TowerLedger,
@@ -160,13 +193,18 @@ def _counterpart(item: tf.Tensor, firsts: List[tf.Tensor], own: dict,
     ValueError: There is none, or its shape or dtype differs.
   """
   reached = progress.reached(before=item.op)
-  for first in firsts:
-    if first.name in own or op_ledger.id_of(first.op) <= reached:
-      continue
-    if first.dtype == item.dtype and first.shape.as_list() == (
-        item.shape.as_list() if item.shape.rank is not None else None):
+  open_firsts = [first for first in firsts if first.name not in own
+                 and op_ledger.id_of(first.op) > reached]
+  # A name scope entered again keeps its name and uniquifies the ops in it
+  # ('d/ActivityRegularizer_1/truediv'): the entry of the same name but for
+  # those suffixes is the one this entry repeats. Shape alone would pair a
+  # layer's activity term with the kernel term before it (two scalars).
+  name = _without_suffixes(item.name)
+  for first in open_firsts:
+    if _without_suffixes(first.name) == name and _alike(first, item):
       return first
-    break
+  if open_firsts and _alike(open_firsts[0], item):
+    return open_firsts[0]
   raise ValueError(
       f'A tower added {item.name} to REGULARIZATION_LOSSES outside its '
       "name scope (an absolute tf.name_scope such as 'reg/'), and tower 0 "
@@ -175,6 +213,17 @@ def _counterpart(item: tf.Tensor, firsts: List[tf.Tensor], own: dict,
       'to count every term once, as one device does: add the entry under a '
       "relative name scope (tf.name_scope('reg'), without the trailing "
       'slash), or add the same entries in every tower.')
+
+
+def _without_suffixes(name: str) -> str:
+  """`name` without the `_<n>` TensorFlow appends to reused scope parts."""
+  return '/'.join(re.sub(r'_\d+$', '', part) for part in name.split('/'))
+
+
+def _alike(first: tf.Tensor, item: tf.Tensor) -> bool:
+  """Whether the two entries have the same dtype and shape."""
+  return first.dtype == item.dtype and first.shape.as_list() == (
+      item.shape.as_list() if item.shape.rank is not None else None)
 
 
 def _tower_of(item, ledger: op_ledger.TowerLedger) -> int:
