@@ -251,15 +251,38 @@ def test_a_subset_of_rows_by_position_is_refused(name):
     build_replicated(_regression(loss_of), towers=2, loss_reduction='mean')
 
 
+_REORDERED = {
+    # Each trained silently on towers: a shard paired its own rows.
+    'mixup_reversed': (lambda p, l, x: tf.reduce_mean(_squares(
+        0.7 * p + 0.3 * tf.reverse(p, [0]), l)), 'ReverseV2'),
+    'rolled_negatives': (lambda p, l, x: tf.reduce_mean(_squares(p, l)) +
+                         0.1 * tf.reduce_mean(p * tf.roll(p, 1, 0)), 'Roll'),
+    'shuffled_partner': (lambda p, l, x: tf.reduce_mean(_squares(
+        p, l) * tf.random.shuffle(x[:, :1], seed=3)), 'RandomShuffle'),
+}
+
+
+@pytest.mark.parametrize('name', sorted(_REORDERED))
+def test_rows_paired_by_position_are_refused(name):
+  loss_of, op_type = _REORDERED[name]
+  with pytest.raises(ValueError, match=f'pairs examples of its batch by '
+                     f'their position: .* reordered by {op_type} .*'
+                     'whole_batch'):
+    build_replicated(_regression(loss_of), towers=2, loss_reduction='mean')
+
+
 def test_per_example_selections_train_as_one_device():
   # Other axes' slices, a full-range slice, a full sort and a boolean mask
-  # by a per-example condition keep each example's term its own.
+  # by a per-example condition keep each example's term its own; so do a
+  # reversal of the rows reduced on its own and a roll of another axis.
   def loss_of(p, l, x):
     squares = _squares(p, l)
     return (tf.reduce_mean(squares[:, 0]) + tf.reduce_mean(squares[..., 1:])
             + tf.reduce_mean(squares[:]) + tf.reduce_mean(
                 tf.sort(tf.reduce_sum(squares, 1)))
-            + tf.reduce_mean(tf.boolean_mask(squares, x[:, 0] > 0)))
+            + tf.reduce_mean(tf.boolean_mask(squares, x[:, 0] > 0))
+            + tf.reduce_mean(tf.reverse(squares, [0]))
+            + tf.reduce_mean(_squares(tf.roll(p, 1, 1), l)))
 
   rng = np.random.RandomState(0)
   x = rng.randn(48, 5).astype(np.float32)

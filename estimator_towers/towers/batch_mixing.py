@@ -25,10 +25,15 @@ position: a slice of a row axis other than its full range (`sq[:-1]`,
 `p[1:] - p[:-1]`, `x[0]`), a `tf.gather` along a row axis, a `top_k` over
 one. Each shard drops or pairs its own rows, not the batch's. A
 `tf.boolean_mask` (a gather at the rows a per-example mask picks) and a
-full sort stay per example. An op the
-walk does not know ends the trail: the check only refuses what it proves,
-so a mixing it cannot follow (a roll or shuffle of the batch, a custom op,
-control flow, batch statistics other than batch norm's) is not caught.
+full sort stay per example. A reversal, roll,
+shuffle or sort of a row axis reorders the rows: a tensor in that order
+may go through per-example ops and be reduced, but an op that combines it
+with rows in another order (mixup's `x * lam + tf.reverse(x, [0]) * (1 -
+lam)`, negatives shifted by `tf.roll`) pairs each shard's rows, not the
+batch's, and is refused. An op the walk does not know ends the trail: the
+check only refuses what it proves, so a mixing it cannot follow (a
+`tf.gather_nd` of rows, a custom op, control flow, batch statistics other
+than batch norm's) is not caught.
 """
 
 from typing import Dict, FrozenSet, List, Optional, Sequence
@@ -87,6 +92,10 @@ class _Subset(_Mixing):
   """An op that keeps some of the rows, chosen by their position."""
 
 
+class _Reordered(_Mixing):
+  """An op that pairs rows reordered by position with rows in order."""
+
+
 def check_loss(loss: tf.Tensor, shard, since: op_ledger.Mark) -> None:
   """Refuses a tower's loss that mixes the examples of the tower's shard.
 
@@ -103,7 +112,16 @@ def check_loss(loss: tf.Tensor, shard, since: op_ledger.Mark) -> None:
   if found is None:
     return
   op, what = found
-  if found.subset:
+  if found.kind == 'reordered':
+    raise ValueError(
+        f'The loss {loss.op.name!r} pairs examples of its batch by their '
+        f'position: {op.type} {op.name!r} {what}. One device pairs rows of '
+        'the whole batch (mixup with a reversed or shuffled batch, shifted '
+        "negatives); each tower would pair its own shard's rows and train "
+        'another model. Exchange the rows with estimator_towers.whole_batch '
+        '(see docs/writing_model_fns.md, "Losses over the whole batch"), '
+        'pair examples in the input pipeline, or train on one device.')
+  if found.kind == 'subset':
     raise ValueError(
         f'The loss {loss.op.name!r} keeps only some examples of its batch '
         f'by their position: {op.type} {op.name!r} {what}. Each tower '
@@ -126,12 +144,13 @@ def check_loss(loss: tf.Tensor, shard, since: op_ledger.Mark) -> None:
 
 
 class _Found(tuple):
-  """(op, phrase): what `mixing_op` found; `subset` if it keeps some rows
-  by position rather than pairing them."""
+  """(op, phrase): what `mixing_op` found; its `kind` is 'pairs' (two row
+  axes in one tensor), 'subset' (some rows kept by position) or
+  'reordered' (rows in another order met rows in order)."""
 
-  def __new__(cls, op, what, subset=False):
+  def __new__(cls, op, what, kind='pairs'):
     found = super().__new__(cls, (op, what))
-    found.subset = subset
+    found.kind = kind
     return found
 
 
@@ -144,10 +163,12 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark):
     since: The mark taken before the tower's model_fn call.
 
   Returns:
-    (op, phrase saying how it mixes), or None; its `subset` says whether
-    the op keeps some of the rows by position.
+    (op, phrase saying how it mixes), or None; its `kind` says how.
   """
   rows: Dict[str, Axes] = {}
+  # The op that last reordered a tensor's rows (a reversal, roll, shuffle
+  # or sort of a row axis); absent while they are in the shard's order.
+  orders: Dict[str, tf.Operation] = {}
   for leaf in sharding.leaves(shard):
     # Dense features and labels only: a SparseTensor's indices are not rows.
     if isinstance(leaf, tf.Tensor) and leaf.shape.rank != 0:
@@ -162,16 +183,55 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark):
       continue
     try:
       outputs = _rule(op, inputs)
+      order = _order(op, inputs, orders)
     except _Subset as subset:
       if op in values:
-        return _Found(subset.op, subset.what, subset=True)
+        return _Found(subset.op, subset.what, kind='subset')
       outputs = [_NONE] * len(op.outputs)  # Only its shape is read.
+      order = None
+    except _Reordered as reordered:
+      return _Found(reordered.op, reordered.what, kind='reordered')
     except _Mixing as mixing:
       return _Found(mixing.op, mixing.what)
     for output, axes in zip(op.outputs, outputs):
       if axes:
         rows[output.name] = axes
+        if order is not None:
+          orders[output.name] = order
   return None
+
+
+def _order(op: tf.Operation, inputs: List[Axes],
+           orders: Dict[str, tf.Operation]) -> Optional[tf.Operation]:
+  """The op that ordered the rows of `op`'s outputs (None: the shard's).
+
+  Raises:
+    _Reordered: `op` combines rows in two orders: each tower would pair
+      its shard's rows by position where one device pairs the batch's.
+  """
+  found = {orders.get(t.name) for t, axes in zip(op.inputs, inputs) if axes}
+  if len(found) > 1:
+    reorder = next(o for o in found if o is not None)
+    raise _Reordered(
+        op, f'combines rows reordered by {reorder.type} {reorder.name!r} '
+        '(a reversed, rolled, shuffled or sorted batch) with rows in '
+        'another order')
+  return op if _reorders(op, inputs) else found.pop()
+
+
+def _reorders(op: tf.Operation, inputs: List[Axes]) -> bool:
+  """Whether `op` moves rows of a row axis to other positions."""
+  if op.type == 'RandomShuffle':
+    return 0 in inputs[0]
+  if op.type in ('ReverseV2', 'Roll'):
+    rank = _rank(op.inputs[0])
+    axes = _axes_of(op.inputs[1 if op.type == 'ReverseV2' else 2],
+                    rank) if rank else None
+    return axes is not None and any(a in inputs[0] for a in axes)
+  if op.type == 'TopKV2':  # A full sort; fewer rows is refused as a subset.
+    rank = _rank(op.inputs[0])
+    return rank is not None and rank - 1 in inputs[0]
+  return False
 
 
 def _value_ancestors(op: tf.Operation, ops) -> set:
