@@ -121,6 +121,31 @@ def test_a_static_batch_size_counts_every_towers_examples(checkpoint, towers):
                                err_msg=name)
 
 
+@pytest.mark.parametrize('towers', [2, 3])
+def test_a_shard_of_zero_weights_adds_nothing(checkpoint, towers):
+  # The mean of a batch's weighted mean: a shard whose weights are all 0
+  # has the mean 0 / 0 = NaN, which its zero weight kept (the metric was
+  # NaN); one device's batch has weights elsewhere.
+  def model_fn(features, labels, mode, params):
+    del params
+    weights = features['w']
+    return _classifier(features, labels, mode, {'metrics': lambda e: {
+        'weighted_batch_mean': tf1.metrics.mean(
+            tf.reduce_sum(weights * e) / tf.reduce_sum(weights))}})
+
+  def input_fn():
+    x, y = _data()
+    w = np.resize(np.float32([1, 1, 1, 1, 0, 0, 0, 0]), _ROWS)
+    return tf.data.Dataset.from_tensor_slices(({'x': x, 'w': w}, y)).batch(
+        _BATCH)
+
+  expected = _evaluate(model_fn, checkpoint, 1, input_fn=input_fn)
+  actual = _evaluate(model_fn, checkpoint, towers, input_fn=input_fn)
+  assert np.isfinite(expected['weighted_batch_mean'])
+  np.testing.assert_allclose(actual['weighted_batch_mean'],
+                             expected['weighted_batch_mean'], rtol=1e-5)
+
+
 def _keras_mean(values):
   """A Keras Mean with a scalar sample weight, as the v2 heads make it."""
   metric = tf.keras.metrics.Mean()

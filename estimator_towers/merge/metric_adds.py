@@ -23,7 +23,7 @@ device's step adds:
 * an add of a mean over the shard (a sum divided by a count of its
   examples) is weighted by the tower's share of the count, as the loss is
   (see loss_reduction), so the towers' adds make the batch's mean; an idle
-  tower (empty shard) adds zero;
+  tower (empty shard), or one whose shard weighs 0, adds zero;
 * an add of several means (a difference of two means over the shard) is
   weighted by the tower's share of the first mean's count, with a run-time
   check that every other mean's counts split over the towers alike;
@@ -122,8 +122,10 @@ def _count_once(metric: str, adds: List[tf.Operation], depends_on_shard,
         'Give each mean a metric of its own.')
   for add, value, weight, on in zip(adds, values, weights, active):
     weighted = value * tf.cast(weight, value.dtype)
-    # An empty shard's mean is NaN, which a zero weight would keep.
-    _replace(add, position, tf.where(on, weighted, tf.zeros_like(value)),
+    # The mean of an empty shard, or of one whose weights are all 0, is
+    # 0 / 0 = NaN, which its zero weight would keep: it adds nothing.
+    counts = tf.logical_and(on, tf.not_equal(weight, 0))
+    _replace(add, position, tf.where(counts, weighted, tf.zeros_like(value)),
              'weighted_by_shard')
 
 
