@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import helpers
 from helpers import (assert_same_variables, build_replicated,
                      dataset_input_fn, make_estimator, seeded,
                      train_in_session, variables_of)
@@ -235,8 +236,32 @@ def test_an_update_the_towers_do_not_see_is_refused():
                           zip(grads, layer.trainable_variables)])
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
-  with pytest.raises(ValueError, match='writes trainable variables'):
+  with pytest.raises(ValueError, match=r"writes the trainable variables "
+                     r"\['dense/bias', 'dense/kernel'\] without an optimizer"):
     build_replicated(model_fn, 2)
+
+
+@pytest.mark.fast
+def test_canned_kmeans_centre_updates_are_refused_naming_them():
+  # KMeans assigns its centres from the batch's per-cluster sums, with no
+  # optimizer: each tower would move them by its shard alone.
+  kmeans = tf1.estimator.experimental.KMeans(
+      num_clusters=2, use_mini_batch=True,
+      initial_clusters=np.eye(2, helpers.NUM_FEATURES, dtype=np.float32),
+      feature_columns=[tf.feature_column.numeric_column(
+          'x', shape=[helpers.NUM_FEATURES])])
+  with pytest.raises(ValueError, match=r"writes the trainable variables "
+                     r"\[.*'clusters'\] .*KMeans' centre updates"):
+    build_replicated(_with_global_step(kmeans.model_fn), 2,
+                     with_labels=False)
+
+
+def _with_global_step(model_fn):
+  """`model_fn` after the global step Estimator would have made."""
+  def stepped(features, labels, mode, config):
+    tf1.train.get_or_create_global_step()
+    return model_fn(features, labels, mode, config)
+  return stepped
 
 
 class _RunBeforeEachStep(tf1.train.SessionRunHook):

@@ -427,23 +427,26 @@ class OneUpdate:
     losses = self._counts['losses'][index]
     applied = self._counts['apply'][index]
     gradients = self._counts['optimizer_gradients'][index]
-    if index == 0 and losses == 0 and spec is not None and (
-        _writes_trainable_variables(spec.train_op)):
-      # An optimizer the routing did not see: the last tower's update
-      # would come from its shard alone.
+    written = (_trainable_variables_written(spec.train_op)
+               if index == 0 and losses == 0 and spec is not None else [])
+    if written:
+      # An update the routing did not see: each tower's write would come
+      # from its own shard, the last one's winning.
       raise ValueError(
-          'In TRAIN mode, replicate_model_fn needs the train_op built by a '
-          'tf.compat.v1.train.Optimizer (minimize, or compute_gradients or '
-          'tf.gradients(loss, variables) then apply_gradients) or a '
+          f'The train_op writes the trainable variables {written} without '
+          'an optimizer call replicate_model_fn can combine, so each tower '
+          "would write them from its own shard alone, not from the batch's "
+          "(e.g. canned KMeans' centre updates from per-cluster sums, "
+          'GradientTape gradients assigned by hand). Build the update with '
+          'a tf.compat.v1.train.Optimizer (minimize, or compute_gradients '
+          'or tf.gradients(loss, variables) then apply_gradients) or a '
           'tf.keras.optimizers.legacy optimizer (get_updates, minimize, or '
-          'get_gradients then apply_gradients), or by a subclass of either '
-          'that overrides these methods. The model_fn made no such call, '
-          'yet its train_op writes trainable variables (an optimizer whose '
-          'methods are replaced on the instance, such as a mock, is not '
-          'seen: subclass it instead; the new tf.keras.optimizers apply '
-          'GradientTape gradients the towers cannot combine: use '
-          'tf.keras.optimizers.legacy). A train_op that only updates other '
-          'state (global_step.assign_add(1), counters) needs no optimizer.')
+          'get_gradients then apply_gradients), or a subclass of either that '
+          'overrides these methods (not methods replaced on the instance, '
+          'such as a mock; the new tf.keras.optimizers apply GradientTape '
+          'gradients the towers cannot combine), or train this model on '
+          'one device. A train_op that only updates other state '
+          '(global_step.assign_add(1), counters) needs no optimizer.')
     if (losses, applied) != (self._counts['losses'][0],
                              self._counts['apply'][0]):
       raise ValueError(
@@ -536,25 +539,24 @@ def _refuse_nested_call(call: calls.Call, graph: tf.Graph,
       'replicate_model_fn.')
 
 
-def _writes_trainable_variables(train_op) -> bool:
-  """Whether the ops `train_op` runs write a trainable variable."""
+def _trainable_variables_written(train_op) -> List[str]:
+  """The trainable variables the ops `train_op` runs write, by name."""
   if train_op is None:
-    return False
+    return []
   trainable = {v.op.name for v in (
       tf1.trainable_variables() +
       tf1.get_collection(tf1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES))}
-  seen, pending = set(), [getattr(train_op, 'op', train_op)]
+  written, seen, pending = set(), set(), [getattr(train_op, 'op', train_op)]
   while pending:
     op = pending.pop()
     if op in seen:
       continue
     seen.add(op)
-    if write_order.writes(op) and trainable & set(
-        write_order.variables_taken(op)):
-      return True
+    if write_order.writes(op):
+      written.update(trainable & set(write_order.variables_taken(op)))
     pending.extend(t.op for t in op.inputs)
     pending.extend(op.control_inputs)
-  return False
+  return sorted(written)
 
 
 def _loss_of(call: calls.Call) -> tf.Tensor:
