@@ -70,6 +70,23 @@ def test_later_tower_making_fewer_variables_is_an_error():
     build_replicated(model_fn, 2)
 
 
+def test_a_keras_layer_kept_across_model_fn_calls_is_named_as_the_cause():
+  # One device runs it; the later towers read tower 0's variables through
+  # the object without asking, which the message now says.
+  kept = {}
+
+  def model_fn(features, labels, mode):
+    if kept.get('graph') is not tf1.get_default_graph():
+      kept.update(graph=tf1.get_default_graph(),
+                  layer=tf.keras.layers.Dense(2))
+    return classifier_spec(mode, kept['layer'](features['x']), labels)
+
+  with pytest.raises(ValueError, match='did not ask for .* Tower 1 read them '
+                     'without asking: it called a layer or model object that '
+                     'tower 0 built'):
+    build_replicated(model_fn, 2)
+
+
 @pytest.mark.parametrize('mode', ['train', 'eval'])
 def test_a_model_fn_importing_its_variables_is_refused(tmp_path, mode):
   # SavedModelEstimator's pattern: every call imports the saved graph with

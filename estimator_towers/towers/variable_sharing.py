@@ -146,7 +146,7 @@ class VariableSharing:
       with tf1.variable_creator_scope(creator), self._views.tower(index):
         yield
     if index:
-      self._check_all_reused(index)
+      self._check_all_reused(index, start)
     else:
       self._check_none_imported(start)
 
@@ -217,14 +217,30 @@ class VariableSharing:
 
     return reuse
 
-  def _check_all_reused(self, index: int) -> None:
+  def _check_all_reused(self, index: int, start: op_ledger.Mark) -> None:
     used = getattr(self._local, 'cursor', 0)
     if used != len(self._created):
       missing = [v.name for v in self._created[used:]]
       raise ValueError(
           f'Tower {index} created {used} variables outside get_variable but '
           f'tower 0 created {len(self._created)}; tower {index} did not ask '
-          f'for {missing}. Every tower must build the same model.')
+          f'for {missing}. Every tower must build the same model.'
+          f'{_reuse_hint(index, self._created[used:], start)}')
+
+
+def _reuse_hint(index: int, missing: List, start: op_ledger.Mark) -> str:
+  """Why a tower may have used variables without asking for them: it read
+  them, so it called a layer object tower 0 built."""
+  handles = {getattr(v, 'handle', v).name for v in missing}
+  graph = tf1.get_default_graph()
+  end = op_ledger.position(graph).next_id
+  if not any(op.type == 'ReadVariableOp' and op.inputs[0].name in handles
+             for op in op_ledger.ops_between(graph, start.next_id, end)):
+    return ''
+  return (f' Tower {index} read them without asking: it called a layer or '
+          'model object that tower 0 built (kept across model_fn calls). '
+          'Build the Keras layers inside the model_fn, so that each tower '
+          "makes its own and they share tower 0's variables.")
 
 
 def _requested_name(kwargs) -> str:
