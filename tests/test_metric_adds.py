@@ -121,29 +121,45 @@ def test_a_static_batch_size_counts_every_towers_examples(checkpoint, towers):
                                err_msg=name)
 
 
+_WEIGHTED_MEAN = lambda e, w: tf.reduce_sum(w * e) / tf.reduce_sum(w)  # pylint: disable=unnecessary-lambda-assignment
+_HALF = [1, 1, 1, 1, 0, 0, 0, 0]  # On 2 towers the second shard weighs 0.
+_MIDDLE_BATCH_ZERO = [1] * 8 + [0] * 8 + [1] * 8
+
+
+@pytest.mark.parametrize('value_of,pattern,finite', [
+    # A shard's weighted mean was 0 / 0 = NaN, which its zero weight kept.
+    (_WEIGHTED_MEAN, _HALF, True),
+    # RetinaNet's normaliser: every loss over the batch's positives. A shard
+    # without positives still adds its losses on one device (0.7644); when
+    # its add was weighed by its count it was NaN, then dropped (0.3771).
+    (lambda e, w: tf.reduce_sum(e) / tf.reduce_sum(w), _HALF, True),
+    # A batch weighing 0 is NaN on one device (0 / 0), 0 with divide_no_nan:
+    # the towers divide as the metric does (they added 0.2690 for both).
+    (_WEIGHTED_MEAN, _MIDDLE_BATCH_ZERO, False),
+    (lambda e, w: tf.math.divide_no_nan(tf.reduce_sum(w * e),
+                                        tf.reduce_sum(w)),
+     _MIDDLE_BATCH_ZERO, True),
+], ids=['shard_weighing_0', 'sum_per_positive', 'batch_weighing_0_nan',
+        'batch_weighing_0_no_nan'])
 @pytest.mark.parametrize('towers', [2, 3])
-def test_a_shard_of_zero_weights_adds_nothing(checkpoint, towers):
-  # The mean of a batch's weighted mean: a shard whose weights are all 0
-  # has the mean 0 / 0 = NaN, which its zero weight kept (the metric was
-  # NaN); one device's batch has weights elsewhere.
+def test_a_mean_over_a_count_that_may_be_0_equals_one_device(
+    checkpoint, towers, value_of, pattern, finite):
   def model_fn(features, labels, mode, params):
     del params
     weights = features['w']
     return _classifier(features, labels, mode, {'metrics': lambda e: {
-        'weighted_batch_mean': tf1.metrics.mean(
-            tf.reduce_sum(weights * e) / tf.reduce_sum(weights))}})
+        'm': tf1.metrics.mean(value_of(e, weights))}})
 
   def input_fn():
     x, y = _data()
-    w = np.resize(np.float32([1, 1, 1, 1, 0, 0, 0, 0]), _ROWS)
+    w = np.resize(np.float32(pattern), _ROWS)
     return tf.data.Dataset.from_tensor_slices(({'x': x, 'w': w}, y)).batch(
         _BATCH)
 
-  expected = _evaluate(model_fn, checkpoint, 1, input_fn=input_fn)
-  actual = _evaluate(model_fn, checkpoint, towers, input_fn=input_fn)
-  assert np.isfinite(expected['weighted_batch_mean'])
-  np.testing.assert_allclose(actual['weighted_batch_mean'],
-                             expected['weighted_batch_mean'], rtol=1e-5)
+  expected = _evaluate(model_fn, checkpoint, 1, input_fn=input_fn)['m']
+  actual = _evaluate(model_fn, checkpoint, towers, input_fn=input_fn)['m']
+  assert np.isfinite(expected) == finite
+  np.testing.assert_allclose(actual, expected, rtol=1e-5)
 
 
 def _keras_mean(values):

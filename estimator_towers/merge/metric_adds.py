@@ -22,8 +22,10 @@ device's step adds:
   up to the batch's;
 * an add of a mean over the shard (a sum divided by a count of its
   examples) is weighted by the tower's share of the count, as the loss is
-  (see loss_reduction), so the towers' adds make the batch's mean; an idle
-  tower (empty shard), or one whose shard weighs 0, adds zero;
+  (see loss_reduction), built as the shard's numerator over the batch's
+  total so that a shard whose count is 0 (no positives, weights all 0)
+  still adds its numerator, as one device counts it; an idle tower (empty
+  shard) adds zero;
 * an add of several means (a difference of two means over the shard) is
   weighted by the tower's share of the first mean's count, with a run-time
   check that every other mean's counts split over the towers alike;
@@ -112,6 +114,13 @@ def _count_once(metric: str, adds: List[tf.Operation], depends_on_shard,
           'values (a mean of per-example values, a sum), or evaluate without '
           'replicate_model_fn.')
     return
+  spread = loss_reduction.spread_exactly(values, reductions, active,
+                                         depends_on_shard)
+  if spread is not None:
+    for add, value, on in zip(adds, spread, active):
+      _replace(add, position, tf.where(on, value, tf.zeros_like(value)),
+               'weighted_by_shard')
+    return
   weights = loss_reduction.exact_weights(values, reductions, active)
   if weights is None:  # Several means (a difference of two): checked shares.
     weights = loss_reduction.proportional_weights(
@@ -122,10 +131,8 @@ def _count_once(metric: str, adds: List[tf.Operation], depends_on_shard,
         'Give each mean a metric of its own.')
   for add, value, weight, on in zip(adds, values, weights, active):
     weighted = value * tf.cast(weight, value.dtype)
-    # The mean of an empty shard, or of one whose weights are all 0, is
-    # 0 / 0 = NaN, which its zero weight would keep: it adds nothing.
-    counts = tf.logical_and(on, tf.not_equal(weight, 0))
-    _replace(add, position, tf.where(counts, weighted, tf.zeros_like(value)),
+    # An empty shard's mean is NaN, which a zero weight would keep.
+    _replace(add, position, tf.where(on, weighted, tf.zeros_like(value)),
              'weighted_by_shard')
 
 

@@ -566,6 +566,44 @@ def _ratio_weights(reductions: List[Reduction], active: tf.Tensor, total_of
   return [tf.math.divide_no_nan(count, total) for count in counts], total
 
 
+def spread_exactly(values: List[tf.Tensor], reductions: List[Reduction],
+                   active: List[tf.Tensor], depends_on: List
+                   ) -> Optional[List[tf.Tensor]]:
+  """Each one-ratio value times its exact weight, as N_t / total.
+
+  The weighted value N_t / D_t * D_t / total is built as N_t / total, so a
+  tower whose D_t is 0 (a shard without positives, or whose weights are all
+  0) still adds its numerator, as one device's N / D counts it. The total
+  is divided by as the value divides: `tf.math.divide_no_nan` gives 0 for a
+  batch whose total is 0, a plain division NaN, as on one device.
+
+  Args:
+    values: The towers' values (e.g. a metric's adds), all RATIO.
+    reductions: `analyze` of each.
+    active: Per tower, whether its shard has examples.
+    depends_on: Per tower, its `ExampleDependence`.
+
+  Returns:
+    The weighted values, or None when a value has several ratio terms or
+    cannot be rebuilt (the caller weighs it instead).
+  """
+  if any(len(r.ratios) != 1 or len(r.divisors) != 1 for r in reductions):
+    return None
+  weights, total = _ratio_weights(reductions, active, None)
+  spread = []
+  for t, (value, reduction) in enumerate(zip(values, reductions)):
+    no_nan = reduction.ratios[0].op.type == 'DivNoNan'
+    reciprocal = (tf.math.reciprocal_no_nan(total) if no_nan
+                  else tf.math.reciprocal(total))
+    reciprocal = tf.where(active[t], reciprocal, tf.zeros_like(reciprocal))
+    rebuilt = _spread(value, reduction.ratios[0], weights[t], reciprocal,
+                      depends_on[t], [0])
+    if rebuilt is None:
+      return None
+    spread.append(rebuilt)
+  return spread
+
+
 def proportional_weights(values: List[tf.Tensor],
                          reductions: List[Reduction], active: List[tf.Tensor],
                          refusal: str) -> List[tf.Tensor]:
