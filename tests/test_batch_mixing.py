@@ -266,9 +266,44 @@ _REORDERED = {
 def test_rows_paired_by_position_are_refused(name):
   loss_of, op_type = _REORDERED[name]
   with pytest.raises(ValueError, match=f'pairs examples of its batch by '
-                     f'their position: .* reordered by {op_type} .*'
+                     f'their position: .* reordered by .*{op_type}.*'
                      'whole_batch'):
     build_replicated(_regression(loss_of), towers=2, loss_reduction='mean')
+
+
+_REORDERED_ALIKE = {
+    # Each example still meets its own label (refused by ce0c3be, which
+    # told orders apart by the op that made them).
+    'both_reversed': lambda p, l, x: tf.reduce_mean(_squares(
+        tf.reverse(p, [0]), tf.reverse(l, [0]))),
+    'both_rolled': lambda p, l, x: tf.reduce_mean(_squares(
+        tf.roll(p, 1, 0), tf.roll(l, 1, 0))),
+    'reversed_twice': lambda p, l, x: tf.reduce_mean(_squares(
+        tf.reverse(tf.reverse(p, [0]), [0]), l)),
+    'rolled_back': lambda p, l, x: tf.reduce_mean(_squares(
+        tf.roll(tf.roll(p, 2, 0), -2, 0), l)),
+    # Rows stacked after one another, not paired.
+    'concat_along_rows': lambda p, l, x: tf.reduce_mean(tf.concat(
+        [_squares(p, l), tf.reverse(_squares(p, l), [0])], 0)),
+    # Equal along the rows: meets rows in any order.
+    'times_ones_like': lambda p, l, x: tf.reduce_mean(
+        tf.reverse(_squares(p, l), [0]) * tf.ones_like(l)),
+}
+
+
+@pytest.mark.parametrize('name', sorted(_REORDERED_ALIKE))
+def test_rows_reordered_alike_train_as_one_device(name):
+  rng = np.random.RandomState(0)
+  x = rng.randn(48, 5).astype(np.float32)
+  y = rng.randn(48, 2).astype(np.float32)
+  model_fn = _regression(_REORDERED_ALIKE[name])
+  start, _ = train_in_session(model_fn, x, y, 1, 6, 0)
+  _, one = train_in_session(model_fn, x, y, 1, 6, 2, start=start)
+  _, many = train_in_session(model_fn, x, y, 2, 6, 2, start=start,
+                             loss_reduction='mean')
+  for variable, value in one.items():
+    np.testing.assert_allclose(many[variable], value, rtol=1e-5, atol=1e-6,
+                               err_msg=variable)
 
 
 def test_per_example_selections_train_as_one_device():

@@ -27,8 +27,10 @@ one. Each shard drops or pairs its own rows, not the batch's. A
 `tf.boolean_mask` (a gather at the rows a per-example mask picks) and a
 full sort stay per example. A reversal, roll,
 shuffle or sort of a row axis reorders the rows: a tensor in that order
-may go through per-example ops and be reduced, but an op that combines it
-with rows in another order (mixup's `x * lam + tf.reverse(x, [0]) * (1 -
+may go through per-example ops and be reduced, meet rows reordered alike
+(reversals and constant rolls compose) or values equal along the rows, or
+be concatenated along the rows; an op that combines it with rows in
+another order (mixup's `x * lam + tf.reverse(x, [0]) * (1 -
 lam)`, negatives shifted by `tf.roll`) pairs each shard's rows, not the
 batch's, and is refused. An op the walk does not know ends the trail: the
 check only refuses what it proves, so a mixing it cannot follow (a
@@ -38,6 +40,7 @@ than batch norm's) is not caught.
 
 from typing import Dict, FrozenSet, List, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from estimator_towers.graph import op_ledger
@@ -166,9 +169,8 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark):
     (op, phrase saying how it mixes), or None; its `kind` says how.
   """
   rows: Dict[str, Axes] = {}
-  # The op that last reordered a tensor's rows (a reversal, roll, shuffle
-  # or sort of a row axis); absent while they are in the shard's order.
-  orders: Dict[str, tf.Operation] = {}
+  # The order of a tensor's rows (see `_ANY`); absent: the shard's order.
+  orders: Dict[str, object] = {}
   for leaf in sharding.leaves(shard):
     # Dense features and labels only: a SparseTensor's indices are not rows.
     if isinstance(leaf, tf.Tensor) and leaf.shape.rank != 0:
@@ -201,22 +203,72 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark):
   return None
 
 
-def _order(op: tf.Operation, inputs: List[Axes],
-           orders: Dict[str, tf.Operation]) -> Optional[tf.Operation]:
-  """The op that ordered the rows of `op`'s outputs (None: the shard's).
+# The order of a tensor's rows relative to the shard's: absent (None) for
+# the shard's own order; `_ANY` for values equal along the rows (ones_like),
+# which meet rows in any order; (reversed, shift) for reversals and rolls by
+# constants, which compose (a double reversal is the shard's order again);
+# ('op', name) for an order only that op made (a shuffle, a sort, a concat).
+_ANY = 'any'
+_ROW_CONSTANT = frozenset(['OnesLike', 'ZerosLike'])
+
+
+def _order(op: tf.Operation, inputs: List[Axes], orders: Dict[str, object]):
+  """The order of the rows of `op`'s outputs (see `_ANY`).
 
   Raises:
     _Reordered: `op` combines rows in two orders: each tower would pair
       its shard's rows by position where one device pairs the batch's.
   """
-  found = {orders.get(t.name) for t, axes in zip(op.inputs, inputs) if axes}
+  given = [orders.get(t.name) for t, axes in zip(op.inputs, inputs) if axes]
+  found = {order for order in given if order != _ANY}
+  if op.type in _ROW_CONSTANT:
+    return _ANY
+  if op.type in ('ConcatV2', 'Pack') and _joins_rows(op, inputs):
+    return ('op', f'{op.type} {op.name!r}')  # Stacked rows, not paired.
   if len(found) > 1:
     reorder = next(o for o in found if o is not None)
     raise _Reordered(
-        op, f'combines rows reordered by {reorder.type} {reorder.name!r} '
-        '(a reversed, rolled, shuffled or sorted batch) with rows in '
-        'another order')
-  return op if _reorders(op, inputs) else found.pop()
+        op, f'combines rows reordered by {_describe(reorder)} (a reversed, '
+        'rolled, shuffled or sorted batch) with rows in another order')
+  base = found.pop() if found else (_ANY if given else None)
+  return _reordered(op, inputs, base)
+
+
+def _joins_rows(op: tf.Operation, inputs: List[Axes]) -> bool:
+  """Whether a ConcatV2 or Pack puts its inputs' rows after one another."""
+  if op.type == 'Pack':
+    return False  # A new axis: rows side by side, paired.
+  axis = _constant(op.inputs[-1])
+  rank = _rank(op.outputs[0])
+  return axis is not None and rank is not None and any(
+      int(axis) % rank in axes for axes in inputs[:-1])
+
+
+def _reordered(op: tf.Operation, inputs: List[Axes], base):
+  """`base` after `op` moved rows, if it does (see `_ANY`)."""
+  if base == _ANY or not _reorders(op, inputs):
+    return base
+  if op.type not in ('ReverseV2', 'Roll') or (
+      base is not None and base[0] == 'op'):
+    return ('op', f'{op.type} {op.name!r}')
+  flipped, shift = base or (False, 0)
+  if op.type == 'ReverseV2':
+    flipped, shift = not flipped, -shift
+  else:
+    by = _constant(op.inputs[1])
+    if by is None or np.ndim(by) != 0:
+      return ('op', f'{op.type} {op.name!r}')
+    shift += int(by)
+  return None if (flipped, shift) == (False, 0) else (flipped, shift)
+
+
+def _describe(order) -> str:
+  if order[0] == 'op':
+    return order[1]
+  flipped, shift = order
+  parts = (['ReverseV2'] if flipped else []) + (
+      [f'Roll by {shift}'] if shift else [])
+  return ' and '.join(parts)
 
 
 def _reorders(op: tf.Operation, inputs: List[Axes]) -> bool:
