@@ -216,8 +216,13 @@ def _counterpart(item: tf.Tensor, firsts: List[tf.Tensor], own: dict,
 
 
 def _without_suffixes(name: str) -> str:
-  """`name` without the `_<n>` TensorFlow appends to reused scope parts."""
-  return '/'.join(re.sub(r'_\d+$', '', part) for part in name.split('/'))
+  """`name` without the `_<n>` TensorFlow appends inside a scope entered
+  again. The scope itself is entered by its full name (a layer's first
+  call's, `tf.name_scope('reg/')`) and keeps it: its first part stays, so
+  `dense_1/BiasAdd` (another layer) is not `dense/BiasAdd_1`."""
+  strip = lambda part: re.sub(r'_\d+$', '', part)  # pylint: disable=unnecessary-lambda-assignment
+  first, *rest = name.split('/')
+  return '/'.join([first if rest else strip(first)] + [strip(p) for p in rest])
 
 
 def _alike(first: tf.Tensor, item: tf.Tensor) -> bool:
