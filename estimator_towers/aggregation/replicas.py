@@ -291,15 +291,13 @@ class Replicas:
     grads = list(differentiate(loss, copies))
     if self._ledger is None or tower == 0:
       return grads
-    position = {_handle_name(p): k for k, (p, c)
-                in enumerate(zip(primaries, copies)) if c is not p}
-    reads = [(position[op.inputs[0].name], op.outputs[0])
-             for op in op_ledger.ancestors([loss.op],
-                                           since=self._ledger.first)
-             if op.type == 'ReadVariableOp' and op.inputs[0].name in position]
-    if reads:
-      direct = tf.gradients(loss, [value for _, value in reads])
-      for (k, _), grad in zip(reads, direct):
+    shared = [k for k, (p, c) in enumerate(zip(primaries, copies))
+              if c is not p]
+    if shared:
+      # By the variables themselves: through every read, also those inside
+      # a tf.cond or tf.while_loop's functions.
+      direct = differentiate(loss, [primaries[k] for k in shared])
+      for k, grad in zip(shared, direct):
         grads[k] = _added(grads[k], grad)
     return grads
 
