@@ -451,37 +451,28 @@ def test_ref_variables_equal_one_device(tmp_path, data, one_device, towers,
                                    aggregation=aggregation))
 
 
-def _decayed_model_fn(features, labels, mode):
-  """Weight decay the TF1 way (official ResNet): an L2 term over the
-  variables `tf.compat.v1.trainable_variables()` lists."""
-  hidden = tf1.layers.dense(features['x'], 8, activation=tf.nn.tanh,
-                            kernel_initializer=tf1.glorot_uniform_initializer(
-                                seed=1))
-  logits = tf1.layers.dense(hidden, 2, kernel_initializer=
-                            tf1.glorot_uniform_initializer(seed=2))
-  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
-  loss += 0.05 * tf.add_n([tf.nn.l2_loss(v)
-                           for v in tf1.trainable_variables()])
-  train_op = tf1.train.MomentumOptimizer(0.5, 0.9).minimize(
-      loss, tf1.train.get_or_create_global_step())
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+def _decayed(in_cond=False):
+  """A model_fn with weight decay the TF1 way (official ResNet): an L2 term
+  over the variables `tf.compat.v1.trainable_variables()` lists; with
+  `in_cond`, switched on by a tf.cond on the step (its reads of the
+  variables then sit in the cond's branch function)."""
 
+  def model_fn(features, labels, mode):
+    hidden = tf1.layers.dense(
+        features['x'], 8, activation=tf.nn.tanh,
+        kernel_initializer=tf1.glorot_uniform_initializer(seed=1))
+    logits = tf1.layers.dense(hidden, 2, kernel_initializer=
+                              tf1.glorot_uniform_initializer(seed=2))
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    step = tf1.train.get_or_create_global_step()
+    decay = lambda: 0.05 * tf.add_n(  # pylint: disable=unnecessary-lambda-assignment
+        [tf.nn.l2_loss(v) for v in tf1.trainable_variables()])
+    loss += (tf.cond(step >= 0, decay, lambda: tf.constant(0.)) if in_cond
+             else decay())
+    train_op = tf1.train.MomentumOptimizer(0.5, 0.9).minimize(loss, step)
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
-def _decayed_in_cond_model_fn(features, labels, mode):
-  """`_decayed_model_fn`'s decay switched on by a tf.cond on the step: its
-  reads of the primaries are inside the cond's branch function."""
-  hidden = tf1.layers.dense(features['x'], 8, activation=tf.nn.tanh,
-                            kernel_initializer=tf1.glorot_uniform_initializer(
-                                seed=1))
-  logits = tf1.layers.dense(hidden, 2, kernel_initializer=
-                            tf1.glorot_uniform_initializer(seed=2))
-  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
-  step = tf1.train.get_or_create_global_step()
-  loss += tf.cond(step >= 0, lambda: 0.05 * tf.add_n(
-      [tf.nn.l2_loss(v) for v in tf1.trainable_variables()]),
-                  lambda: tf.constant(0.))
-  train_op = tf1.train.MomentumOptimizer(0.5, 0.9).minimize(loss, step)
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+  return model_fn
 
 
 @pytest.mark.training
@@ -495,7 +486,7 @@ def test_weight_decay_over_the_trainable_collection_equals_one_device(
   input_fn = dataset_input_fn({'x': x}, y, BATCH)
 
   def train(model_dir, count, **kwargs):
-    estimator = make_estimator(_decayed_model_fn, model_dir, count, **kwargs)
+    estimator = make_estimator(_decayed(), model_dir, count, **kwargs)
     estimator.train(input_fn, steps=STEPS)
     return variables_of(estimator)
 
@@ -514,7 +505,7 @@ def test_weight_decay_inside_a_cond_equals_one_device(tmp_path, data,
   input_fn = dataset_input_fn({'x': x}, y, BATCH)
 
   def train(model_dir, count, **kwargs):
-    estimator = make_estimator(_decayed_in_cond_model_fn, model_dir, count,
+    estimator = make_estimator(_decayed(in_cond=True), model_dir, count,
                                **kwargs)
     estimator.train(input_fn, steps=STEPS)
     return variables_of(estimator)
