@@ -17,7 +17,8 @@ import tensorflow as tf
 import estimator_towers
 from helpers import (OPTIMIZERS, assert_same_variables, build_replicated,
                      classifier_model_fn, dataset_input_fn, make_estimator,
-                     run_config, save_start_checkpoint, variables_of)
+                     run_config, save_start_checkpoint, train_in_session,
+                     variables_of)
 
 tf1 = tf.compat.v1
 AGGREGATIONS = ['global_loss', 'round_robin', 'all_reduce']
@@ -493,6 +494,38 @@ def test_weight_decay_over_the_trainable_collection_equals_one_device(
   one = one_device('decayed', lambda d: train(d, 1))
   assert_same_variables(one, train(tmp_path / 'many', towers,
                                    aggregation='all_reduce'))
+
+
+def _keras_get_gradients_model_fn(features, labels, mode):
+  """A Keras legacy optimizer's get_gradients, which refuses a variable
+  without a gradient, then apply_gradients."""
+  hidden = tf1.layers.dense(features['x'], 4, kernel_initializer=
+                            tf1.glorot_uniform_initializer(seed=1))
+  loss = tf.reduce_mean(tf.square(tf1.layers.dense(
+      hidden, 1, kernel_initializer=tf1.glorot_uniform_initializer(seed=2))
+                                  - tf.cast(labels[:, None], tf.float32)))
+  optimizer = tf.keras.optimizers.legacy.SGD(0.1)
+  variables = tf1.trainable_variables()
+  gradients = optimizer.get_gradients(loss, variables)
+  train_op = tf.group(optimizer.apply_gradients(zip(gradients, variables)),
+                      tf1.assign_add(tf1.train.get_or_create_global_step(), 1))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.fast
+def test_keras_get_gradients_equals_one_device_under_all_reduce():
+  # The later towers' gradients through reads of the primaries were taken
+  # with the model_fn's own method: get_gradients refused the primaries
+  # the tower's loss does not read ("has no gradient").
+  rng = np.random.RandomState(0)
+  x = rng.randn(24, 5).astype(np.float32)
+  y = rng.randint(0, 2, 24).astype(np.int32)
+  start, _ = train_in_session(_keras_get_gradients_model_fn, x, y, 1, 6, 0)
+  _, one = train_in_session(_keras_get_gradients_model_fn, x, y, 1, 6, 2,
+                            start=start)
+  _, many = train_in_session(_keras_get_gradients_model_fn, x, y, 2, 6, 2,
+                             start=start, aggregation='all_reduce')
+  assert_same_variables(one, {k: many[k] for k in one})
 
 
 @pytest.mark.training

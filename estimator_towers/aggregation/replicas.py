@@ -36,6 +36,7 @@ import tensorflow as tf
 
 from estimator_towers.collectives import cross_device
 from estimator_towers.graph import op_ledger
+from estimator_towers.update import gradient_routing
 from estimator_towers.cluster import task_sync
 from tensorflow.python.ops import variables as variables_lib  # pylint: disable=g-direct-tensorflow-import,g-bad-import-order
 
@@ -295,8 +296,12 @@ class Replicas:
               if c is not p]
     if shared:
       # By the variables themselves: through every read, also those inside
-      # a tf.cond or tf.while_loop's functions.
-      direct = differentiate(loss, [primaries[k] for k in shared])
+      # a tf.cond or tf.while_loop's functions. Plain tf.gradients, not the
+      # model_fn's method: most primaries have no path here (None), which
+      # Keras' get_gradients would refuse.
+      direct = gradient_routing.TF1_GRADIENTS(
+          loss, [primaries[k] for k in shared],
+          colocate_gradients_with_ops=True)
       for k, grad in zip(shared, direct):
         grads[k] = _added(grads[k], grad)
     return grads
