@@ -3,11 +3,11 @@
 import csv
 import json
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
+
+import preloaded
 
 CSV_FLAGS = ('--label-column=label', '--categorical-column=colour=red|green|blue',
              '--model=dnn', '--hidden-units=16,8', '--learning-rate=0.05',
@@ -18,14 +18,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_module(module, *args, env=None, check=True, timeout=300):
-  """Runs `python -m module args` from the project root; returns the result."""
+  """Runs `python -m module args` from the project root; returns the result.
+
+  Modules that load TensorFlow run forked from a preloaded interpreter
+  (tests/preloaded.py): a real process that skips TensorFlow's import.
+  """
   full_env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2',
               'PYTHONPATH': ROOT, **(env or {})}
   full_env.pop('TF_CONFIG', None) if 'TF_CONFIG' not in (env or {}) else None
-  result = subprocess.run(
-      [sys.executable, '-m', module, *map(str, args)], cwd=ROOT,
-      env=full_env, capture_output=True, text=True, timeout=timeout,
-      stdin=subprocess.DEVNULL)
+  result = preloaded.run(module, args, cwd=ROOT, env=full_env,
+                         timeout=timeout)
   if check and result.returncode != 0:
     raise AssertionError(f'{module} {args} exited {result.returncode}:\n'
                          f'{result.stderr[-3000:]}')

@@ -3,12 +3,12 @@
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
+import preloaded
 from cli_helpers import ROOT
 from trainer import cluster_rendezvous
 
@@ -135,10 +135,10 @@ def test_a_leader_named_master_and_chief_ends_both_tasks_in_one_line(
   for cluster, task_type in ((CHIEF, 'chief'), (MASTER, 'worker')):
     env = {**os.environ, 'PYTHONPATH': ROOT, 'TF_CPP_MIN_LOG_LEVEL': '2',
            'TF_CONFIG': json.dumps(_config(cluster, task_type))}
-    processes.append(subprocess.Popen(
-        [sys.executable, '-m', 'trainer.task', f'--job-dir={job_dir}',
-         '--train-steps=5'], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    processes.append(preloaded.start(
+        'trainer.task', [f'--job-dir={job_dir}', '--train-steps=5'],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True))
   try:
     results = [p.communicate(timeout=120) for p in processes]
   finally:

@@ -4,12 +4,12 @@ nothing goes back."""
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import tensorflow as tf
 
+import preloaded
 from cli_helpers import ROOT, eval_line, run_module, wait_until
 
 pytestmark = pytest.mark.cli
@@ -23,10 +23,9 @@ def _start(job_dir):
   env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT}
   env.pop('TF_CONFIG', None)
   log = open(os.path.join(job_dir, 'task.log'), 'w')
-  process = subprocess.Popen(
-      [sys.executable, '-m', 'trainer.task', f'--job-dir={job_dir}', *ARGS],
-      cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-      stdin=subprocess.DEVNULL)
+  process = preloaded.start('trainer.task', [f'--job-dir={job_dir}', *ARGS],
+                            cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
   return process, log
 
 

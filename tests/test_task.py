@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import preloaded
 from cli_helpers import (CSV_FLAGS, ROOT, eval_line, read_json_lines,
                          run_module, wait_until, write_tabular_csv)
 
@@ -363,11 +364,10 @@ def test_second_task_on_a_busy_job_dir_is_refused(tmp_path):
   env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT}
   env.pop('TF_CONFIG', None)
   with open(tmp_path / 'first.log', 'w') as log:
-    first = subprocess.Popen(
-        [sys.executable, '-m', 'trainer.task', f'--job-dir={tmp_path}',
-         '--train-steps=1000000', '--save-checkpoints-steps=100000',
-         '--hidden-units=8'], cwd=ROOT, env=env, stdout=log,
-        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    first = preloaded.start(
+        'trainer.task', [f'--job-dir={tmp_path}', '--train-steps=1000000',
+                         '--save-checkpoints-steps=100000', '--hidden-units=8'],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
       wait_until(lambda: 'examples/sec' in (tmp_path / 'first.log').read_text(),
                  120, 'the first task to train', first,

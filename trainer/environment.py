@@ -6,7 +6,7 @@ Values already in the environment win.
 """
 
 import os
-from typing import List, Optional, Sequence
+from typing import List, MutableMapping, Optional, Sequence
 
 
 def _flag_value(argv: Sequence[str], name: str) -> Optional[str]:
@@ -65,7 +65,8 @@ def _verbosity(argv: List[str]) -> Optional[int]:
   return None
 
 
-def configure(argv: List[str]) -> None:
+def configure(argv: List[str],
+              environ: MutableMapping[str, str] = os.environ) -> None:
   """Sets TensorFlow's log level and, for CPU towers, turns oneDNN off.
 
   `--verbosity` (a census name or absl's number) sets the C++ log level; by
@@ -78,6 +79,11 @@ def configure(argv: List[str]) -> None:
   default Eigen kernel does not), so CPU-tower runs use the default kernels;
   except with `--mixed-precision=bfloat16`, oneDNN's rewrite, which turns
   oneDNN on (by default it is on only on CPUs with AVX-512).
+
+  Args:
+    argv: The command line, program name first.
+    environ: Where to set the variables: the process's environment, or a
+      copy for a process about to be started.
   """
   # 3 hides the C++ runtime's import-time noise (e.g. CUDA plugin
   # registration errors on machines without GPUs); real failures still
@@ -86,16 +92,16 @@ def configure(argv: List[str]) -> None:
   expanded = _with_flagfiles(argv)
   if level is None:
     level = _verbosity(expanded)
-  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL',
-                        '3' if level is None else _CPP_LEVEL[level])
+  environ.setdefault('TF_CPP_MIN_LOG_LEVEL',
+                     '3' if level is None else _CPP_LEVEL[level])
   towers = _flag_value(expanded, 'cpu-towers')
   bfloat16 = _flag_value(expanded, 'mixed-precision') == 'bfloat16'
   if bfloat16:
     # oneDNN is on by default only on CPUs with AVX-512; its bfloat16
     # kernels run on the others too.
-    os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '1')
+    environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '1')
   elif towers and towers.isdigit() and int(towers) > 1:
-    os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
+    environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
 
 
 def quiet_python_logs(verbosity_given: bool, level: int) -> None:
