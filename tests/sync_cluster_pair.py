@@ -9,17 +9,18 @@ either fails or both are not done within 240 s. `dropout-pair` and
 `sliced-pair` (and `micro-pair`) start `dropout-task`s and `sliced-task`s
 (`micro-task`s) the same way.
 
-It loads no TensorFlow: only the tasks train, and loading it here would
-delay their start by seconds.
+It loads TensorFlow once and forks both tasks from itself
+(tests/forked_tasks.py): each task would otherwise spend seconds of CPU
+loading it again.
 """
 
 import json
 import os
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests import forked_tasks  # pylint: disable=g-import-not-at-top
 from trainer.cluster import private_network  # pylint: disable=g-import-not-at-top
 
 TASK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -32,14 +33,13 @@ def run_pair(argv, timeout_secs=240, mode='task', script=TASK_SCRIPT):
   private_network.bring_up_loopback()
   cluster = {'chief': [f'127.0.0.1:{private_network.free_port()}'],
              'worker': [f'127.0.0.1:{private_network.free_port()}']}
+  forked_tasks.preload()
   children = []
   for job in ('chief', 'worker'):
     tf_config = {'cluster': cluster, 'task': {'type': job, 'index': 0}}
-    children.append(subprocess.Popen(
-        [sys.executable, os.path.abspath(script), mode, *argv],
-        env={**os.environ, 'TF_CONFIG': json.dumps(tf_config)},
-        stdin=subprocess.DEVNULL,
-        preexec_fn=private_network.die_with_parent))
+    children.append(forked_tasks.Task(
+        script, [mode, *argv],
+        {**os.environ, 'TF_CONFIG': json.dumps(tf_config)}))
   deadline = time.monotonic() + timeout_secs
   try:
     while time.monotonic() < deadline:

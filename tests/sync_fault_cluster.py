@@ -37,11 +37,11 @@ Scenarios (the fault happens once both tasks trained a step, unless said):
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests import forked_tasks  # pylint: disable=g-import-not-at-top
 from trainer.cluster import private_network  # pylint: disable=g-import-not-at-top
 
 ROWS = (3, 2)  # The chief's and the worker's rows of each global batch.
@@ -50,7 +50,7 @@ _SIGNALS = {'stop_worker': signal.SIGSTOP, 'sigterm_worker': signal.SIGTERM,
 
 
 def run_task(args):
-  """One task; TensorFlow is imported here, not in the scenario's process."""
+  """One task, forked from the scenario's process (forked_tasks)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import estimator_towers  # pylint: disable=g-import-not-at-top
   from tests import sync_cluster_task  # pylint: disable=g-import-not-at-top
@@ -147,12 +147,9 @@ class _Pair:
     tf_config = {'cluster': self.cluster, 'task': {'type': job, 'index': 0}}
     # A file, not a pipe: a full pipe would block the task's logging.
     with open(self.log(job), 'w') as log:
-      self.children[job] = subprocess.Popen(
-          [sys.executable, os.path.abspath(__file__), 'task',
-           json.dumps(self.args)],
-          env={**os.environ, 'TF_CONFIG': json.dumps(tf_config)},
-          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-          preexec_fn=private_network.die_with_parent)
+      self.children[job] = forked_tasks.Task(
+          __file__, ['task', json.dumps(self.args)],
+          {**os.environ, 'TF_CONFIG': json.dumps(tf_config)}, log)
 
   def log(self, job):
     return os.path.join(self.args['model_dir'], f'log-{job}')
@@ -179,6 +176,7 @@ class _Pair:
 def run_scenario(scenario, args, deadline_secs=150):
   """Starts the pair, makes the fault and reports how each task ended."""
   private_network.bring_up_loopback()
+  forked_tasks.preload()  # Once here, not in each task (a fork of this).
   pair = _Pair(args)
   deadline = time.monotonic() + deadline_secs
   fault = None
