@@ -210,22 +210,25 @@ class _Server:
   def __init__(self, key: tuple):
     self.directory = tempfile.mkdtemp(prefix='preloaded-')
     self.path = os.path.join(self.directory, 'socket')
+    # No PYTHONPATH: each child's sys.path is built from its own request.
     env = {k: v for k, v in os.environ.items()
-           if k not in IMPORT_TIME_VARIABLES}
+           if k not in IMPORT_TIME_VARIABLES and k != 'PYTHONPATH'}
     env.update({k: v for k, v in zip(IMPORT_TIME_VARIABLES, key)
                 if v is not None})
-    env['PYTHONPATH'] = _ROOT
-    self.process = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), self.path], env=env,
-        cwd=_ROOT, stdin=subprocess.PIPE, stdout=DEVNULL,
-        stderr=DEVNULL)
+    self.log = os.path.join(self.directory, 'server.log')
+    with open(self.log, 'w') as log:
+      self.process = subprocess.Popen(
+          [sys.executable, os.path.abspath(__file__), self.path], env=env,
+          cwd=_ROOT, stdin=subprocess.PIPE, stdout=log, stderr=log)
 
   def connect(self) -> socket.socket:
     deadline = time.monotonic() + 300
     while True:
       if self.process.poll() is not None:
-        raise RuntimeError(f'the preloaded server exited '
-                           f'({self.process.returncode})')
+        with open(self.log) as log:
+          raise RuntimeError(f'the preloaded server exited '
+                             f'({self.process.returncode}):\n'
+                             f'{log.read()[-3000:]}')
       try:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         connection.connect(self.path)
