@@ -69,6 +69,10 @@ def _become(script: str, args, environ, log) -> None:
   code = 1
   try:
     private_network.die_with_parent()
+    if os.getppid() == 1:
+      return  # The launcher died before the line above.
+    import numpy  # pylint: disable=g-import-not-at-top
+    numpy.random.seed()  # As a fresh process: not the launcher's state.
     if log is not None:
       os.dup2(log.fileno(), 1)
       os.dup2(log.fileno(), 2)
@@ -86,6 +90,10 @@ def _become(script: str, args, environ, log) -> None:
   except BaseException:  # pylint: disable=broad-except
     traceback.print_exc()  # As the interpreter would, then exit 1.
   finally:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # pylint: disable=protected-access
+    try:
+      sys.stdout.flush()
+      sys.stderr.flush()
+    except BaseException:  # pylint: disable=broad-except
+      pass  # Nothing may unwind into the launcher's code in this child.
+    finally:
+      os._exit(code)  # pylint: disable=protected-access

@@ -34,12 +34,14 @@ what is left) when the process that started it closes the server's stdin.
 """
 
 import atexit
+import ctypes
 import io
 import json
 import os
 import runpy
 import select
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -58,6 +60,7 @@ PRELOADED_MODULES = frozenset(['trainer.task', 'trainer.predict',
 IMPORT_TIME_VARIABLES = ('TF_CPP_MIN_LOG_LEVEL', 'TF_ENABLE_ONEDNN_OPTS',
                          'CUDA_VISIBLE_DEVICES')
 _CONFIGURED = frozenset(['trainer.task', 'trainer.predict', 'trainer.check'])
+_PR_SET_PDEATHSIG = 1
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -87,7 +90,15 @@ def _serve(path: str) -> dict:
         _reap(children, selector)
       elif key.data == 'accept':
         connection, _ = listener.accept()
-        request = _receive(connection)
+        connection.settimeout(10)  # A client that stalls mid-request.
+        try:
+          request = _receive(connection)
+        except (OSError, EOFError, ValueError) as error:
+          print(f'preloaded: dropped a request: {error!r}', file=sys.stderr,
+                flush=True)
+          connection.close()
+          continue
+        connection.settimeout(None)
         pid = os.fork()
         if pid == 0:
           signal.set_wakeup_fd(-1)
@@ -100,9 +111,12 @@ def _serve(path: str) -> dict:
           return request
         for descriptor in request['fds']:
           os.close(descriptor)
-        connection.sendall(json.dumps({'pid': pid}).encode() + b'\n')
         children[pid] = connection
         selector.register(connection, selectors.EVENT_READ, pid)
+        try:
+          connection.sendall(json.dumps({'pid': pid}).encode() + b'\n')
+        except OSError:
+          _kill(pid)  # Its client is gone; _reap forgets it.
       else:  # The client closed its connection before its child ended.
         _kill(key.data)
         _reap(children, selector)
@@ -111,6 +125,10 @@ def _serve(path: str) -> dict:
 
 def _receive(connection: socket.socket) -> dict:
   data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+  if len(fds) != 3:
+    for descriptor in fds:
+      os.close(descriptor)
+    raise ValueError(f'a request with {len(fds)} descriptors, not 3')
   while not data.endswith(b'\n'):
     more = connection.recv(1 << 20)
     if not more:
@@ -156,6 +174,10 @@ def _end(children: Dict[int, socket.socket]) -> None:
 
 def _become(request: dict) -> None:
   """Turns this forked child into `python -m module` as requested."""
+  # Not left running if the server dies (PR_SET_PDEATHSIG).
+  ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+  if os.getppid() != request['server']:
+    os._exit(1)  # pylint: disable=protected-access  # It already died.
   if request['new_session']:
     os.setsid()
   for target, descriptor in enumerate(request['fds']):
@@ -196,7 +218,9 @@ def _server_main(path: str) -> None:
   import numpy
   import tensorflow
   import tensorflow_estimator
+  server = os.getpid()
   request = _serve(path)
+  request['server'] = server
   _become(request)
   runpy.run_module(request['module'], run_name='__main__', alter_sys=True)
 
@@ -240,19 +264,27 @@ class _Server:
         time.sleep(0.1)
 
   def stop(self) -> None:
-    self.process.stdin.close()
-    self.process.wait()
-    for name in os.listdir(self.directory):
-      os.remove(os.path.join(self.directory, name))
-    os.rmdir(self.directory)
+    try:
+      self.process.stdin.close()
+      self.process.wait(timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+      self.process.kill()
+      self.process.wait()
+    finally:
+      shutil.rmtree(self.directory, ignore_errors=True)
 
 
 _servers: Dict[tuple, _Server] = {}
 _servers_lock = threading.Lock()
 
 
+_CREATOR = os.getpid()
+
+
 @atexit.register
 def _stop_servers() -> None:
+  if os.getpid() != _CREATOR:
+    return  # A fork of the process that started them.
   for server in _servers.values():
     server.stop()
   _servers.clear()
@@ -274,6 +306,8 @@ def import_time_key(module: str, args: Sequence[str], env: dict) -> tuple:
 def _server_for(module: str, args: Sequence[str], env: dict) -> _Server:
   key = import_time_key(module, args, env)
   with _servers_lock:
+    if key in _servers and _servers[key].process.poll() is not None:
+      _servers.pop(key).stop()  # Died: the next request starts another.
     if key not in _servers:
       _servers[key] = _Server(key)
     return _servers[key]
@@ -319,18 +353,24 @@ class Process:
         self.stderr = self._reader(err[0])
         err = err[1]
     sent = [stdin_fd, out, err]
-    server = _server_for(module, args, env)
-    self._connection = server.connect()
-    request = {'module': module, 'args': list(args), 'cwd': cwd,
-               'env': env, 'new_session': start_new_session}
     try:
-      socket.send_fds(self._connection,
-                      [json.dumps(request).encode() + b'\n'], sent)
+      request = json.dumps({
+          'module': module, 'args': [os.fspath(a) for a in args],
+          'cwd': os.fspath(cwd),
+          'env': {k: os.fspath(v) for k, v in env.items()},
+          'new_session': start_new_session}).encode() + b'\n'
+      server = _server_for(module, args, env)
+      self._connection = server.connect()
+      socket.send_fds(self._connection, [request], sent)
     finally:
       for fd in to_close:
         os.close(fd)
     self._buffer = b''
-    self.pid = self._reply(None)['pid']
+    reply = self._reply(120)
+    if reply is None:
+      raise RuntimeError(f'the preloaded server did not start {self.args}; '
+                         f'see {server.log}')
+    self.pid = reply['pid']
 
   def _reader(self, fd: int):
     return open(fd, 'rb', closefd=True)
@@ -401,7 +441,11 @@ class Process:
     return tuple(results)
 
   def send_signal(self, signum: int) -> None:
-    if self.poll() is None:
+    try:
+      running = self.poll() is None
+    except RuntimeError:  # The server is gone; the child may not be yet.
+      running = True
+    if running:
       try:
         os.kill(self.pid, signum)
       except ProcessLookupError:

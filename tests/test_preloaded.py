@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -74,3 +75,18 @@ def test_servers_differ_by_what_tensorflow_reads_at_import(args, expected):
   env = {'TF_CPP_MIN_LOG_LEVEL': '2'}
   assert preloaded.import_time_key('trainer.task', args, env) == expected
   assert env == {'TF_CPP_MIN_LOG_LEVEL': '2'}  # The caller's is untouched.
+
+
+@pytest.mark.cli
+def test_a_broken_request_leaves_the_server_serving(probe):
+  env, cwd = probe
+  server = preloaded._server_for('probe_module', [], env)  # pylint: disable=protected-access
+  broken = server.connect()
+  broken.sendall(b'no descriptors, no json\n')
+  broken.close()
+  process = preloaded.Process('probe_module', ['3'], cwd=pathlib.Path(cwd),
+                              env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+  assert process.wait(timeout=120) == 3
+  with open(server.log) as log:
+    assert 'dropped a request' in log.read()
