@@ -3,6 +3,8 @@
 import json
 import os
 import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -124,6 +126,37 @@ def test_a_later_task_still_compares_with_one_that_went_on(tmp_path):
 def test_no_cluster_or_the_evaluator_writes_nothing(tmp_path, config):
   cluster_rendezvous.check_same_cluster(str(tmp_path), config, wait_secs=0)
   assert not (tmp_path / cluster_rendezvous.FOLDER).exists()
+
+
+@pytest.mark.cli
+def test_the_file_stops_being_kept_fresh_before_the_interpreter_exits(
+    tmp_path):
+  # A daemon thread still inside a TensorFlow file call when the
+  # interpreter finalizes aborts the process (SIGABRT, "FATAL: exception
+  # not rethrown"): a chief that had trained, evaluated and exported failed
+  # its cluster so. The reporting handler is registered first, so it runs
+  # after the module's own (exit handlers run last in, first out).
+  cluster_rendezvous._Files(  # pylint: disable=protected-access
+      str(tmp_path / cluster_rendezvous.FOLDER), 'worker:0', CHIEF).beat()
+  script = textwrap.dedent(f"""
+      import atexit, threading
+      def report():
+        print('beating at exit:', any(
+            t.name == 'tf-config-beat' and t.is_alive()
+            for t in threading.enumerate()), flush=True)
+      atexit.register(report)
+      from trainer import cluster_rendezvous
+      cluster_rendezvous.check_same_cluster(
+          {str(tmp_path)!r}, {_config(CHIEF, 'chief')!r}, wait_secs=600)
+      print('compared', flush=True)
+      """)
+  result = subprocess.run(
+      [sys.executable, '-c', script], cwd=ROOT, capture_output=True,
+      text=True, timeout=120,
+      env={**os.environ, 'PYTHONPATH': ROOT, 'TF_CPP_MIN_LOG_LEVEL': '2'})
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.split('\n')[:2] == ['compared',
+                                            'beating at exit: False']
 
 
 @pytest.mark.cli

@@ -22,6 +22,7 @@ a job dir the machines do not share) is not compared, and the collectives'
 own start-up checks take over.
 """
 
+import atexit
 import json
 import os
 import threading
@@ -177,16 +178,31 @@ def leader_wrote(model_dir: str, cluster: Dict[str, List[str]]) -> bool:
 
 def _keep_beating(files: _Files, secs: float) -> None:
   """Keeps this task's file fresh for `secs` more, for the tasks that
-  start later and compare with it, without holding this task up."""
+  start later and compare with it, without holding this task up.
+
+  The thread is a daemon, so that the task need not wait `secs` to end,
+  but it is stopped and joined when the interpreter exits: a daemon thread
+  still inside a TensorFlow file call when the interpreter finalizes is
+  unwound through TensorFlow's C++ code, which aborts the process
+  (`FATAL: exception not rethrown`, SIGABRT) after it finished its work.
+  """
+  stop = threading.Event()
 
   def beat():
     end = time.monotonic() + secs
-    while time.monotonic() < end:
+    while not stop.is_set() and time.monotonic() < end:
       try:
         files.beat()
       except tf.errors.OpError as e:  # The job dir went away: stop quietly.
         logging.info('TF_CONFIG file no longer kept fresh: %s', e)
         return
-      time.sleep(_BEAT_SECS)
+      stop.wait(_BEAT_SECS)
 
-  threading.Thread(target=beat, name='tf-config-beat', daemon=True).start()
+  thread = threading.Thread(target=beat, name='tf-config-beat', daemon=True)
+
+  def stop_and_join():
+    stop.set()
+    thread.join()
+
+  atexit.register(stop_and_join)
+  thread.start()
