@@ -55,7 +55,7 @@ PIPE, DEVNULL, STDOUT = subprocess.PIPE, subprocess.DEVNULL, subprocess.STDOUT
 
 # Modules whose run loads TensorFlow: worth a fork.
 PRELOADED_MODULES = frozenset(['trainer.task', 'trainer.predict',
-                               'trainer.check'])
+                               'trainer.check', 'tests.raise_handled'])
 # Environment variables TensorFlow reads once, at import.
 IMPORT_TIME_VARIABLES = ('TF_CPP_MIN_LOG_LEVEL', 'TF_ENABLE_ONEDNN_OPTS',
                          'CUDA_VISIBLE_DEVICES')

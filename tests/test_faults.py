@@ -5,33 +5,19 @@ point's main does.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from cli_helpers import ROOT
+from cli_helpers import run_module
 
 pytestmark = pytest.mark.cli
-
-_RAISE = """
-import tensorflow as tf
-from trainer import faults, options, preemption
-with faults.handled('prog', eval_files='--predict-files'):
-  raise {error}
-"""
 
 
 def _raised(error, tf_config=None):
   """(exit code, stderr lines) of a process whose work raises `error`."""
-  env = {**os.environ, 'PYTHONPATH': ROOT, 'TF_CPP_MIN_LOG_LEVEL': '3'}
-  env.pop('TF_CONFIG', None)
-  if tf_config:
-    env['TF_CONFIG'] = json.dumps(tf_config)
-  result = subprocess.run(
-      [sys.executable, '-c', _RAISE.format(error=error)], cwd=ROOT, env=env,
-      capture_output=True, text=True, timeout=120)
+  env = {'TF_CONFIG': json.dumps(tf_config)} if tf_config else None
+  result = run_module('tests.raise_handled', error, env=env, check=False,
+                      timeout=120)
   return result.returncode, result.stderr.strip().splitlines()
 
 

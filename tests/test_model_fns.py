@@ -146,19 +146,6 @@ def _input_fn(features, labels=None, batch_size=32, repeat=False, take=None):
   return input_fn
 
 
-def _without_graph_rewrites(config):
-  """`config` with Grappler's graph rewrites off, for MobileNet's big graph.
-
-  Rewriting its 2-tower graph (about 25k ops) when each session starts
-  cost about 14 of the train call's 49 CPU seconds (the 20 steps themselves
-  cost about 5); the tests check what the model learns, not the rewrites.
-  """
-  session_config = tf1.ConfigProto()
-  session_config.CopyFrom(config.session_config)
-  session_config.graph_options.rewrite_options.disable_meta_optimizer = True
-  return config.replace(session_config=session_config)
-
-
 class _Run:
   """One model trained, evaluated and asked for predictions on 2 towers."""
 
@@ -169,8 +156,6 @@ class _Run:
     config = run_config(model_dir, 2, tf_random_seed=1,
                         save_checkpoints_steps=10_000,
                         log_step_count_steps=10_000)
-    if name == 'keras_app':
-      config = _without_graph_rewrites(config)
     self.estimator = tf.estimator.Estimator(
         _recording(trainer.replicate_model_fn(model_fns.get_model_fn(name)),
                    self.losses), config=config, params=params)
