@@ -25,6 +25,10 @@ Tests of import-time behaviour (`test_imports.py`, `test_quiet.py`,
 of a module that does not load TensorFlow (the sweep, the cluster
 launcher): only modules in `PRELOADED_MODULES` are forked.
 
+A request may ask for a network namespace of the child's own (what `unshare
+--net` gives): the synchronous pair launchers (tests/sync_cluster_pair.py,
+tests/sync_fault_cluster.py) run so, and fork their tasks from themselves.
+
 Protocol: the client connects to the server's Unix socket and sends one
 JSON request with its stdin, stdout and stderr descriptors (SCM_RIGHTS); the
 server forks, answers {"pid": ...}, and later {"returncode": ...} as
@@ -55,12 +59,16 @@ PIPE, DEVNULL, STDOUT = subprocess.PIPE, subprocess.DEVNULL, subprocess.STDOUT
 
 # Modules whose run loads TensorFlow: worth a fork.
 PRELOADED_MODULES = frozenset(['trainer.task', 'trainer.predict',
-                               'trainer.check', 'tests.raise_handled'])
+                               'trainer.check', 'tests.raise_handled',
+                               'tests.sync_cluster_pair',
+                               'tests.sync_fault_cluster'])
 # Environment variables TensorFlow reads once, at import.
 IMPORT_TIME_VARIABLES = ('TF_CPP_MIN_LOG_LEVEL', 'TF_ENABLE_ONEDNN_OPTS',
                          'CUDA_VISIBLE_DEVICES')
 _CONFIGURED = frozenset(['trainer.task', 'trainer.predict', 'trainer.check'])
 _PR_SET_PDEATHSIG = 1
+_CLONE_NEWNET = 0x40000000
+_CLONE_NEWUSER = 0x10000000
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -180,6 +188,8 @@ def _become(request: dict) -> None:
     os._exit(1)  # pylint: disable=protected-access  # It already died.
   if request['new_session']:
     os.setsid()
+  if request['private_network']:
+    _enter_private_network()
   for target, descriptor in enumerate(request['fds']):
     os.dup2(descriptor, target)
   for descriptor in set(request['fds']):
@@ -202,6 +212,26 @@ def _become(request: dict) -> None:
   import numpy  # pylint: disable=g-import-not-at-top
   numpy.random.seed()  # As a fresh process: not the server's state.
   sys.argv = ['-m', *request['args']]
+
+
+def _enter_private_network() -> None:
+  """A network namespace of this process's own, as `unshare --net` gives.
+
+  Unprivileged, a user namespace maps this user to root in it first, as
+  `unshare --user --map-root-user` does (private_network.unshare_command).
+  The forked child has one thread, as a new user namespace requires.
+  """
+  uid, gid = os.geteuid(), os.getegid()
+  flags = _CLONE_NEWNET if uid == 0 else _CLONE_NEWUSER | _CLONE_NEWNET
+  libc = ctypes.CDLL(None, use_errno=True)
+  if libc.unshare(flags) != 0:
+    error = ctypes.get_errno()
+    raise OSError(error, f'unshare: {os.strerror(error)}')
+  if uid != 0:
+    for name, text in (('setgroups', 'deny'), ('uid_map', f'0 {uid} 1'),
+                       ('gid_map', f'0 {gid} 1')):
+      with open(f'/proc/self/{name}', 'w') as f:
+        f.write(text)
 
 
 def _text_stream(descriptor: int, write_through: bool) -> io.TextIOWrapper:
@@ -318,7 +348,8 @@ class Process:
 
   def __init__(self, module: str, args: Sequence[str], *, cwd: str,
                env: dict, stdin=DEVNULL, stdout=None, stderr=None,
-               text: bool = False, start_new_session: bool = False):
+               text: bool = False, start_new_session: bool = False,
+               private_network: bool = False):
     self.args = [sys.executable, '-m', module, *args]
     self.returncode: Optional[int] = None
     self.stdout = self.stderr = None
@@ -358,7 +389,8 @@ class Process:
           'module': module, 'args': [os.fspath(a) for a in args],
           'cwd': os.fspath(cwd),
           'env': {k: os.fspath(v) for k, v in env.items()},
-          'new_session': start_new_session}).encode() + b'\n'
+          'new_session': start_new_session,
+          'private_network': private_network}).encode() + b'\n'
       server = _server_for(module, args, env)
       self._connection = server.connect()
       socket.send_fds(self._connection, [request], sent)
@@ -468,21 +500,32 @@ class Process:
 
 
 def start(module: str, args: Sequence[str], *, cwd: str, env: dict,
+          private_network: bool = False,
           **kwargs) -> 'Process | subprocess.Popen':
-  """`python -m module args`: forked if the module loads TensorFlow."""
+  """`python -m module args`: forked if the module loads TensorFlow.
+
+  With `private_network`, the process runs in a network namespace of its
+  own, as under `unshare --net` (its loopback is down until it brings it
+  up: private_network.bring_up_loopback).
+  """
   args = [str(a) for a in args]
   if module in PRELOADED_MODULES:
-    return Process(module, args, cwd=cwd, env=env, **kwargs)
-  return subprocess.Popen([sys.executable, '-m', module, *args], cwd=cwd,
-                          env=env, **kwargs)
+    return Process(module, args, cwd=cwd, env=env,
+                   private_network=private_network, **kwargs)
+  prefix = []
+  if private_network:
+    from trainer.cluster import private_network as network  # pylint: disable=g-import-not-at-top
+    prefix = network.unshare_command() + ['--']
+  return subprocess.Popen([*prefix, sys.executable, '-m', module, *args],
+                          cwd=cwd, env=env, **kwargs)
 
 
 def run(module: str, args: Sequence[str], *, cwd: str, env: dict,
-        timeout: Optional[float] = None, stdin=DEVNULL
-        ) -> subprocess.CompletedProcess:
+        timeout: Optional[float] = None, stdin=DEVNULL,
+        private_network: bool = False) -> subprocess.CompletedProcess:
   """As `subprocess.run(..., capture_output=True, text=True)`."""
   process = start(module, args, cwd=cwd, env=env, stdin=stdin, stdout=PIPE,
-                  stderr=PIPE, text=True)
+                  stderr=PIPE, text=True, private_network=private_network)
   try:
     stdout, stderr = process.communicate(timeout=timeout)
   except subprocess.TimeoutExpired:

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import preloaded
+from trainer.cluster import private_network
 
 _PROBE = '''
 import json, os, sys, time
@@ -50,6 +51,33 @@ def test_a_forked_module_sees_what_python_m_gives_it(probe):
       'probe': 'seen', 'in_path': True}
   assert err == 'to stderr\n' and fresh.stderr.endswith('to stderr\n')
   assert forked.pid != os.getpid()
+
+
+_NET_PROBE = '''
+import json, os, socket
+print(json.dumps({'namespace': os.readlink('/proc/self/ns/net'),
+                  'interfaces': [name for _, name in socket.if_nameindex()]}))
+'''
+
+
+@pytest.mark.cli
+def test_a_private_network_is_what_unshare_net_gives(probe):
+  # The synchronous pair launchers run so (tests/test_task_sync.py).
+  env, cwd = probe
+  (pathlib.Path(cwd) / 'net_probe.py').write_text(_NET_PROBE)
+  private_network.check_unshare_works()
+  fresh = subprocess.run(
+      private_network.unshare_command() + [
+          '--', sys.executable, '-m', 'net_probe'],
+      cwd=cwd, env=env, capture_output=True, text=True, check=True)
+  forked = preloaded.Process('net_probe', [], cwd=cwd, env=env,
+                             stdout=subprocess.PIPE, private_network=True)
+  out, _ = forked.communicate(timeout=120)
+  assert forked.returncode == 0
+  ours = os.readlink('/proc/self/ns/net')
+  seen = [json.loads(out), json.loads(fresh.stdout)]
+  assert [s['interfaces'] for s in seen] == [['lo'], ['lo']]
+  assert len({ours, *(s['namespace'] for s in seen)}) == 3
 
 
 @pytest.mark.cli

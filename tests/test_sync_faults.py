@@ -10,13 +10,13 @@ starts late, but within the timeout, trains the numbers of one process.
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import preloaded
+from cli_helpers import ROOT
 from tests import helpers
 from tests import sync_cluster_task
 from tests import sync_fault_cluster
@@ -34,12 +34,10 @@ _REMEDY = "Restart every task; they resume from the chief's last checkpoint."
 
 def _scenario(model_dir, scenario, **args):
   args = {'model_dir': str(model_dir), 'timeout': _TIMEOUT, **args}
-  command = private_network.unshare_command() + [
-      '--', sys.executable, sync_fault_cluster.__file__, 'scenario',
-      scenario, json.dumps(args)]
-  done = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                        stdin=subprocess.DEVNULL,
-                        env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'})
+  done = preloaded.run(
+      'tests.sync_fault_cluster', ['scenario', scenario, json.dumps(args)],
+      cwd=ROOT, timeout=300, private_network=True,
+      env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT})
   assert done.returncode == 0, done.stderr[-3000:]
   return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -10,32 +10,28 @@ own (their gRPC servers listen on every interface).
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import estimator_towers
+import preloaded
+from cli_helpers import ROOT
 from estimator_towers.cluster import task_sync
 from tests import helpers
-from tests import sync_cluster_pair
 from tests import sync_cluster_task
 from trainer.cluster import private_network
 
-_PAIR_SCRIPT = sync_cluster_pair.__file__
 _STEPS = 4
 _ROWS = (5, 4)  # Chief, worker: towers of 3+2 and 2+2, as one process's 9.
 
 
 def _run_pair(model_dir, steps=_STEPS, rows=_ROWS, mode='pair'):
-  command = private_network.unshare_command() + [
-      '--', sys.executable, _PAIR_SCRIPT, mode, str(model_dir), str(steps),
-      *map(str, rows)]
-  return subprocess.run(command, capture_output=True, text=True, timeout=300,
-                        stdin=subprocess.DEVNULL,
-                        env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'})
+  return preloaded.run(
+      'tests.sync_cluster_pair', [mode, model_dir, steps, *rows], cwd=ROOT,
+      env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'PYTHONPATH': ROOT},
+      timeout=300, private_network=True)
 
 
 def _start_input_fn():
