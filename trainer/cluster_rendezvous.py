@@ -36,6 +36,9 @@ FOLDER = 'tf_config'
 FRESH_SECS = 10.0
 _BEAT_SECS = 1.0
 _POLL_SECS = 0.2
+# How long the exit waits for a write in progress (a remote job dir may
+# stall): a bound, so that a hung file system cannot hold the task forever.
+_STOP_SECS = 60.0
 
 
 def _name(task_type: str, index: int) -> str:
@@ -202,7 +205,10 @@ def _keep_beating(files: _Files, secs: float) -> None:
 
   def stop_and_join():
     stop.set()
-    thread.join()
+    thread.join(_STOP_SECS)
+    if thread.is_alive():  # A file system that stopped answering.
+      logging.warning('The TF_CONFIG file\'s last write still runs after '
+                      '%.0f s; exiting anyway.', _STOP_SECS)
 
   atexit.register(stop_and_join)
   thread.start()
