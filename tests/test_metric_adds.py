@@ -162,6 +162,43 @@ def test_a_mean_over_a_count_that_may_be_0_equals_one_device(
   np.testing.assert_allclose(actual, expected, rtol=1e-5)
 
 
+@pytest.mark.parametrize('pattern,finite,divide', [
+    (_HALF, True, tf.math.divide),
+    # One device: 0 / 0 * 0 = NaN for the middle batch; divide_no_nan: 0.
+    (_MIDDLE_BATCH_ZERO, False, tf.math.divide),
+    (_MIDDLE_BATCH_ZERO, True, tf.math.divide_no_nan),
+], ids=['shard_weighing_0', 'batch_weighing_0_nan', 'batch_weighing_0_no_nan'])
+@pytest.mark.parametrize('one_weight_tensor', [True, False],
+                         ids=['weight_reused', 'weight_written_twice'])
+@pytest.mark.parametrize('towers', [2, 3])
+def test_a_batch_mean_weighted_by_its_weight_equals_one_device(
+    checkpoint, towers, pattern, finite, divide, one_weight_tensor):
+  # Each batch's weighted mean, weighing the batch's weight: the weighted
+  # mean of every example. Was refused as "neither a sum nor a mean".
+  def metric(e, w):
+    weight = tf.reduce_sum(w)
+    mean = divide(tf.reduce_sum(w * e), weight)
+    if not one_weight_tensor:
+      weight = tf.reduce_sum(w)
+    return tf1.metrics.mean(mean, weights=weight)
+
+  def model_fn(features, labels, mode, params):
+    del params
+    return _classifier(features, labels, mode, {'metrics': lambda e: {
+        'm': metric(e, features['w'])}})
+
+  def input_fn():
+    x, y = _data()
+    w = np.resize(np.float32(pattern), _ROWS)
+    return tf.data.Dataset.from_tensor_slices(({'x': x, 'w': w}, y)).batch(
+        _BATCH)
+
+  expected = _evaluate(model_fn, checkpoint, 1, input_fn=input_fn)['m']
+  actual = _evaluate(model_fn, checkpoint, towers, input_fn=input_fn)['m']
+  assert np.isfinite(expected) == finite
+  np.testing.assert_allclose(actual, expected, rtol=1e-5)
+
+
 def _keras_mean(values):
   """A Keras Mean with a scalar sample weight, as the v2 heads make it."""
   metric = tf.keras.metrics.Mean()
@@ -272,6 +309,11 @@ def _running_max(per_example):
     ('mean_vector', lambda e: tf1.metrics.mean_tensor(
         tf.reduce_mean(tf.stack([e, 2 * e], 1), 0)),
      'neither a sum nor a mean'),
+    # A ratio weighed by another sum than its divisor: no tower's part is
+    # its numerator (a ratio times its own divisor is, above).
+    ('ratio_times_other_sum', lambda e: tf1.metrics.mean(
+        tf.reduce_sum(e * e) / tf.reduce_sum(e), weights=tf.reduce_sum(e)
+        + tf.reduce_sum(e * e)), 'neither a sum nor a mean'),
     # State written from the shard by an assign: the last tower wins.
     ('running_max', _running_max, 'the last write wins'),
 ])

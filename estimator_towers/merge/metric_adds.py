@@ -29,6 +29,10 @@ device's step adds:
 * an add of several means (a difference of two means over the shard) is
   weighted by the tower's share of the first mean's count, with a run-time
   check that every other mean's counts split over the towers alike;
+* an add of a ratio times its own divisor (`tf.compat.v1.metrics.mean` of
+  a weighted mean with `weights=` its weight) is the tower's numerator, so
+  that a shard weighing 0 adds 0 (its own ratio is 0 / 0), made NaN (or 0
+  for `divide_no_nan`) when the whole batch weighs 0, as one device's is;
 * an add of a sum plus terms that do not depend on the shard would count
   those terms once per tower: a `ValueError`;
 * an add of any other value per batch (a max, a square of a mean, a mean
@@ -40,7 +44,7 @@ Adds the analysis cannot read (a vector of per-threshold counts, as
 per-example counts.
 """
 
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -104,6 +108,12 @@ def _count_once(metric: str, adds: List[tf.Operation], depends_on_shard,
           'values.')
     return
   if kinds != {loss_reduction.RATIO}:
+    numerators = _numerators_of_weighted_ratios(values, depends_on_shard,
+                                                active)
+    if numerators is not None:
+      for add, value in zip(adds, numerators):
+        _replace(add, position, value, 'ratio_times_its_divisor')
+      return
     if _unreadable_per_batch_value(values[0]):
       raise ValueError(
           f'The metric {metric!r} adds one value per batch that is neither '
@@ -134,6 +144,94 @@ def _count_once(metric: str, adds: List[tf.Operation], depends_on_shard,
     # An empty shard's mean is NaN, which a zero weight would keep.
     _replace(add, position, tf.where(on, weighted, tf.zeros_like(value)),
              'weighted_by_shard')
+
+
+# Ops that keep a value (not Neg: a sign the rewrite must not drop).
+_KEEPS_VALUE = frozenset(['Identity', 'Cast', 'StopGradient', 'Squeeze',
+                          'Reshape', 'CheckNumerics', 'CheckNumericsV2',
+                          'EnsureShape'])
+_DIVIDES = {'RealDiv': False, 'Div': False, 'TrueDiv': False,
+            'DivNoNan': True}  # Whether 0 / 0 is 0.
+
+
+def _numerators_of_weighted_ratios(values: List[tf.Tensor], depends_on_shard,
+                                   active: Sequence[tf.Tensor]
+                                   ) -> Optional[List[tf.Tensor]]:
+  """The towers' adds of a ratio weighted by its own divisor, rewritten.
+
+  `tf.compat.v1.metrics.mean(sum(w * e) / sum(w), weights=sum(w))` (a mean
+  over batches of each batch's weighted mean, each weighing the batch's
+  weight) adds N / D * D per call. One device adds N / D * D of the whole
+  batch: N, or NaN when the batch weighs 0 (0 for `divide_no_nan`). Tower t
+  adds its numerator N_t, times total / total for the towers' total D (the
+  same NaN or 0 when it is 0): its own N_t / D_t * D_t would be NaN for a
+  shard that weighs 0 in a batch that does not.
+
+  Args:
+    values: The towers' adds of one metric state.
+    depends_on_shard: Per tower, its `ExampleDependence`.
+    active: Per tower, whether its shard has examples.
+
+  Returns:
+    The values to add, or None when the adds are not of that form (a ratio
+    times its own divisor, both sums over the shard).
+  """
+  found = []
+  for value, depends in zip(values, depends_on_shard):
+    parts = _ratio_times_its_divisor(value)
+    if parts is None:
+      return None
+    numerator, divisor, _ = parts
+    for part in (numerator, divisor):
+      reduction = loss_reduction.analyze(part, depends)
+      if reduction.kind != loss_reduction.SUM or reduction.constant_terms:
+        return None
+    found.append(parts)
+  total = tf.add_n([tf.where(on, tf.cast(divisor, tf.float32), 0.0)
+                    for (_, divisor, _), on in zip(found, active)])
+  no_nan = found[0][2]
+  once = tf.math.divide_no_nan(total, total) if no_nan else total / total
+  return [tf.reshape(tf.cast(numerator * tf.cast(once, numerator.dtype),
+                             value.dtype), tf.shape(value))
+          for (numerator, _, _), value in zip(found, values)]
+
+
+def _ratio_times_its_divisor(value: tf.Tensor):
+  """(N, D, whether 0 / 0 is 0) if `value` is N / D * D, else None."""
+  product = _kept(value)
+  if product.op.type != 'Mul':
+    return None
+  left, right = (_kept(t) for t in product.op.inputs)
+  for ratio, other in ((left, right), (right, left)):
+    if ratio.op.type in _DIVIDES and _same_value(
+        _kept(ratio.op.inputs[1]), other):
+      return ratio.op.inputs[0], ratio.op.inputs[1], _DIVIDES[ratio.op.type]
+  return None
+
+
+def _kept(tensor: tf.Tensor) -> tf.Tensor:
+  """`tensor` below ops that keep its value (a sum of a scalar too)."""
+  while tensor.op.type in _KEEPS_VALUE or (
+      tensor.op.type in ('Sum', 'Mean') and
+      tensor.op.inputs[0].shape.rank == 0):
+    tensor = tensor.op.inputs[0]
+  return tensor
+
+
+def _same_value(a: tf.Tensor, b: tf.Tensor, depth: int = 8) -> bool:
+  """Whether `a` and `b` are one tensor, or one stateless op of the same
+  inputs (`tf.reduce_sum(w)` written twice)."""
+  if a is b:
+    return True
+  if depth == 0 or a.value_index != b.value_index:
+    return False
+  x, y = a.op, b.op
+  if (x.type != y.type or x.op_def.is_stateful or
+      len(x.inputs) != len(y.inputs) or x.node_def.attr != y.node_def.attr):
+    return False
+  if x.type == 'Const':
+    return True  # Their values are attributes, compared above.
+  return all(_same_value(s, t, depth - 1) for s, t in zip(x.inputs, y.inputs))
 
 
 def _unreadable_per_batch_value(value: tf.Tensor) -> bool:
