@@ -199,6 +199,95 @@ def test_a_batch_mean_weighted_by_its_weight_equals_one_device(
   np.testing.assert_allclose(actual, expected, rtol=1e-5)
 
 
+# Weights with fractions (a cast to an integer loses them); on 2 towers the
+# second shard of each full batch weighs 0.
+_FRACTIONS = [0.5, 1.5, 1.0, 0.25, 0, 0, 0, 0]
+
+
+def _weighted_input_fn():
+  """Batches with float32 weights `w` and float64 weights `tiny`, whose
+  second batch weighs ~1e-50 (0 once cast to float32)."""
+  x, y = _data()
+  w = np.resize(np.float32(_FRACTIONS), _ROWS)
+  tiny = w.astype(np.float64)
+  tiny[8:16] *= 1e-50
+  return tf.data.Dataset.from_tensor_slices(
+      ({'x': x, 'w': w, 'tiny': tiny}, y)).batch(_BATCH)
+
+
+def _weighted_metric(metric):
+  def model_fn(features, labels, mode, params):
+    del params
+    return _classifier(features, labels, mode, {'metrics': lambda e: {
+        'm': metric(e, features)}})
+  return model_fn
+
+
+def _ratio_and_weight(e, w):
+  weight = tf.reduce_sum(w)
+  return tf.reduce_sum(w * tf.cast(e, w.dtype)) / weight, weight
+
+
+def _keras_weighted_mean(value, weight, dtype='float32'):
+  metric = tf.keras.metrics.Mean(dtype=dtype)
+  metric.update_state(value, sample_weight=weight)
+  return metric
+
+
+# A cast to an integer or bool truncates: one device adds int(N / D) * D,
+# N / D * int(D) or N / int(D) * D, not N (the towers added N, silently).
+_TRUNCATED = {
+    'ratio_to_int': lambda r, d: tf1.metrics.mean(tf.cast(r, tf.int32),
+                                                  weights=d),
+    'weight_to_int': lambda r, d: tf1.metrics.mean(
+        r, weights=tf.cast(d, tf.int32)),
+    'weight_to_bool': lambda r, d: tf1.metrics.mean(
+        r, weights=tf.cast(tf.cast(d, tf.bool), tf.float32)),
+    'keras_ratio_to_int': lambda r, d: _keras_weighted_mean(
+        tf.cast(r, tf.int32), d),
+}
+
+
+@pytest.mark.parametrize('name', sorted(_TRUNCATED))
+def test_a_ratio_or_weight_cast_to_an_integer_is_refused(name):
+  def metric(e, features):
+    return _TRUNCATED[name](*_ratio_and_weight(e, features['w']))
+
+  with tf.Graph().as_default():
+    features, labels = tf1.data.make_one_shot_iterator(
+        _weighted_input_fn()).get_next()
+    with pytest.raises(ValueError, match="'m'.*neither a sum nor a mean"):
+      estimator_towers.replicate_model_fn(_weighted_metric(metric))(
+          features, labels, tf.estimator.ModeKeys.EVAL, {},
+          estimator_towers.make_run_config(cpu_devices=2))
+
+
+# float64 weights beyond float32's range: the towers' total weight summed
+# in float32 was 0 (or inf), 0 / 0 = NaN where one device is finite.
+_FLOAT64 = {
+    'keras_tiny': lambda e, f: _keras_weighted_mean(
+        *_ratio_and_weight(e, f['tiny']), dtype='float64'),
+    'keras_huge': lambda e, f: _keras_weighted_mean(
+        *_ratio_and_weight(e, tf.cast(f['w'], tf.float64) * 1e300),
+        dtype='float64'),
+    # tf.compat.v1.metrics.mean casts to float32: the tiny batch adds 0.
+    'tf1_tiny': lambda e, f: tf1.metrics.mean(
+        *_ratio_and_weight(e, f['tiny'])),
+}
+
+
+@pytest.mark.parametrize('name', sorted(_FLOAT64))
+@pytest.mark.parametrize('towers', [2, 3])
+def test_float64_weights_add_up_as_on_one_device(checkpoint, towers, name):
+  model_fn = _weighted_metric(_FLOAT64[name])
+  expected = _evaluate(model_fn, checkpoint, 1,
+                       input_fn=_weighted_input_fn)['m']
+  actual = _evaluate(model_fn, checkpoint, towers,
+                     input_fn=_weighted_input_fn)['m']
+  assert np.isfinite(expected)
+  np.testing.assert_allclose(actual, expected, rtol=1e-5)
+
+
 def _keras_mean(values):
   """A Keras Mean with a scalar sample weight, as the v2 heads make it."""
   metric = tf.keras.metrics.Mean()

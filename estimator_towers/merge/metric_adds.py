@@ -146,10 +146,10 @@ def _count_once(metric: str, adds: List[tf.Operation], depends_on_shard,
              'weighted_by_shard')
 
 
-# Ops that keep a value (not Neg: a sign the rewrite must not drop).
-_KEEPS_VALUE = frozenset(['Identity', 'Cast', 'StopGradient', 'Squeeze',
-                          'Reshape', 'CheckNumerics', 'CheckNumericsV2',
-                          'EnsureShape'])
+# Ops that keep a value (not Neg: a sign the rewrite must not drop; a Cast
+# only between floating types, see `_keeps_value`).
+_KEEPS_VALUE = frozenset(['Identity', 'StopGradient', 'Squeeze', 'Reshape',
+                          'CheckNumerics', 'CheckNumericsV2', 'EnsureShape'])
 _DIVIDES = {'RealDiv': False, 'Div': False, 'TrueDiv': False,
             'DivNoNan': True}  # Whether 0 / 0 is 0.
 
@@ -187,7 +187,9 @@ def _numerators_of_weighted_ratios(values: List[tf.Tensor], depends_on_shard,
       if reduction.kind != loss_reduction.SUM or reduction.constant_terms:
         return None
     found.append(parts)
-  total = tf.add_n([tf.where(on, tf.cast(divisor, tf.float32), 0.0)
+  # In the divisor's own dtype: a float64 weight outside float32's range
+  # would make the total 0 or inf.
+  total = tf.add_n([tf.where(on, divisor, tf.zeros_like(divisor))
                     for (_, divisor, _), on in zip(found, active)])
   no_nan = found[0][2]
   once = tf.math.divide_no_nan(total, total) if no_nan else total / total
@@ -211,11 +213,18 @@ def _ratio_times_its_divisor(value: tf.Tensor):
 
 def _kept(tensor: tf.Tensor) -> tf.Tensor:
   """`tensor` below ops that keep its value (a sum of a scalar too)."""
-  while tensor.op.type in _KEEPS_VALUE or (
-      tensor.op.type in ('Sum', 'Mean') and
-      tensor.op.inputs[0].shape.rank == 0):
+  while _keeps_value(tensor.op):
     tensor = tensor.op.inputs[0]
   return tensor
+
+
+def _keeps_value(op: tf.Operation) -> bool:
+  """Whether `op`'s output is its first input's value: a cast to an
+  integer or bool truncates it, one between floating types only rounds."""
+  if op.type == 'Cast':
+    return op.inputs[0].dtype.is_floating and op.outputs[0].dtype.is_floating
+  return op.type in _KEEPS_VALUE or (
+      op.type in ('Sum', 'Mean') and op.inputs[0].shape.rank == 0)
 
 
 def _same_value(a: tf.Tensor, b: tf.Tensor, depth: int = 8) -> bool:
