@@ -259,7 +259,20 @@ _REORDERED = {
                          0.1 * tf.reduce_mean(p * tf.roll(p, 1, 0)), 'Roll'),
     'shuffled_partner': (lambda p, l, x: tf.reduce_mean(_squares(
         p, l) * tf.random.shuffle(x[:, :1], seed=3)), 'RandomShuffle'),
+    # Mixup written as a product with a permutation matrix that holds no
+    # example (0.42 of the update off on 2 towers, silently).
+    'permutation_matmul': (lambda p, l, x: tf.reduce_mean(_squares(
+        0.7 * p + 0.3 * tf.matmul(_reversal(p), p), l)), 'MatMul'),
+    'reversed_eye_einsum': (lambda p, l, x: tf.reduce_mean(_squares(
+        0.7 * p + 0.3 * tf.einsum('ij,jk->ik', tf.reverse(
+            tf.eye(tf.shape(p)[0]), [0]), p), l)), 'Einsum'),
 }
+
+
+def _reversal(rows):
+  """The one-hot matrix that reverses `rows`' rows."""
+  count = tf.shape(rows)[0]
+  return tf.one_hot(tf.reverse(tf.range(count), [0]), count)
 
 
 @pytest.mark.parametrize('name', sorted(_REORDERED))
@@ -288,6 +301,9 @@ _REORDERED_ALIKE = {
     # Equal along the rows: meets rows in any order.
     'times_ones_like': lambda p, l, x: tf.reduce_mean(
         tf.reverse(_squares(p, l), [0]) * tf.ones_like(l)),
+    # Rows combined by a permutation matrix, then reduced on their own.
+    'permuted_then_reduced': lambda p, l, x: tf.reduce_mean(_squares(
+        p, l)) + 0.1 * tf.reduce_mean(tf.square(tf.matmul(_reversal(p), p))),
 }
 
 

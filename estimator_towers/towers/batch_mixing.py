@@ -32,7 +32,10 @@ may go through per-example ops and be reduced, meet rows reordered alike
 be concatenated along the rows; an op that combines it with rows in
 another order (mixup's `x * lam + tf.reverse(x, [0]) * (1 -
 lam)`, negatives shifted by `tf.roll`) pairs each shard's rows, not the
-batch's, and is refused. An op the walk does not know ends the trail: the
+batch's, and is refused. So is a product `P @ x` (or an einsum) that sums
+the rows against a matrix holding no example (a one-hot permutation, a
+reversed identity): its rows are combinations of the shard's, in an order
+of their own. An op the walk does not know ends the trail: the
 check only refuses what it proves, so a mixing it cannot follow (a
 `tf.gather_nd` of rows, a custom op, control flow, batch statistics other
 than batch norm's) is not caught.
@@ -280,6 +283,10 @@ def _reorders(op: tf.Operation, inputs: List[Axes]) -> bool:
     axes = _axes_of(op.inputs[1 if op.type == 'ReverseV2' else 2],
                     rank) if rank else None
     return axes is not None and any(a in inputs[0] for a in axes)
+  if op.type in _MATMULS:
+    return bool(_matmul_combined(op, inputs))
+  if op.type == 'Einsum':
+    return bool(_einsum_combined(op, inputs))
   if op.type == 'TopKV2':  # A full sort; fewer rows is refused as a subset.
     rank = _rank(op.inputs[0])
     return rank is not None and rank - 1 in inputs[0]
@@ -402,10 +409,60 @@ def _matmul(op: tf.Operation, inputs: List[Axes]) -> Axes:
       found.add(axis + out - rank_b)
     elif axis == rank_b - (2 if flip_b else 1):
       found.add(out - 1)
+  found.update(_matmul_combined(op, inputs))
   return _two_or_more(
       op, frozenset(found), 'makes a [shard, shard] tensor of pairs of '
       f'examples (shape {op.outputs[0].shape}) from two operands that both '
       "depend on the tower's examples")
+
+
+def _matmul_combined(op: tf.Operation, inputs: List[Axes]) -> Axes:
+  """The output axis of a matmul whose entries combine rows by a matrix.
+
+  `P @ x` with x's rows contracted against an axis of P that holds no
+  examples (a one-hot permutation, a reversed identity: mixup written as a
+  product) gives each output row a combination of the shard's rows: rows
+  in an order of their own (`_reorders`), which may not meet the shard's.
+  A kept axis of size 1 (`ones([1, n]) @ x`) is a weighted sum, no row.
+  """
+  ranks = [_rank(op.inputs[0]), _rank(op.inputs[1]), _rank(op.outputs[0])]
+  if None in ranks:
+    return _NONE
+  rank_a, rank_b, out = ranks
+  if op.type == 'MatMul':
+    flip_a, flip_b = op.get_attr('transpose_a'), op.get_attr('transpose_b')
+  else:
+    flip_a, flip_b = op.get_attr('adj_x'), op.get_attr('adj_y')
+  contracted = (rank_a - (2 if flip_a else 1), rank_b - (1 if flip_b else 2))
+  kept = (rank_a - (1 if flip_a else 2), rank_b - (2 if flip_b else 1))
+  found = set()
+  for rows, matrix, axis in ((0, 1, out - 1), (1, 0, out - 2)):
+    if (contracted[rows] in inputs[rows] and
+        contracted[matrix] not in inputs[matrix] and
+        op.inputs[matrix].shape[kept[matrix]] != 1):
+      found.add(axis)
+  return frozenset(found)
+
+
+def _einsum_combined(op: tf.Operation, inputs: List[Axes]) -> Axes:
+  """`_matmul_combined` for an einsum: a row letter summed against an
+  operand that holds no examples on it gives that operand's kept letters."""
+  equation = op.get_attr('equation').decode()
+  if '...' in equation or '->' not in equation:
+    return _NONE
+  operands, output = equation.split('->')
+  operands = operands.split(',')
+  found = set()
+  for i, (subscripts, axes) in enumerate(zip(operands, inputs)):
+    rows = {subscripts[a] for a in axes if a < len(subscripts)}
+    for letter in rows - set(output):
+      for j, other in enumerate(operands):
+        if j == i or letter not in other or other.index(letter) in inputs[j]:
+          continue
+        found.update(output.index(x) for k, x in enumerate(other)
+                     if x in output and k not in inputs[j]
+                     and op.inputs[j].shape[k] != 1)
+  return frozenset(found)
 
 
 def _einsum(op: tf.Operation, inputs: List[Axes]) -> Axes:
@@ -417,6 +474,7 @@ def _einsum(op: tf.Operation, inputs: List[Axes]) -> Axes:
   for subscripts, axes in zip(operands.split(','), inputs):
     letters.update(subscripts[a] for a in axes if a < len(subscripts))
   found = frozenset(output.index(x) for x in letters if x in output)
+  found |= _einsum_combined(op, inputs)
   return _two_or_more(op, found, f'({equation}) makes a tensor of pairs of '
                       'examples from operands that depend on the tower\'s '
                       'examples')
