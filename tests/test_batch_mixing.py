@@ -266,6 +266,10 @@ _REORDERED = {
     'reversed_eye_einsum': (lambda p, l, x: tf.reduce_mean(_squares(
         0.7 * p + 0.3 * tf.einsum('ij,jk->ik', tf.reverse(
             tf.eye(tf.shape(p)[0]), [0]), p), l)), 'Einsum'),
+    # The permutation on the matrix's batch axis, its kept axis of size 1.
+    'permutation_on_a_batch_axis': (lambda p, l, x: tf.reduce_mean(_squares(
+        0.7 * p + 0.3 * tf.squeeze(tf.matmul(_reversal(p)[:, None, :],
+                                             p[None]), 1), l)), 'MatMul'),
 }
 
 
@@ -304,6 +308,14 @@ _REORDERED_ALIKE = {
     # Rows combined by a permutation matrix, then reduced on their own.
     'permuted_then_reduced': lambda p, l, x: tf.reduce_mean(_squares(
         p, l)) + 0.1 * tf.reduce_mean(tf.square(tf.matmul(_reversal(p), p))),
+    # One permutation (built twice) for predictions and labels alike.
+    'same_permutation_both': lambda p, l, x: tf.reduce_mean(tf.square(
+        tf.matmul(_reversal(p), p) - tf.matmul(_reversal(p), l))),
+    # Products with matrices of the examples' own values weigh each row.
+    'diagonal_weights': lambda p, l, x: tf.reduce_mean(_squares(
+        tf.matmul(tf.linalg.diag(tf.nn.sigmoid(x[:, 0])), p), l)),
+    'row_scaled_eye': lambda p, l, x: tf.reduce_mean(_squares(tf.matmul(
+        tf.nn.sigmoid(x[:, :1]) * tf.eye(tf.shape(p)[0]), p), l)),
 }
 
 

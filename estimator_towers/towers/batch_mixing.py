@@ -41,7 +41,8 @@ check only refuses what it proves, so a mixing it cannot follow (a
 than batch norm's) is not caught.
 """
 
-from typing import Dict, FrozenSet, List, Optional, Sequence
+import dataclasses
+from typing import Dict, FrozenSet, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -182,13 +183,19 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark):
   if len(ops) > _MAX_OPS:
     return None
   values = _value_ancestors(tensor.op, ops)
+  # Tensors whose values depend on the shard's (not only on its shape).
+  held = set(rows)
   for op in op_ledger.by_creation(ops):
+    if op.type not in _SHAPE_READS and any(t.name in held
+                                           for t in op.inputs):
+      held.update(t.name for t in op.outputs)
     inputs = [rows.get(t.name, _NONE) for t in op.inputs]
     if not any(inputs):
       continue
     try:
-      outputs = _rule(op, inputs)
-      order = _order(op, inputs, orders)
+      product = _product(op, inputs, [t.name in held for t in op.inputs])
+      outputs = _rule(op, inputs, product)
+      order = _order(op, inputs, orders, product)
     except _Subset as subset:
       if op in values:
         return _Found(subset.op, subset.what, kind='subset')
@@ -210,13 +217,17 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark):
 # the shard's own order; `_ANY` for values equal along the rows (ones_like),
 # which meet rows in any order; (reversed, shift) for reversals and rolls by
 # constants, which compose (a double reversal is the shard's order again);
-# ('op', name) for an order only that op made (a shuffle, a sort, a concat).
+# ('op', name) for an order only that op made (a shuffle, a sort, a concat);
+# a `_ByMatrix` for rows combined by a matrix (see `_product`), one order per
+# value of the matrix.
 _ANY = 'any'
 _ROW_CONSTANT = frozenset(['OnesLike', 'ZerosLike'])
 
 
-def _order(op: tf.Operation, inputs: List[Axes], orders: Dict[str, object]):
-  """The order of the rows of `op`'s outputs (see `_ANY`).
+def _order(op: tf.Operation, inputs: List[Axes], orders: Dict[str, object],
+           product: Optional['_Product'] = None):
+  """The order of the rows of `op`'s outputs (see `_ANY`; `product`: see
+  `_product`).
 
   Raises:
     _Reordered: `op` combines rows in two orders: each tower would pair
@@ -234,6 +245,13 @@ def _order(op: tf.Operation, inputs: List[Axes], orders: Dict[str, object]):
         op, f'combines rows reordered by {_describe(reorder)} (a reversed, '
         'rolled, shuffled or sorted batch) with rows in another order')
   base = found.pop() if found else (_ANY if given else None)
+  if product is not None and base != _ANY:
+    # Rows combined by one matrix are in one order, whatever the product.
+    if base is not None:
+      return ('op', f'{op.type} {op.name!r}')
+    return _ByMatrix(_recipe(product.matrix, {}),
+                     f'{op.type} {op.name!r} (a product with '
+                     f'{product.matrix.op.name!r})')
   return _reordered(op, inputs, base)
 
 
@@ -252,7 +270,7 @@ def _reordered(op: tf.Operation, inputs: List[Axes], base):
   if base == _ANY or not _reorders(op, inputs):
     return base
   if op.type not in ('ReverseV2', 'Roll') or (
-      base is not None and base[0] == 'op'):
+      base is not None and _opaque(base)):
     return ('op', f'{op.type} {op.name!r}')
   flipped, shift = base or (False, 0)
   if op.type == 'ReverseV2':
@@ -265,7 +283,14 @@ def _reordered(op: tf.Operation, inputs: List[Axes], base):
   return None if (flipped, shift) == (False, 0) else (flipped, shift)
 
 
+def _opaque(order) -> bool:
+  """Whether `order` is no reversal or roll (it does not compose)."""
+  return isinstance(order, _ByMatrix) or order[0] == 'op'
+
+
 def _describe(order) -> str:
+  if isinstance(order, _ByMatrix):
+    return order.phrase
   if order[0] == 'op':
     return order[1]
   flipped, shift = order
@@ -283,10 +308,6 @@ def _reorders(op: tf.Operation, inputs: List[Axes]) -> bool:
     axes = _axes_of(op.inputs[1 if op.type == 'ReverseV2' else 2],
                     rank) if rank else None
     return axes is not None and any(a in inputs[0] for a in axes)
-  if op.type in _MATMULS:
-    return bool(_matmul_combined(op, inputs))
-  if op.type == 'Einsum':
-    return bool(_einsum_combined(op, inputs))
   if op.type == 'TopKV2':  # A full sort; fewer rows is refused as a subset.
     rank = _rank(op.inputs[0])
     return rank is not None and rank - 1 in inputs[0]
@@ -308,7 +329,8 @@ def _value_ancestors(op: tf.Operation, ops) -> set:
   return seen
 
 
-def _rule(op: tf.Operation, inputs: List[Axes]) -> Sequence[Axes]:
+def _rule(op: tf.Operation, inputs: List[Axes],
+          product: Optional['_Product'] = None) -> Sequence[Axes]:
   """The row axes of each of `op`'s outputs (empty where unknown)."""
   kind = op.type
   if kind == 'Slice':
@@ -319,10 +341,11 @@ def _rule(op: tf.Operation, inputs: List[Axes]) -> Sequence[Axes]:
     return [_broadcast(op, inputs)]
   if kind == 'Select':
     return [_select(op, inputs)]
+  combined = product.axes if product is not None else _NONE
   if kind in _MATMULS:
-    return [_matmul(op, inputs)]
+    return [_matmul(op, inputs, combined)]
   if kind == 'Einsum':
-    return [_einsum(op, inputs)]
+    return [_einsum(op, inputs, combined)]
   if kind in _REDUCTIONS:
     return [_reduce(op, inputs[0])]
   if kind in _BATCH_FIRST:
@@ -386,7 +409,7 @@ def _select(op: tf.Operation, inputs: List[Axes]) -> Axes:
                       'selects between tensors of different examples')
 
 
-def _matmul(op: tf.Operation, inputs: List[Axes]) -> Axes:
+def _matmul(op: tf.Operation, inputs: List[Axes], combined: Axes) -> Axes:
   """Batch axes stay; the kept axis of each operand's matrix is an output
   axis; the contracted one is gone."""
   a, b = op.inputs[0], op.inputs[1]
@@ -409,25 +432,82 @@ def _matmul(op: tf.Operation, inputs: List[Axes]) -> Axes:
       found.add(axis + out - rank_b)
     elif axis == rank_b - (2 if flip_b else 1):
       found.add(out - 1)
-  found.update(_matmul_combined(op, inputs))
+  found.update(combined)
   return _two_or_more(
       op, frozenset(found), 'makes a [shard, shard] tensor of pairs of '
       f'examples (shape {op.outputs[0].shape}) from two operands that both '
       "depend on the tower's examples")
 
 
-def _matmul_combined(op: tf.Operation, inputs: List[Axes]) -> Axes:
-  """The output axis of a matmul whose entries combine rows by a matrix.
+@dataclasses.dataclass(frozen=True)
+class _ByMatrix:
+  """The order of rows combined by a matrix: equal for equal matrices."""
+  recipe: object  # `_recipe` of the matrix.
+  phrase: str = dataclasses.field(compare=False)
 
-  `P @ x` with x's rows contracted against an axis of P that holds no
-  examples (a one-hot permutation, a reversed identity: mixup written as a
-  product) gives each output row a combination of the shard's rows: rows
-  in an order of their own (`_reorders`), which may not meet the shard's.
-  A kept axis of size 1 (`ones([1, n]) @ x`) is a weighted sum, no row.
+
+def _recipe(tensor: tf.Tensor, memo: dict, depth: int = 40):
+  """What `tensor`'s value is computed from, as a hashable nest: equal for
+  two stateless computations of one value (a permutation matrix built
+  twice from the same shape); a stateful op, or a walk too deep, is named."""
+  if tensor.name in memo:
+    return memo[tensor.name]
+  op = tensor.op
+  if depth == 0 or op.op_def.is_stateful:
+    found = tensor.name
+  else:
+    attrs = tuple(sorted((k, v.SerializeToString(deterministic=True))
+                         for k, v in op.node_def.attr.items()
+                         if not k.startswith('_')))
+    found = (op.type, tensor.value_index, attrs,
+             tuple(_recipe(t, memo, depth - 1) for t in op.inputs))
+  memo[tensor.name] = found
+  return found
+
+
+class _Product(NamedTuple):
+  """Output axes that combine the shard's rows, and the matrix doing it."""
+  axes: Axes
+  matrix: tf.Tensor
+
+
+def _product(op: tf.Operation, inputs: List[Axes], held: List[bool]
+             ) -> Optional[_Product]:
+  """Rows of a matmul or einsum that combine the shard's rows by a matrix.
+
+  `P @ x` with x's rows summed against a matrix P whose values hold no
+  example (built from shapes and constants: a one-hot permutation, a
+  reversed identity; mixup written as a product) gives each output row a
+  combination of the shard's rows: rows in an order of their own, which
+  may not meet the shard's (the same matrix gives the same order). A
+  matrix computed from the examples (a diagonal of per-example weights)
+  weighs rows, and one whose kept axes all have size 1 (`ones([1, n]) @ x`)
+  sums them: neither reorders.
+
+  Args:
+    op: The op.
+    inputs: The row axes of each input.
+    held: Whether each input's values depend on the shard's.
+
+  Returns:
+    The combination, or None.
   """
+  if op.type in _MATMULS:
+    found = _matmul_combined(op, inputs, held)
+  elif op.type == 'Einsum':
+    found = _einsum_combined(op, inputs, held)
+  else:
+    return None
+  if found is None or not found[0]:
+    return None
+  return _Product(frozenset(found[0]), op.inputs[found[1]])
+
+
+def _matmul_combined(op: tf.Operation, inputs: List[Axes], held: List[bool]):
+  """(output axes, the matrix's input position) for `_product`, or None."""
   ranks = [_rank(op.inputs[0]), _rank(op.inputs[1]), _rank(op.outputs[0])]
   if None in ranks:
-    return _NONE
+    return None
   rank_a, rank_b, out = ranks
   if op.type == 'MatMul':
     flip_a, flip_b = op.get_attr('transpose_a'), op.get_attr('transpose_b')
@@ -435,37 +515,38 @@ def _matmul_combined(op: tf.Operation, inputs: List[Axes]) -> Axes:
     flip_a, flip_b = op.get_attr('adj_x'), op.get_attr('adj_y')
   contracted = (rank_a - (2 if flip_a else 1), rank_b - (1 if flip_b else 2))
   kept = (rank_a - (1 if flip_a else 2), rank_b - (2 if flip_b else 1))
-  found = set()
   for rows, matrix, axis in ((0, 1, out - 1), (1, 0, out - 2)):
-    if (contracted[rows] in inputs[rows] and
-        contracted[matrix] not in inputs[matrix] and
-        op.inputs[matrix].shape[kept[matrix]] != 1):
-      found.add(axis)
-  return frozenset(found)
+    if (contracted[rows] not in inputs[rows] or held[matrix] or
+        contracted[matrix] in inputs[matrix]):
+      continue
+    shape, rank = op.inputs[matrix].shape, ranks[matrix]
+    # Its kept axis, and its batch axes (broadcast into the output's).
+    mapped = {kept[matrix]: axis, **{i: i + out - rank
+                                     for i in range(rank - 2)}}
+    return {at for i, at in mapped.items() if shape[i] != 1}, matrix
+  return None
 
 
-def _einsum_combined(op: tf.Operation, inputs: List[Axes]) -> Axes:
+def _einsum_combined(op: tf.Operation, inputs: List[Axes], held: List[bool]):
   """`_matmul_combined` for an einsum: a row letter summed against an
-  operand that holds no examples on it gives that operand's kept letters."""
+  operand that holds no example gives that operand's other letters."""
   equation = op.get_attr('equation').decode()
   if '...' in equation or '->' not in equation:
-    return _NONE
+    return None
   operands, output = equation.split('->')
   operands = operands.split(',')
-  found = set()
   for i, (subscripts, axes) in enumerate(zip(operands, inputs)):
     rows = {subscripts[a] for a in axes if a < len(subscripts)}
     for letter in rows - set(output):
       for j, other in enumerate(operands):
-        if j == i or letter not in other or other.index(letter) in inputs[j]:
+        if j == i or held[j] or letter not in other:
           continue
-        found.update(output.index(x) for k, x in enumerate(other)
-                     if x in output and k not in inputs[j]
-                     and op.inputs[j].shape[k] != 1)
-  return frozenset(found)
+        return {output.index(x) for k, x in enumerate(other)
+                if x in output and op.inputs[j].shape[k] != 1}, j
+  return None
 
 
-def _einsum(op: tf.Operation, inputs: List[Axes]) -> Axes:
+def _einsum(op: tf.Operation, inputs: List[Axes], combined: Axes) -> Axes:
   equation = op.get_attr('equation').decode()
   if '...' in equation or '->' not in equation:
     return _NONE
@@ -474,7 +555,7 @@ def _einsum(op: tf.Operation, inputs: List[Axes]) -> Axes:
   for subscripts, axes in zip(operands.split(','), inputs):
     letters.update(subscripts[a] for a in axes if a < len(subscripts))
   found = frozenset(output.index(x) for x in letters if x in output)
-  found |= _einsum_combined(op, inputs)
+  found |= combined
   return _two_or_more(op, found, f'({equation}) makes a tensor of pairs of '
                       'examples from operands that depend on the tower\'s '
                       'examples')
