@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cli_helpers import CSV_FLAGS, run_module, write_tabular_csv
+import helpers
 from helpers import NUM_EXAMPLES, NUM_FEATURES
 
 # tests/upstream runs tensorflow/estimator's own tests on towers, on demand
@@ -46,6 +47,19 @@ def pytest_collection_modifyitems(items):
   for item, (tier,) in tiers.items():
     cost[item.path] += _TIER_COST[tier]
   items.sort(key=lambda item: -cost[item.path])  # Stable: a file stays whole.
+
+
+@pytest.fixture(scope='module', autouse=True)
+def _graph_rewrites(request):
+  """Grappler's rewrites in `helpers.run_config` for files so marked.
+
+  Module-scoped and autouse: set before the file's own module fixtures
+  build their Estimators.
+  """
+  helpers.graph_rewrites = (
+      request.node.get_closest_marker('graph_rewrites') is not None)
+  yield
+  helpers.graph_rewrites = False
 
 
 @pytest.fixture(scope='session')

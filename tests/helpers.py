@@ -35,13 +35,20 @@ def dataset_input_fn(features, labels=None, batch_size=12, repeat=True):
   return input_fn
 
 
+# Whether `run_config` keeps Grappler's graph rewrites on, as the product
+# does. tests/conftest.py sets it for each test file marked
+# `graph_rewrites` (files whose subject is what runs, and how often).
+graph_rewrites = False
+
+
 def run_config(model_dir, towers, **kwargs):
   """`make_run_config` on `towers` virtual CPUs, for Estimators in tests.
 
   The checkpoint hook writes no graph.pbtxt, .meta files or graph event: a
   big graph (MobileNet's: tens of MB) makes them seconds of a test's time,
   and no test reads them. Grappler's graph rewrites are off but under
-  `mixed_precision` (a rewrite itself): see `_without_graph_rewrites`.
+  `mixed_precision` (a rewrite itself) and in files marked
+  `graph_rewrites`: see `_without_graph_rewrites`.
 
   Args:
     model_dir: The Estimator's directory.
@@ -53,7 +60,7 @@ def run_config(model_dir, towers, **kwargs):
   """
   config = trainer.make_run_config(str(model_dir), cpu_devices=towers,
                                    checkpoint_save_graph_def=False, **kwargs)
-  if kwargs.get('mixed_precision'):
+  if graph_rewrites or kwargs.get('mixed_precision'):
     return config
   return _without_graph_rewrites(config)
 
@@ -65,10 +72,12 @@ def _without_graph_rewrites(config):
   evaluate and predict call): 31% of the CPU time of test_aggregation.py's
   and test_gradient_routing.py's training tests (116 -> 80 s), and 14 of the
   49 CPU seconds of MobileNet's 2-tower train call. The graphs the product
-  runs, rewrites on, are still tested: wherever a test builds its RunConfig
-  with make_run_config itself (the write-order race, loss scaling, the
-  equivalence check, `build_replicated`, `train_in_session`) and in every
-  process the cli and cluster tiers start.
+  runs, rewrites on, are still tested: in files marked `graph_rewrites`
+  (what runs once per step, in which tower, with which draws), wherever a
+  test builds its RunConfig with make_run_config itself (the write-order
+  race, loss scaling, the equivalence check, `build_replicated`,
+  `train_in_session`) and in every process the cli and cluster tiers
+  start.
   """
   session_config = tf1.ConfigProto()
   session_config.CopyFrom(config.session_config)

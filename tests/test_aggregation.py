@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import estimator_towers
+import helpers
 from helpers import (OPTIMIZERS, assert_same_variables, build_replicated,
                      classifier_model_fn, dataset_input_fn, make_estimator,
                      run_config, save_start_checkpoint, train_in_session,
@@ -720,3 +721,11 @@ def test_all_reduce_gradient_fetched_alone_completes():
                                     config=config)) as sess:
     gradient = sess.run(tf1.get_collection('routed_gradients')[-1])
   assert np.abs(gradient).sum() > 0
+
+
+@pytest.mark.fast
+def test_unmarked_files_skip_the_graph_rewrites(tmp_path):
+  # No `graph_rewrites` mark: the helpers' Estimators start their sessions
+  # without Grappler's rewrites (tests/README.md, "Where the time goes").
+  options = helpers.run_config(tmp_path, 2).session_config.graph_options
+  assert options.rewrite_options.disable_meta_optimizer

@@ -19,6 +19,10 @@ from helpers import (assert_same_variables, build_replicated, dataset_input_fn,
 from helpers import train_in_session
 
 tf1 = tf.compat.v1
+
+# Which moving-statistic updates run, and how often: in the graph the product
+# runs, Grappler's rewrites on (tests/README.md, "Where the time goes").
+pytestmark = pytest.mark.graph_rewrites
 ModeKeys = tf.estimator.ModeKeys
 AGGREGATIONS = ['global_loss', 'round_robin', 'all_reduce']
 ISSUE_BATCH = np.array([1, 3, 4, 8, 2, 7], np.float32)

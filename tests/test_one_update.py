@@ -10,6 +10,10 @@ from helpers import (assert_same_variables, build_replicated,
                      train_in_session, variables_of)
 
 tf1 = tf.compat.v1
+
+# What runs once per step, and in which tower: in the graph the product runs,
+# Grappler's rewrites on (tests/README.md, "Where the time goes").
+pytestmark = pytest.mark.graph_rewrites
 TRAIN = tf.estimator.ModeKeys.TRAIN
 
 
@@ -409,3 +413,11 @@ def test_an_optimizer_call_inside_control_flow_is_refused(form, aggregation):
   with pytest.raises(ValueError, match=r'Optimizer\.minimize inside a '
                      r'tf\.cond, tf\.while_loop.*Make the call outside'):
     build_replicated(_inner_steps_model_fn(form), 2, aggregation=aggregation)
+
+
+@pytest.mark.fast
+def test_this_file_runs_the_graph_rewrites_the_product_runs(tmp_path):
+  # The `graph_rewrites` mark (tests/conftest.py): what runs once per step
+  # is checked in the graph Grappler rewrote, as the product's.
+  options = helpers.run_config(tmp_path, 2).session_config.graph_options
+  assert not options.rewrite_options.disable_meta_optimizer

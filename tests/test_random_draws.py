@@ -20,6 +20,10 @@ from helpers import (assert_same_variables, bert_model_fn, build_replicated,
                      dataset_input_fn, make_estimator, seeded, variables_of)
 
 tf1 = tf.compat.v1
+
+# Which draws each tower's random ops make: in the graph the product runs,
+# Grappler's rewrites on (tests/README.md, "Where the time goes").
+pytestmark = pytest.mark.graph_rewrites
 ModeKeys = tf.estimator.ModeKeys
 
 VOCAB, SEQ, HIDDEN = 11, 3, 8

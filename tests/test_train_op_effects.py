@@ -10,7 +10,9 @@ import tensorflow as tf
 from helpers import (assert_same_variables, dataset_input_fn, make_estimator,
                      seeded, variables_of)
 
-pytestmark = pytest.mark.training
+# What the towers' train_ops run, and how often: in the graph the product runs,
+# Grappler's rewrites on (tests/README.md, "Where the time goes").
+pytestmark = [pytest.mark.training, pytest.mark.graph_rewrites]
 
 tf1 = tf.compat.v1
 STEPS = 3
