@@ -188,13 +188,13 @@ def _become(request: dict) -> None:
     os._exit(1)  # pylint: disable=protected-access  # It already died.
   if request['new_session']:
     os.setsid()
-  if request['private_network']:
-    _enter_private_network()
   for target, descriptor in enumerate(request['fds']):
     os.dup2(descriptor, target)
   for descriptor in set(request['fds']):
     if descriptor > 2:
       os.close(descriptor)
+  if request['private_network']:
+    _enter_private_network()  # After the dup2s: a failure is on its stderr.
   os.chdir(request['cwd'])
   os.environ.clear()
   os.environ.update(request['env'])
