@@ -144,22 +144,33 @@ _MIDDLE_BATCH_ZERO = [1] * 8 + [0] * 8 + [1] * 8
 @pytest.mark.parametrize('towers', [2, 3])
 def test_a_mean_over_a_count_that_may_be_0_equals_one_device(
     checkpoint, towers, value_of, pattern, finite):
-  def model_fn(features, labels, mode, params):
-    del params
-    weights = features['w']
-    return _classifier(features, labels, mode, {'metrics': lambda e: {
-        'm': tf1.metrics.mean(value_of(e, weights))}})
+  expected, actual = _one_device_and_towers(
+      checkpoint, towers, pattern,
+      lambda e, features: tf1.metrics.mean(value_of(e, features['w'])))
+  assert np.isfinite(expected) == finite
+  np.testing.assert_allclose(actual, expected, rtol=1e-5)
 
+
+def _one_device_and_towers(checkpoint_dir, towers, pattern, metric):
+  """Metric 'm' (`metric(per_example, features)`) of one device and of
+  `towers`, over batches with weights `w` repeating `pattern`."""
   def input_fn():
     x, y = _data()
     w = np.resize(np.float32(pattern), _ROWS)
     return tf.data.Dataset.from_tensor_slices(({'x': x, 'w': w}, y)).batch(
         _BATCH)
 
-  expected = _evaluate(model_fn, checkpoint, 1, input_fn=input_fn)['m']
-  actual = _evaluate(model_fn, checkpoint, towers, input_fn=input_fn)['m']
-  assert np.isfinite(expected) == finite
-  np.testing.assert_allclose(actual, expected, rtol=1e-5)
+  model_fn = _weighted_metric(metric)
+  return [_evaluate(model_fn, checkpoint_dir, count, input_fn=input_fn)['m']
+          for count in (1, towers)]
+
+
+def _weighted_metric(metric):
+  def model_fn(features, labels, mode, params):
+    del params
+    return _classifier(features, labels, mode, {'metrics': lambda e: {
+        'm': metric(e, features)}})
+  return model_fn
 
 
 @pytest.mark.parametrize('pattern,finite,divide', [
@@ -175,26 +186,16 @@ def test_a_batch_mean_weighted_by_its_weight_equals_one_device(
     checkpoint, towers, pattern, finite, divide, one_weight_tensor):
   # Each batch's weighted mean, weighing the batch's weight: the weighted
   # mean of every example. Was refused as "neither a sum nor a mean".
-  def metric(e, w):
+  def metric(e, features):
+    w = features['w']
     weight = tf.reduce_sum(w)
     mean = divide(tf.reduce_sum(w * e), weight)
     if not one_weight_tensor:
       weight = tf.reduce_sum(w)
     return tf1.metrics.mean(mean, weights=weight)
 
-  def model_fn(features, labels, mode, params):
-    del params
-    return _classifier(features, labels, mode, {'metrics': lambda e: {
-        'm': metric(e, features['w'])}})
-
-  def input_fn():
-    x, y = _data()
-    w = np.resize(np.float32(pattern), _ROWS)
-    return tf.data.Dataset.from_tensor_slices(({'x': x, 'w': w}, y)).batch(
-        _BATCH)
-
-  expected = _evaluate(model_fn, checkpoint, 1, input_fn=input_fn)['m']
-  actual = _evaluate(model_fn, checkpoint, towers, input_fn=input_fn)['m']
+  expected, actual = _one_device_and_towers(checkpoint, towers, pattern,
+                                            metric)
   assert np.isfinite(expected) == finite
   np.testing.assert_allclose(actual, expected, rtol=1e-5)
 
@@ -213,14 +214,6 @@ def _weighted_input_fn():
   tiny[8:16] *= 1e-50
   return tf.data.Dataset.from_tensor_slices(
       ({'x': x, 'w': w, 'tiny': tiny}, y)).batch(_BATCH)
-
-
-def _weighted_metric(metric):
-  def model_fn(features, labels, mode, params):
-    del params
-    return _classifier(features, labels, mode, {'metrics': lambda e: {
-        'm': metric(e, features)}})
-  return model_fn
 
 
 def _ratio_and_weight(e, w):

@@ -409,18 +409,26 @@ def _select(op: tf.Operation, inputs: List[Axes]) -> Axes:
                       'selects between tensors of different examples')
 
 
+def _matmul_layout(op: tf.Operation):
+  """(rank of a, rank of b, rank of the output, a transposed, b
+  transposed) of a matmul; None for an unknown rank."""
+  ranks = [_rank(op.inputs[0]), _rank(op.inputs[1]), _rank(op.outputs[0])]
+  if None in ranks:
+    return None
+  if op.type == 'MatMul':
+    flips = op.get_attr('transpose_a'), op.get_attr('transpose_b')
+  else:
+    flips = op.get_attr('adj_x'), op.get_attr('adj_y')
+  return (*ranks, *flips)
+
+
 def _matmul(op: tf.Operation, inputs: List[Axes], combined: Axes) -> Axes:
   """Batch axes stay; the kept axis of each operand's matrix is an output
   axis; the contracted one is gone."""
-  a, b = op.inputs[0], op.inputs[1]
-  ranks = [_rank(a), _rank(b), _rank(op.outputs[0])]
-  if None in ranks:
+  layout = _matmul_layout(op)
+  if layout is None:
     return _NONE
-  rank_a, rank_b, out = ranks
-  if op.type == 'MatMul':
-    flip_a, flip_b = op.get_attr('transpose_a'), op.get_attr('transpose_b')
-  else:
-    flip_a, flip_b = op.get_attr('adj_x'), op.get_attr('adj_y')
+  rank_a, rank_b, out, flip_a, flip_b = layout
   found = set()
   for axis in inputs[0]:
     if axis < rank_a - 2:
@@ -505,14 +513,11 @@ def _product(op: tf.Operation, inputs: List[Axes], held: List[bool]
 
 def _matmul_combined(op: tf.Operation, inputs: List[Axes], held: List[bool]):
   """(output axes, the matrix's input position) for `_product`, or None."""
-  ranks = [_rank(op.inputs[0]), _rank(op.inputs[1]), _rank(op.outputs[0])]
-  if None in ranks:
+  layout = _matmul_layout(op)
+  if layout is None:
     return None
-  rank_a, rank_b, out = ranks
-  if op.type == 'MatMul':
-    flip_a, flip_b = op.get_attr('transpose_a'), op.get_attr('transpose_b')
-  else:
-    flip_a, flip_b = op.get_attr('adj_x'), op.get_attr('adj_y')
+  rank_a, rank_b, out, flip_a, flip_b = layout
+  ranks = (rank_a, rank_b)
   contracted = (rank_a - (2 if flip_a else 1), rank_b - (1 if flip_b else 2))
   kept = (rank_a - (1 if flip_a else 2), rank_b - (2 if flip_b else 1))
   for rows, matrix, axis in ((0, 1, out - 1), (1, 0, out - 2)):
