@@ -240,7 +240,28 @@ _SUBSETS = {
         tf.gather(_squares(p, l), [0, 1])), 'GatherV2'),
     'top_k': (lambda p, l, x: tf.reduce_mean(tf.math.top_k(
         tf.reduce_sum(_squares(p, l), 1), k=2).values), 'TopKV2'),
+    # The first row as a product (0.26 of the update off, silently).
+    'first_row_by_product': (lambda p, l, x: tf.reduce_mean(tf.matmul(
+        tf.one_hot([0], tf.shape(p)[0]), _squares(p, l))), 'MatMul'),
+    'rows_weighted_by_position': (lambda p, l, x: tf.reduce_mean(tf.einsum(
+        'i,ij->j', tf.cast(tf.range(tf.shape(p)[0]), tf.float32),
+        _squares(p, l))), 'Einsum'),
 }
+
+
+@pytest.mark.parametrize('ones', [
+    lambda n: tf.ones([1, n]), lambda n: tf.fill([1, n], 0.5),
+    lambda n: 2.0 * tf.ones([n, 1]) + 1.0], ids=['ones', 'fill', 'scaled'])
+def test_a_sum_of_the_rows_as_a_product_builds(ones):
+  # A uniform row vector sums the rows: each tower's sum is its share.
+  def loss_of(p, l, x):
+    squares = _squares(p, l)
+    matrix = ones(tf.shape(p)[0])
+    if matrix.shape[0] != 1:
+      return tf.reduce_sum(tf.matmul(squares, matrix, transpose_a=True))
+    return tf.reduce_sum(tf.matmul(matrix, squares))
+
+  build_replicated(_regression(loss_of), towers=2, loss_reduction='sum')
 
 
 @pytest.mark.parametrize('name', sorted(_SUBSETS))

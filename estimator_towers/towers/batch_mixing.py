@@ -489,8 +489,10 @@ def _product(op: tf.Operation, inputs: List[Axes], held: List[bool]
   combination of the shard's rows: rows in an order of their own, which
   may not meet the shard's (the same matrix gives the same order). A
   matrix computed from the examples (a diagonal of per-example weights)
-  weighs rows, and one whose kept axes all have size 1 (`ones([1, n]) @ x`)
-  sums them: neither reorders.
+  weighs rows, and a uniform one whose kept axes all have size 1
+  (`ones([1, n]) @ x`) sums them: neither reorders. Any other such row
+  vector (`one_hot([0], n) @ x`: the first row) picks or weighs rows by
+  their position, which each tower would do within its own shard.
 
   Args:
     op: The op.
@@ -499,6 +501,9 @@ def _product(op: tf.Operation, inputs: List[Axes], held: List[bool]
 
   Returns:
     The combination, or None.
+
+  Raises:
+    _Subset: a row vector that holds no example and is not uniform.
   """
   if op.type in _MATMULS:
     found = _matmul_combined(op, inputs, held)
@@ -506,9 +511,39 @@ def _product(op: tf.Operation, inputs: List[Axes], held: List[bool]
     found = _einsum_combined(op, inputs, held)
   else:
     return None
-  if found is None or not found[0]:
+  if found is None:
     return None
-  return _Product(frozenset(found[0]), op.inputs[found[1]])
+  axes, matrix = found[0], op.inputs[found[1]]
+  if not axes:
+    if _uniform(matrix):
+      return None  # A sum of the rows (times a constant).
+    raise _Subset(op, f'picks or weighs the rows by their position (a '
+                  f'product with {matrix.op.name!r}, which holds no example)')
+  return _Product(frozenset(axes), matrix)
+
+
+# Ops whose output is uniform when their first input is.
+_KEEP_UNIFORM = frozenset(['Identity', 'Cast', 'Reshape', 'ExpandDims',
+                           'Transpose', 'Squeeze', 'Neg', 'BroadcastTo',
+                           'Tile'])
+
+
+def _uniform(tensor: tf.Tensor, depth: int = 20) -> bool:
+  """Whether every element of `tensor` is one value (`tf.ones`, a fill, a
+  constant times it): a product with it sums rows, not by position."""
+  op = tensor.op
+  if depth == 0:
+    return False
+  if op.type in ('Fill', 'OnesLike', 'ZerosLike'):
+    return True
+  if op.type == 'Const':
+    value = tf.make_ndarray(op.get_attr('value'))
+    return value.size == 0 or bool(np.all(value == value.flat[0]))
+  if op.type in _KEEP_UNIFORM:
+    return _uniform(op.inputs[0], depth - 1)
+  if op.type in _BROADCASTING:
+    return all(_uniform(t, depth - 1) for t in op.inputs)
+  return False
 
 
 def _matmul_combined(op: tf.Operation, inputs: List[Axes], held: List[bool]):
