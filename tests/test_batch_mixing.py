@@ -251,7 +251,9 @@ _SUBSETS = {
 
 @pytest.mark.parametrize('ones', [
     lambda n: tf.ones([1, n]), lambda n: tf.fill([1, n], 0.5),
-    lambda n: 2.0 * tf.ones([n, 1]) + 1.0], ids=['ones', 'fill', 'scaled'])
+    lambda n: 2.0 * tf.ones([n, 1]) + 1.0,
+    lambda n: tf.ones([1, n]) / tf.cast(n, tf.float32)],
+                         ids=['ones', 'fill', 'scaled', 'mean'])
 def test_a_sum_of_the_rows_as_a_product_builds(ones):
   # A uniform row vector sums the rows: each tower's sum is its share.
   def loss_of(p, l, x):

@@ -532,6 +532,8 @@ def _uniform(tensor: tf.Tensor, depth: int = 20) -> bool:
   """Whether every element of `tensor` is one value (`tf.ones`, a fill, a
   constant times it): a product with it sums rows, not by position."""
   op = tensor.op
+  if tensor.shape.is_fully_defined() and tensor.shape.num_elements() <= 1:
+    return True  # A scalar (a count to divide by) is one value.
   if depth == 0:
     return False
   if op.type in ('Fill', 'OnesLike', 'ZerosLike'):
