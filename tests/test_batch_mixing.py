@@ -252,8 +252,14 @@ _SUBSETS = {
 @pytest.mark.parametrize('ones', [
     lambda n: tf.ones([1, n]), lambda n: tf.fill([1, n], 0.5),
     lambda n: 2.0 * tf.ones([n, 1]) + 1.0,
-    lambda n: tf.ones([1, n]) / tf.cast(n, tf.float32)],
-                         ids=['ones', 'fill', 'scaled', 'mean'])
+    lambda n: tf.ones([1, n]) / tf.cast(n, tf.float32),
+    # Through indexing, stop_gradient, a stack of one, a function of each
+    # element (refused at first: adversary).
+    lambda n: tf.ones([n])[None, :],
+    lambda n: tf.stop_gradient(tf.stack([tf.sqrt(tf.fill([n], 4.0))])),
+    lambda n: tf.math.reciprocal(tf.ones([1, 100])[:, :n])],
+                         ids=['ones', 'fill', 'scaled', 'mean', 'indexed',
+                              'stacked_sqrt', 'sliced_reciprocal'])
 def test_a_sum_of_the_rows_as_a_product_builds(ones):
   # A uniform row vector sums the rows: each tower's sum is its share.
   def loss_of(p, l, x):

@@ -522,13 +522,15 @@ def _product(op: tf.Operation, inputs: List[Axes], held: List[bool]
   return _Product(frozenset(axes), matrix)
 
 
-# Ops whose output is uniform when their first input is.
-_KEEP_UNIFORM = frozenset(['Identity', 'Cast', 'Reshape', 'ExpandDims',
-                           'Transpose', 'Squeeze', 'Neg', 'BroadcastTo',
-                           'Tile'])
+# Ops whose output is uniform when their first input is: a part, a copy or
+# a rearrangement of it, or one function of each element (not a pad, which
+# adds other values).
+_KEEP_UNIFORM = (frozenset(['Reshape', 'ExpandDims', 'Transpose', 'Squeeze',
+                            'BroadcastTo', 'StridedSlice']) |
+                 _ELEMENTWISE) - frozenset(['Pad', 'PadV2', 'MirrorPad'])
 
 
-def _uniform(tensor: tf.Tensor, depth: int = 20) -> bool:
+def _uniform(tensor: tf.Tensor, depth: int = 40) -> bool:
   """Whether every element of `tensor` is one value (`tf.ones`, a fill, a
   constant times it): a product with it sums rows, not by position."""
   op = tensor.op
@@ -543,8 +545,13 @@ def _uniform(tensor: tf.Tensor, depth: int = 20) -> bool:
     return value.size == 0 or bool(np.all(value == value.flat[0]))
   if op.type in _KEEP_UNIFORM:
     return _uniform(op.inputs[0], depth - 1)
+  if op.type == 'IdentityN':
+    return _uniform(op.inputs[tensor.value_index], depth - 1)
   if op.type in _BROADCASTING:
     return all(_uniform(t, depth - 1) for t in op.inputs)
+  if op.type in ('Pack', 'ConcatV2'):  # One part only: several may differ.
+    parts = op.inputs[:-1] if op.type == 'ConcatV2' else op.inputs
+    return len(parts) == 1 and _uniform(parts[0], depth - 1)
   return False
 
 
