@@ -55,6 +55,9 @@ import threading
 import time
 from typing import Dict, Optional, Sequence
 
+# Light (no TensorFlow); named `network` beside the `private_network` flag.
+from trainer.cluster import private_network as network  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 PIPE, DEVNULL, STDOUT = subprocess.PIPE, subprocess.DEVNULL, subprocess.STDOUT
 
 # Modules whose run loads TensorFlow: worth a fork.
@@ -66,7 +69,6 @@ PRELOADED_MODULES = frozenset(['trainer.task', 'trainer.predict',
 IMPORT_TIME_VARIABLES = ('TF_CPP_MIN_LOG_LEVEL', 'TF_ENABLE_ONEDNN_OPTS',
                          'CUDA_VISIBLE_DEVICES')
 _CONFIGURED = frozenset(['trainer.task', 'trainer.predict', 'trainer.check'])
-_PR_SET_PDEATHSIG = 1
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWUSER = 0x10000000
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,8 +184,7 @@ def _end(children: Dict[int, socket.socket]) -> None:
 
 def _become(request: dict) -> None:
   """Turns this forked child into `python -m module` as requested."""
-  # Not left running if the server dies (PR_SET_PDEATHSIG).
-  ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+  network.die_with_parent()  # Not left running if the server dies.
   if os.getppid() != request['server']:
     os._exit(1)  # pylint: disable=protected-access  # It already died.
   if request['new_session']:
@@ -514,7 +515,6 @@ def start(module: str, args: Sequence[str], *, cwd: str, env: dict,
                    private_network=private_network, **kwargs)
   prefix = []
   if private_network:
-    from trainer.cluster import private_network as network  # pylint: disable=g-import-not-at-top
     prefix = network.unshare_command() + ['--']
   return subprocess.Popen([*prefix, sys.executable, '-m', module, *args],
                           cwd=cwd, env=env, **kwargs)
