@@ -415,7 +415,8 @@ class _TowerBuilder:
         specs[0].loss is not None):
       # Every tower builds the same model: tower 0's loss tells.
       batch_mixing.check_loss(specs[0].loss, split.shard(0),
-                              self._towers.start(0))
+                              self._towers.start(0),
+                              self._batch_norm == 'per_tower')
     if self._mode == ModeKeys.TRAIN:
       moving_statistics.check_single_writers(update_ops)
       if self._micro:
@@ -605,7 +606,11 @@ class _TowerBuilder:
     in_tower = [self._towers.region(i).contains for i in range(num_towers)]
     metric_adds.check_overwrites(metric_ops, in_tower, depends)
     active = [split.sizes[i] > 0 for i in range(num_towers)]
-    metric_adds.count_once(metric_ops, in_tower, depends, active)
+    metric_adds.count_once(
+        metric_ops, in_tower, depends, active,
+        lambda tensor: batch_mixing.mixing_op(
+            tensor, split.shard(0), self._towers.start(0),
+            self._batch_norm == 'per_tower'))
     metric_adds.idle_adds_nothing(metric_ops, in_tower, active)
     spec = spec._replace(predictions=spec_merge.whole_batch_predictions(
         specs, split.sizes, split.padded, depends))

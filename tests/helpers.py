@@ -278,8 +278,12 @@ class FinalValues(tf1.train.SessionRunHook):
 
 def build_replicated(model_fn, towers, mode=tf.estimator.ModeKeys.TRAIN,
                      batch_size=10, params=None, with_labels=True,
-                     num_features=NUM_FEATURES, **wrapper_kwargs):
+                     num_features=NUM_FEATURES, static_batch=True,
+                     **wrapper_kwargs):
   """Calls the replicated model_fn once in a fresh graph, as Estimator would.
+
+  `static_batch=False` gives the batch an unknown size, as an input_fn
+  batching without `drop_remainder` does.
 
   Returns:
     (graph, spec) for inspecting placement, names and errors without
@@ -290,8 +294,11 @@ def build_replicated(model_fn, towers, mode=tf.estimator.ModeKeys.TRAIN,
     x = np.zeros((batch_size, num_features), np.float32)
     y = np.zeros((batch_size,), np.int32)
     items = ({'x': x}, y) if with_labels else {'x': x}
+    dataset = tf.data.Dataset.from_tensors(items)
+    if not static_batch:
+      dataset = dataset.unbatch().batch(batch_size)
     next_item = tf1.data.make_one_shot_iterator(
-        tf.data.Dataset.from_tensors(items).repeat()).get_next()
+        dataset.repeat()).get_next()
     features, labels = next_item if with_labels else (next_item, None)
     config = trainer.make_run_config(cpu_devices=towers)
     spec = trainer.replicate_model_fn(model_fn, **wrapper_kwargs)(

@@ -299,7 +299,27 @@ _REORDERED = {
     'permutation_on_a_batch_axis': (lambda p, l, x: tf.reduce_mean(_squares(
         0.7 * p + 0.3 * tf.squeeze(tf.matmul(_reversal(p)[:, None, :],
                                              p[None]), 1), l)), 'MatMul'),
+    # An einsum with an ellipsis (0.26-0.38 off on 2 towers, silently).
+    'permutation_einsum_ellipsis': (lambda p, l, x: tf.reduce_mean(_squares(
+        0.7 * p + 0.3 * tf.einsum('ij,j...->i...', _reversal(p), p), l)),
+                                    'Einsum'),
+    # A batched matmul over a leading batch of 1 made by a reshape, and back.
+    'permutation_on_a_reshaped_batch': (lambda p, l, x: tf.reduce_mean(
+        _squares(0.7 * p + 0.3 * tf.reshape(tf.matmul(
+            _reversal(p)[None], tf.reshape(p, [1, -1, 2])), [-1, 2]), l)),
+                                        'BatchMatMulV2'),
 }
+
+
+def test_a_permutation_written_as_a_broadcast_sum_is_refused():
+  # P @ p as sum(P[:, :, None] * p[None], 1): each partner row is a sum over
+  # the shard's rows (a statistic of the shard, shard_statistics).
+  loss_of = lambda p, l, x: tf.reduce_mean(_squares(0.7 * p + 0.3 * (
+      tf.reduce_sum(_reversal(p)[:, :, None] * p[None], 1)), l))
+  with pytest.raises(ValueError, match=r'combines examples with a statistic '
+                     r"of their batch: AddV2 .* with Sum .*statistic of the "
+                     r"shard's rows"):
+    build_replicated(_regression(loss_of), towers=2, loss_reduction='mean')
 
 
 def _reversal(rows):

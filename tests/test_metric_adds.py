@@ -281,6 +281,50 @@ def test_float64_weights_add_up_as_on_one_device(checkpoint, towers, name):
   np.testing.assert_allclose(actual, expected, rtol=1e-5)
 
 
+def _per_class_weighted_means(e, f):
+  """mean_tensor of per-class weighted means, each weighing its class's
+  weight: two columns of sums over the rows."""
+  w = tf.stack([f['w'], 1.0 - 0.5 * f['w']], 1)
+  values = tf.stack([e, e * e], 1)
+  weight = tf.reduce_sum(w, axis=0)
+  return tf1.metrics.mean_tensor(
+      tf.reduce_sum(w * values, axis=0) / weight, weights=weight)
+
+
+@pytest.mark.parametrize('towers', [2, 3])
+def test_per_class_means_weighing_their_weight_equal_one_device(
+    checkpoint, towers):
+  # A shard whose class weighs 0 added 0 / 0: [NaN, 4.6731] where one
+  # device gives [1.9426, 4.6731].
+  model_fn = _weighted_metric(_per_class_weighted_means)
+  expected = _evaluate(model_fn, checkpoint, 1,
+                       input_fn=_weighted_input_fn)['m']
+  actual = _evaluate(model_fn, checkpoint, towers,
+                     input_fn=_weighted_input_fn)['m']
+  assert expected.shape == (2,) and np.all(np.isfinite(expected))
+  np.testing.assert_allclose(actual, expected, rtol=1e-5)
+
+
+def test_a_batch_value_spread_over_the_examples_is_refused():
+  # The batch's weighted mean broadcast to every example and weighed per
+  # example: each tower spread its shard's mean (NaN for a shard weighing
+  # 0; one device 1.9426).
+  def metric(e, features):
+    ratio, _ = _ratio_and_weight(e, features['w'])
+    return tf1.metrics.mean(ratio * tf.ones_like(features['w']),
+                            weights=features['w'])
+
+  with tf.Graph().as_default():
+    features, labels = tf1.data.make_one_shot_iterator(
+        _weighted_input_fn()).get_next()
+    with pytest.raises(ValueError, match=(
+        r"metric 'm' adds values that combine the examples of their batch: "
+        r"Mul .* combines the rows with Sum .* a statistic of the shard")):
+      estimator_towers.replicate_model_fn(_weighted_metric(metric))(
+          features, labels, tf.estimator.ModeKeys.EVAL, {},
+          estimator_towers.make_run_config(cpu_devices=2))
+
+
 def _keras_mean(values):
   """A Keras Mean with a scalar sample weight, as the v2 heads make it."""
   metric = tf.keras.metrics.Mean()

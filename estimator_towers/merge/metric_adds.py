@@ -58,7 +58,9 @@ _ADDS = {'AssignAdd': 1, 'AssignAddVariableOp': 1}
 def count_once(metric_ops: Sequence[Dict[str, tuple]],
                in_tower: Sequence[Callable[[tf.Operation], bool]],
                depends_on_shard: Sequence[Callable[[tf.Tensor], bool]],
-               active: Sequence[tf.Tensor]) -> None:
+               active: Sequence[tf.Tensor],
+               mixing: Optional[Callable[[tf.Tensor], Optional[tuple]]] = None
+               ) -> None:
   """Makes the towers' metric adds add up to one device's (module doc).
 
   Args:
@@ -67,10 +69,12 @@ def count_once(metric_ops: Sequence[Dict[str, tuple]],
     depends_on_shard: Per tower, whether a tensor depends on its shard (a
       `loss_reduction.ExampleDependence`).
     active: Per tower, a scalar bool: whether its shard has examples.
+    mixing: For a tensor of tower 0, where it mixes the shard's examples
+      ((op, phrase), as `batch_mixing.mixing_op` finds it), or None.
 
   Raises:
     ValueError: A metric adds a sum plus terms that do not depend on the
-      examples.
+      examples, or values that mix the shard's examples.
   """
   done = set()
   for name in metric_ops[0]:
@@ -82,7 +86,25 @@ def count_once(metric_ops: Sequence[Dict[str, tuple]],
       if adds[0].name in done:
         continue  # Shared by two metrics.
       done.update(add.name for add in adds)
+      _refuse_mixing(name, adds[0], mixing)
       _count_once(name, list(adds), depends_on_shard, active)
+
+
+def _refuse_mixing(metric: str, add: tf.Operation, mixing) -> None:
+  """Refuses an add whose examples meet one another (batch_mixing)."""
+  found = mixing(add.inputs[_ADDS[add.type]]) if mixing else None
+  if found is None:
+    return
+  op, what = found
+  raise ValueError(
+      f'The metric {metric!r} adds values that combine the examples of '
+      f'their batch: {op.type} {op.name!r} {what}. Under replicate_model_fn '
+      "each tower computes them over its own shard, which is not what one "
+      'device adds for the whole batch (a value divided by the batch\'s sum '
+      'or count, examples paired within the batch). Compute the metric '
+      'from per-example values, weighted by per-example weights '
+      '(tf.compat.v1.metrics.mean(values, weights=w)), or evaluate without '
+      'replicate_model_fn.')
 
 
 def _count_once(metric: str, adds: List[tf.Operation], depends_on_shard,
@@ -161,7 +183,8 @@ def _numerators_of_weighted_ratios(values: List[tf.Tensor], depends_on_shard,
 
   `tf.compat.v1.metrics.mean(sum(w * e) / sum(w), weights=sum(w))` (a mean
   over batches of each batch's weighted mean, each weighing the batch's
-  weight) adds N / D * D per call. One device adds N / D * D of the whole
+  weight) adds N / D * D per call; `mean_tensor` of per-class weighted
+  means (N and D sums over the rows per class) adds it per class. One device adds N / D * D of the whole
   batch: N, or NaN when the batch weighs 0 (0 for `divide_no_nan`). Tower t
   adds its numerator N_t, times total / total for the towers' total D (the
   same NaN or 0 when it is 0): its own N_t / D_t * D_t would be NaN for a
@@ -182,10 +205,9 @@ def _numerators_of_weighted_ratios(values: List[tf.Tensor], depends_on_shard,
     if parts is None:
       return None
     numerator, divisor, _ = parts
-    for part in (numerator, divisor):
-      reduction = loss_reduction.analyze(part, depends)
-      if reduction.kind != loss_reduction.SUM or reduction.constant_terms:
-        return None
+    if not all(loss_reduction.sums_the_rows(part, depends)
+               for part in (numerator, divisor)):
+      return None
     found.append(parts)
   # In the divisor's own dtype: a float64 weight outside float32's range
   # would make the total 0 or inf.

@@ -35,19 +35,23 @@ lam)`, negatives shifted by `tf.roll`) pairs each shard's rows, not the
 batch's, and is refused. So is a product `P @ x` (or an einsum) that sums
 the rows against a matrix holding no example (a one-hot permutation, a
 reversed identity): its rows are combinations of the shard's, in an order
-of their own. An op the walk does not know ends the trail: the
-check only refuses what it proves, so a mixing it cannot follow (a
-`tf.gather_nd` of rows, a custom op, control flow, batch statistics other
-than batch norm's) is not caught.
+of their own. Rows that meet a statistic of their shard (a sum, mean,
+max or count over them: normalised weights, centred values, a softmax over
+the examples, batch norm by hand) are refused too; shard_statistics
+follows those. An op the walk does not know ends the trail: the check
+only refuses what it proves, so a mixing it cannot follow (a
+`tf.gather_nd` of rows, a custom op, control flow) is not caught.
 """
 
 import dataclasses
+import string
 from typing import Dict, FrozenSet, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from estimator_towers.graph import op_ledger
+from estimator_towers.towers import shard_statistics
 from estimator_towers.towers import sharding
 
 Axes = FrozenSet[int]
@@ -62,8 +66,7 @@ _ELEMENTWISE = frozenset([
     'Erf', 'Erfc', 'StopGradient', 'PreventGradient', 'CheckNumerics',
     'CheckNumericsV2', 'EnsureShape', 'OnesLike', 'ZerosLike', 'LogicalNot',
     'IsNan', 'IsFinite', 'IsInf', 'Softmax', 'LogSoftmax', 'Slice', 'Pad',
-    'PadV2', 'MirrorPad', 'Tile', 'Roll', 'ReverseV2', 'RandomShuffle',
-    'L2Loss'])
+    'PadV2', 'MirrorPad', 'Tile', 'Roll', 'ReverseV2', 'RandomShuffle'])
 # Elementwise with numpy broadcasting: inputs align on their last axes.
 _BROADCASTING = frozenset([
     'Add', 'AddV2', 'AddN', 'Sub', 'Mul', 'MulNoNan', 'RealDiv', 'Div',
@@ -103,22 +106,39 @@ class _Reordered(_Mixing):
   """An op that pairs rows reordered by position with rows in order."""
 
 
-def check_loss(loss: tf.Tensor, shard, since: op_ledger.Mark) -> None:
+def check_loss(loss: tf.Tensor, shard, since: op_ledger.Mark,
+               per_tower_batch_norm: bool = False) -> None:
   """Refuses a tower's loss that mixes the examples of the tower's shard.
 
   Args:
     loss: The tower's loss.
     shard: The tower's features and labels (any nest of tensors).
     since: The mark taken before the tower's model_fn call.
+    per_tower_batch_norm: Whether batch_norm='per_tower' accepts each
+      shard's batch-norm moments (see shard_statistics).
 
   Raises:
     ValueError: an op the loss is computed from puts two of the shard's
-      examples' axes in one tensor.
+      examples' axes in one tensor, or combines them with a statistic of
+      the shard.
   """
-  found = mixing_op(loss, shard, since)
+  found = mixing_op(loss, shard, since, per_tower_batch_norm)
   if found is None:
     return
   op, what = found
+  if found.kind == 'statistic':
+    raise ValueError(
+        f'The loss {loss.op.name!r} combines examples with a statistic of '
+        f'their batch: {op.type} {op.name!r} {what}. One device computes '
+        'that statistic over the whole batch; each tower would compute it '
+        "over its own shard (weights divided by the shard's sum, values "
+        "centred or scaled by the shard's mean, max or count, a softmax "
+        'over the examples) and train another model. Reduce first and '
+        'divide once (tf.reduce_sum(loss * w) / tf.reduce_sum(w), '
+        'tf.reduce_mean(loss)); for batch norm use a tf.keras or '
+        'tf.compat.v1.layers batch-norm layer (replicate_model_fn '
+        "normalises it with the whole batch's moments) or "
+        "batch_norm='per_tower'; or train on one device.")
   if found.kind == 'reordered':
     raise ValueError(
         f'The loss {loss.op.name!r} pairs examples of its batch by their '
@@ -161,16 +181,20 @@ class _Found(tuple):
     return found
 
 
-def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark):
+def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
+              per_tower_batch_norm: bool = False):
   """The first op `tensor` is computed from that mixes the shard's examples.
 
   Args:
     tensor: What to check (a tower's loss).
     shard: The tower's features and labels.
     since: The mark taken before the tower's model_fn call.
+    per_tower_batch_norm: See `check_loss`.
 
   Returns:
-    (op, phrase saying how it mixes), or None; its `kind` says how.
+    (op, phrase saying how it mixes), or None; its `kind` says how
+    ('statistic': rows met a statistic of their shard, see
+    shard_statistics).
   """
   rows: Dict[str, Axes] = {}
   # The order of a tensor's rows (see `_ANY`); absent: the shard's order.
@@ -185,15 +209,18 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark):
   values = _value_ancestors(tensor.op, ops)
   # Tensors whose values depend on the shard's (not only on its shape).
   held = set(rows)
+  trail = shard_statistics.Trail(per_tower_batch_norm)
   for op in op_ledger.by_creation(ops):
     if op.type not in _SHAPE_READS and any(t.name in held
                                            for t in op.inputs):
       held.update(t.name for t in op.outputs)
     inputs = [rows.get(t.name, _NONE) for t in op.inputs]
+    inputs_held = [t.name in held for t in op.inputs]
     if not any(inputs):
+      trail.follow(op, inputs, [_NONE] * len(op.outputs), inputs_held)
       continue
     try:
-      product = _product(op, inputs, [t.name in held for t in op.inputs])
+      product = _product(op, inputs, inputs_held)
       outputs = _rule(op, inputs, product)
       order = _order(op, inputs, orders, product)
     except _Subset as subset:
@@ -205,12 +232,14 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark):
       return _Found(reordered.op, reordered.what, kind='reordered')
     except _Mixing as mixing:
       return _Found(mixing.op, mixing.what)
+    trail.follow(op, inputs, outputs, inputs_held)
     for output, axes in zip(op.outputs, outputs):
       if axes:
         rows[output.name] = axes
         if order is not None:
           orders[output.name] = order
-  return None
+  mixed = trail.mixed(tensor)
+  return None if mixed is None else _Found(*mixed, kind='statistic')
 
 
 # The order of a tensor's rows relative to the shard's: absent (None) for
@@ -348,6 +377,8 @@ def _rule(op: tf.Operation, inputs: List[Axes],
     return [_einsum(op, inputs, combined)]
   if kind in _REDUCTIONS:
     return [_reduce(op, inputs[0])]
+  if kind == 'L2Loss':  # A sum of every element: a scalar.
+    return [_NONE]
   if kind in _BATCH_FIRST:
     return [frozenset([0]) if 0 in inputs[0] else _NONE]
   if kind in ('Reshape', 'Squeeze', 'ExpandDims', 'Transpose',
@@ -579,11 +610,10 @@ def _matmul_combined(op: tf.Operation, inputs: List[Axes], held: List[bool]):
 def _einsum_combined(op: tf.Operation, inputs: List[Axes], held: List[bool]):
   """`_matmul_combined` for an einsum: a row letter summed against an
   operand that holds no example gives that operand's other letters."""
-  equation = op.get_attr('equation').decode()
-  if '...' in equation or '->' not in equation:
+  parsed = _einsum_subscripts(op)
+  if parsed is None:
     return None
-  operands, output = equation.split('->')
-  operands = operands.split(',')
+  operands, output = parsed
   for i, (subscripts, axes) in enumerate(zip(operands, inputs)):
     rows = {subscripts[a] for a in axes if a < len(subscripts)}
     for letter in rows - set(output):
@@ -595,13 +625,39 @@ def _einsum_combined(op: tf.Operation, inputs: List[Axes], held: List[bool]):
   return None
 
 
-def _einsum(op: tf.Operation, inputs: List[Axes], combined: Axes) -> Axes:
-  equation = op.get_attr('equation').decode()
-  if '...' in equation or '->' not in equation:
-    return _NONE
+def _einsum_subscripts(op: tf.Operation):
+  """(each operand's subscripts, the output's) of an einsum, an ellipsis
+  spelled out as letters of its own (aligned on the right, as einsum
+  broadcasts them); None for an implicit output or an unknown rank."""
+  equation = op.get_attr('equation').decode().replace(' ', '')
+  if '->' not in equation:
+    return None
   operands, output = equation.split('->')
+  operands = operands.split(',')
+  if '...' not in equation:
+    return operands, output
+  widths = []
+  for subscripts, tensor in zip(operands, op.inputs):
+    rank = _rank(tensor)
+    if rank is None:
+      return None
+    named = len(subscripts.replace('...', ''))
+    widths.append(rank - named if '...' in subscripts else 0)
+  spare = [c for c in string.ascii_letters if c not in equation]
+  letters = ''.join(spare[:max(widths)])
+  return ([s.replace('...', letters[len(letters) - w:])
+           for s, w in zip(operands, widths)],
+          output.replace('...', letters))
+
+
+def _einsum(op: tf.Operation, inputs: List[Axes], combined: Axes) -> Axes:
+  parsed = _einsum_subscripts(op)
+  if parsed is None:
+    return _NONE
+  operands, output = parsed
+  equation = op.get_attr('equation').decode()
   letters = set()
-  for subscripts, axes in zip(operands.split(','), inputs):
+  for subscripts, axes in zip(operands, inputs):
     letters.update(subscripts[a] for a in axes if a < len(subscripts))
   found = frozenset(output.index(x) for x in letters if x in output)
   found |= combined
@@ -640,7 +696,7 @@ def _reshaped(op: tf.Operation, axes: Axes) -> Axes:
     first = tf.compat.dimension_value(result.shape[0]) if out else None
     if 0 not in axes or out == 0 or (
         first == 1 and tf.compat.dimension_value(source.shape[0]) != 1):
-      return _NONE
+      return _past_ones(source, result, axes)
     return frozenset([0])
   if op.type == 'Transpose':
     perm = _constant(op.inputs[1])
@@ -660,6 +716,25 @@ def _reshaped(op: tf.Operation, axes: Axes) -> Axes:
     return frozenset(a - sum(d < a for d in dims) for a in axes
                      if a not in dims)
   return _strided(op, axes, rank)
+
+
+def _past_ones(source: tf.Tensor, result: tf.Tensor, axes: Axes) -> Axes:
+  """A reshape that adds or drops leading axes of size 1 ([n, d] to
+  [1, n, d], a batch of one for a batched matmul, and back): the rows
+  move past them. Every other axis must be static and unchanged."""
+  if len(axes) != 1:
+    return _NONE
+  (row,) = axes
+  before = [tf.compat.dimension_value(d) for d in source.shape]
+  after = [tf.compat.dimension_value(d) for d in result.shape]
+  rest = before[row + 1:]
+  if any(d != 1 for d in before[:row]) or None in rest:
+    return _NONE
+  for at in range(len(after)):
+    if (all(d == 1 for d in after[:at]) and after[at] == before[row] and
+        after[at + 1:] == rest):
+      return frozenset([at])
+  return _NONE
 
 
 def _subset(op: tf.Operation, what: str) -> _Subset:

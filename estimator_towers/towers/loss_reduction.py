@@ -436,6 +436,35 @@ def _reduces_all(tensor: tf.Tensor, how: str, depends) -> bool:
       depends, 'batch_size', None)
 
 
+def sums_the_rows(tensor: tf.Tensor, depends) -> bool:
+  """Whether `tensor` is a sum over the examples, per column or whole.
+
+  `tf.reduce_sum(x, 0)` of per-example rows `x` (a vector of per-class
+  sums) adds up over the towers as a scalar sum does: a reduction over
+  axis 0 of a tensor whose first dimension is the tower's batch, with no
+  reduction of the rows below it.
+
+  Args:
+    tensor: The tensor.
+    depends: Tells whether a tensor depends on the tower's shard (an
+      `ExampleDependence`).
+
+  Returns:
+    Whether it is such a sum.
+  """
+  reduction = analyze(tensor, depends)
+  if reduction.kind == SUM and not reduction.constant_terms:
+    return True
+  op = _skip_pass_through(tensor).op
+  if op.type != 'Sum':
+    return False
+  axes = _reduced_axes(op)
+  summed = op.inputs[0]
+  return (axes is not None and 0 in axes and
+          _row_reduction_below(summed, depends) is None and
+          _rows(summed.shape) == getattr(depends, 'batch_size', None))
+
+
 def _counts_examples(tensor: tf.Tensor, depends) -> bool:
   """Whether `tensor` is `tf.size` or `tf.shape(...)[0]` of per-example rows.
 

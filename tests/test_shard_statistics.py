@@ -1,0 +1,154 @@
+"""A loss whose rows meet a statistic of their own shard is refused.
+
+One device computes a batch statistic (a sum, mean, max or count over the
+examples) over the whole batch, a tower over its shard. Each model below
+trained silently on 2 towers before the check (max variable difference
+from one device after 3 steps: normalised weights 0.33, centred losses
+0.087, a softmax over the batch 0.54, scaled by the batch max 0.024, by
+the shard's row count 0.31); now the build refuses them, naming the op,
+and the forms the message proposes train as one device. Statistics that
+stay apart from the rows (a count used as a shape, whole_batch's
+positions, a ratio of two sums) are not refused.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from helpers import build_replicated, seeded, train_in_session
+
+tf1 = tf.compat.v1
+ModeKeys = tf.estimator.ModeKeys
+
+
+def _model_fn(loss_of, hidden=None):
+  """A classifier whose loss is `loss_of(per-example losses, weights,
+  features)`; `hidden` maps its first dense layer's output before the
+  second (a batch norm)."""
+
+  def model_fn(features, labels, mode):
+    net = tf1.layers.dense(features['x'], 4, kernel_initializer=seeded(1))
+    if hidden is not None:
+      net = hidden(net)
+    logits = tf1.layers.dense(net, 3, kernel_initializer=seeded(2))
+    per = tf1.losses.sparse_softmax_cross_entropy(
+        labels, logits, reduction=tf1.losses.Reduction.NONE)
+    w = tf.cast(labels, tf.float32) + 0.5
+    loss = loss_of(per, w, features['x'])
+    train_op = tf1.train.GradientDescentOptimizer(0.5).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  return model_fn
+
+
+def _moments(net):
+  """Batch norm by hand, as tf_slim's non-fused batch_norm computes it."""
+  mean, variance = tf.nn.moments(net, [0])
+  return (net - mean) * tf.math.rsqrt(variance + 1e-3)
+
+
+def _fused(net):
+  """`tf.compat.v1.nn.fused_batch_norm` in training, by hand."""
+  images = tf.reshape(net, [-1, 1, 1, 4])
+  normalised, _, _ = tf1.nn.fused_batch_norm(
+      images, tf.ones([4]), tf.zeros([4]), is_training=True)
+  return tf.reshape(normalised, [-1, 4])
+
+
+def _mean(per, unused_w, unused_x):
+  return tf.reduce_mean(per)
+
+
+_S = tf.reduce_sum
+# name: (loss, the op the refusal names).
+_REFUSED = {
+    'normalised_weights': (lambda p, w, x: _S(p * (w / _S(w))),
+                           "RealDiv 'truediv' combines the rows with Sum"),
+    'centred': (lambda p, w, x: tf.reduce_mean(tf.square(
+        p - tf.reduce_mean(p))), "Sub 'sub' combines the rows with Mean"),
+    'softmax_over_the_batch': (lambda p, w, x: _S(tf.nn.softmax(p) * p),
+                               'Softmax .* normalises over the examples'),
+    'scaled_by_the_max': (lambda p, w, x: tf.reduce_mean(
+        p / tf.stop_gradient(tf.reduce_max(p))),
+                          'combines the rows with Max'),
+    'divided_by_the_row_count': (lambda p, w, x: _S(
+        p / tf.cast(tf.shape(p)[0], tf.float32)),
+                                 'combines the rows with StridedSlice'),
+    'divided_by_a_sum_of_ones': (lambda p, w, x: _S(p / _S(tf.ones_like(p))),
+                                 'combines the rows with Sum'),
+    'class_weights_from_the_batch': (lambda p, w, x: _S(p * tf.gather(
+        1.0 / (_S(tf.one_hot(tf.cast(w - 0.5, tf.int32), 3), 0) + 1.0),
+        tf.cast(w - 0.5, tf.int32))), 'combines the rows with'),
+}
+# name: (the hidden layer, the op the refusal names).
+_BATCH_NORMS = {
+    'hand_written_moments': (_moments, 'combines the rows with Mean'),
+    'hand_written_fused_batch_norm': (
+        _fused, "FusedBatchNormV3 .* batch_norm='global' does not reach"),
+}
+
+
+_REFUSAL = (r'combines examples with a statistic of their batch: .*{}'
+            r'.*tf.reduce_sum\(loss \* w\) / tf.reduce_sum\(w\)')
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('mode', [ModeKeys.TRAIN, ModeKeys.EVAL])
+@pytest.mark.parametrize('name', sorted(_REFUSED))
+def test_rows_meeting_a_statistic_of_their_shard_are_refused(name, mode):
+  loss_of, op = _REFUSED[name]
+  with pytest.raises(ValueError, match=_REFUSAL.format(op)):
+    # A batch of unknown size, as most input_fns give: a count folded from
+    # a static shape is a constant (see shard_statistics).
+    build_replicated(_model_fn(loss_of), 2, mode=mode, static_batch=False)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('name', sorted(_BATCH_NORMS))
+def test_batch_norm_the_library_does_not_reach_is_refused(name):
+  hidden, op = _BATCH_NORMS[name]
+  with pytest.raises(ValueError, match=_REFUSAL.format(op) +
+                     r".*batch_norm='per_tower'"):
+    build_replicated(_model_fn(_mean, hidden), 2)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('name', sorted(_BATCH_NORMS))
+def test_per_tower_batch_norm_accepts_the_shards_moments(name):
+  build_replicated(_model_fn(_mean, _BATCH_NORMS[name][0]), 2,
+                   batch_norm='per_tower')
+
+
+def _positions(per, w, x):
+  """A count read from the shard's shape, used as a shape and to number
+  rows (as whole_batch's labels do), not as a value."""
+  rows = tf.shape(x)[0]
+  flat = tf.reshape(x, [rows, -1])
+  first = tf.one_hot(tf.range(rows), tf.shape(flat)[1])
+  w += 0.0 * first[:, 0] * flat[:, 0]
+  return _S(per * w) / _S(w)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('loss_of', [
+    lambda p, w, x: _S(p * w) / _S(w),
+    lambda p, w, x: tf.reduce_mean(p) + 0.1 * tf.reduce_mean(tf.square(x)),
+    _positions,
+], ids=['ratio_of_sums', 'two_means', 'count_as_shape_and_positions'])
+def test_statistics_apart_from_the_rows_are_built(loss_of):
+  build_replicated(_model_fn(loss_of), 2, static_batch=False)
+
+
+@pytest.mark.training
+def test_the_proposed_forms_train_as_one_device():
+  rng = np.random.RandomState(0)
+  x = rng.randn(48, 5).astype(np.float32)
+  y = rng.randint(0, 3, 48).astype(np.int32)
+  for loss_of in (lambda p, w, x: _S(p * w) / _S(w), _mean):
+    start, one_device = train_in_session(_model_fn(loss_of), x, y, 1, 12, 3)
+    _, towers = train_in_session(_model_fn(loss_of), x, y, 2, 12, 3,
+                                 start=start)
+    for name, value in one_device.items():
+      np.testing.assert_allclose(towers[name], value, rtol=1e-5, atol=1e-6,
+                                 err_msg=name)
