@@ -105,6 +105,25 @@ def test_rows_meeting_a_statistic_of_their_shard_are_refused(name, mode):
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize('mode', [ModeKeys.TRAIN, ModeKeys.EVAL])
+def test_a_row_count_folded_from_a_static_batch_is_refused_too(mode):
+  # drop_remainder=True (BERT's training input): tf.shape(p)[0] is a
+  # constant the static shape folded into, the shard's row count.
+  loss_of, op = _REFUSED['divided_by_the_row_count']
+  with pytest.raises(ValueError, match=_REFUSAL.format(op)):
+    build_replicated(_model_fn(loss_of), 2, mode=mode, static_batch=True)
+
+
+@pytest.mark.fast
+def test_a_constant_equal_to_the_rows_by_chance_is_no_count():
+  # The shard has 5 rows and the features 5 columns: tf.shape(x)[1] folds
+  # to 5 too, but it is a column count, a fixed scaling.
+  build_replicated(_model_fn(lambda p, w, x: _S(
+      p / tf.cast(tf.shape(x)[1], tf.float32))), 2, batch_size=10,
+                   loss_reduction='sum')
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize('name', sorted(_BATCH_NORMS))
 def test_batch_norm_the_library_does_not_reach_is_refused(name):
   hidden, op = _BATCH_NORMS[name]

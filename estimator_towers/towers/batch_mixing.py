@@ -78,8 +78,7 @@ _BROADCASTING = frozenset([
 # Ops whose first output keeps the examples on axis 0 (NHWC or NCHW).
 _BATCH_FIRST = frozenset([
     'Conv2D', 'Conv3D', 'DepthwiseConv2dNative', 'MaxPool', 'MaxPoolV2',
-    'AvgPool', 'MaxPool3D', 'AvgPool3D', 'LRN', 'FusedBatchNorm',
-    'FusedBatchNormV2', 'FusedBatchNormV3', 'ResizeBilinear',
+    'AvgPool', 'MaxPool3D', 'AvgPool3D', 'LRN', 'ResizeBilinear',
     'ResizeNearestNeighbor', 'ResizeBicubic'])
 _REDUCTIONS = frozenset(['Sum', 'Mean', 'Max', 'Min', 'Prod', 'Any', 'All',
                          'EuclideanNorm', 'ArgMax', 'ArgMin'])
@@ -209,7 +208,8 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
   values = _value_ancestors(tensor.op, ops)
   # Tensors whose values depend on the shard's (not only on its shape).
   held = set(rows)
-  trail = shard_statistics.Trail(per_tower_batch_norm)
+  trail = shard_statistics.Trail(per_tower_batch_norm,
+                                 _static_rows(sharding.leaves(shard)))
   for op in op_ledger.by_creation(ops):
     if op.type not in _SHAPE_READS and any(t.name in held
                                            for t in op.inputs):
@@ -240,6 +240,12 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
           orders[output.name] = order
   mixed = trail.mixed(tensor)
   return None if mixed is None else _Found(*mixed, kind='statistic')
+
+
+def _static_rows(leaves) -> Optional[int]:
+  """The shard's static number of rows, or None."""
+  dense = [t for t in leaves if isinstance(t, tf.Tensor) and t.shape.rank]
+  return tf.compat.dimension_value(dense[0].shape[0]) if dense else None
 
 
 # The order of a tensor's rows relative to the shard's: absent (None) for
@@ -379,6 +385,8 @@ def _rule(op: tf.Operation, inputs: List[Axes],
     return [_reduce(op, inputs[0])]
   if kind == 'L2Loss':  # A sum of every element: a scalar.
     return [_NONE]
+  if kind in shard_statistics.FUSED_BATCH_NORMS:
+    return _fused_batch_norm(op, inputs[0])
   if kind in _BATCH_FIRST:
     return [frozenset([0]) if 0 in inputs[0] else _NONE]
   if kind in ('Reshape', 'Squeeze', 'ExpandDims', 'Transpose',
@@ -399,12 +407,52 @@ def _rule(op: tf.Operation, inputs: List[Axes],
   return [_NONE] * len(op.outputs)
 
 
+def _fused_batch_norm(op: tf.Operation, axes: Axes) -> List[Axes]:
+  """y has x's axes; the batch moments have the channel's, which hold the
+  rows only when each row is a channel (Keras' layer normalisation
+  reshapes to [1, rows, features, 1], NCHW)."""
+  channel = shard_statistics.channel_axis(op)
+  per_channel = frozenset([0]) if channel in axes else _NONE
+  return [axes] + [per_channel] * (len(op.outputs) - 1)
+
+
 def _rank(tensor: tf.Tensor) -> Optional[int]:
   return tensor.shape.rank
 
 
 def _constant(tensor: tf.Tensor):
-  return tf.get_static_value(tensor)
+  value = tf.get_static_value(tensor)
+  return value if value is not None else _folded(tensor, 8)
+
+
+# Integer ops `_folded` evaluates (a perm, axes or sizes computed from ranks).
+_FOLDS = {'Sub': np.subtract, 'AddV2': np.add, 'Add': np.add,
+          'Mul': np.multiply}
+
+
+def _folded(tensor: tf.Tensor, depth: int):
+  """The value of a small integer computation from static ranks, shapes
+  and constants (`tf.nn.softmax(x, axis=0)` swaps axes by a perm computed
+  from `tf.rank(x)`, which tf.get_static_value does not fold), or None."""
+  value = tf.get_static_value(tensor)
+  if value is not None or depth == 0:
+    return value
+  op = tensor.op
+  if op.type == 'Rank':
+    rank = _rank(op.inputs[0])
+    return None if rank is None else np.int32(rank)
+  inputs = [_folded(t, depth - 1) for t in op.inputs]
+  if any(v is None for v in inputs):
+    return None
+  if op.type in _FOLDS:
+    return _FOLDS[op.type](*inputs)
+  if op.type == 'Range':
+    return np.arange(*inputs)
+  if op.type == 'ConcatV2':
+    return np.concatenate([np.reshape(v, [-1]) for v in inputs[:-1]])
+  if op.type == 'Pack':
+    return np.stack(inputs)
+  return None
 
 
 def _two_or_more(op: tf.Operation, axes: Axes, what: str) -> Axes:
@@ -719,22 +767,42 @@ def _reshaped(op: tf.Operation, axes: Axes) -> Axes:
 
 
 def _past_ones(source: tf.Tensor, result: tf.Tensor, axes: Axes) -> Axes:
-  """A reshape that adds or drops leading axes of size 1 ([n, d] to
-  [1, n, d], a batch of one for a batched matmul, and back): the rows
-  move past them. Every other axis must be static and unchanged."""
+  """A reshape that adds or drops axes of size 1 before the rows or at
+  the end ([n, d] to [1, n, d, 1], as Keras' layer normalisation and a
+  batched matmul over a batch of one reshape, and back), possibly merging
+  the rows with the static axes after them: the rows move past the ones.
+  An unknown dimension is taken as the one it must be."""
   if len(axes) != 1:
     return _NONE
   (row,) = axes
   before = [tf.compat.dimension_value(d) for d in source.shape]
   after = [tf.compat.dimension_value(d) for d in result.shape]
-  rest = before[row + 1:]
-  if any(d != 1 for d in before[:row]) or None in rest:
+  rest = _without_trailing_ones(before[row + 1:])
+  if any(d != 1 for d in before[:row]):
     return _NONE
   for at in range(len(after)):
-    if (all(d == 1 for d in after[:at]) and after[at] == before[row] and
-        after[at + 1:] == rest):
+    if any(d != 1 for d in after[:at]):
+      break
+    tail = _without_trailing_ones(after[at + 1:])
+    merged = len(rest) - len(tail)
+    block = rest[:max(merged, 0)]
+    if merged < 0 or None in block or not all(
+        a is None or b is None or a == b for a, b in zip(rest[merged:], tail)):
+      continue
+    size = before[row]
+    expected = None if size is None else size * int(
+        np.prod(block, dtype=np.int64))
+    if after[at] == 1 and size != 1:
+      continue  # Not the rows' axis: all of them in one row.
+    if after[at] is None or expected is None or after[at] == expected:
       return frozenset([at])
   return _NONE
+
+
+def _without_trailing_ones(dims: List[Optional[int]]) -> List[Optional[int]]:
+  while dims and dims[-1] == 1:
+    dims = dims[:-1]
+  return dims
 
 
 def _subset(op: tf.Operation, what: str) -> _Subset:
@@ -835,6 +903,10 @@ def _joined(op: tf.Operation, inputs: List[Axes]) -> List[Axes]:
     return [inputs[0]] * len(op.outputs)
   if op.type == 'ConcatV2':
     together = frozenset().union(*inputs[:-1])
+    if _joins_rows(op, inputs) and not all(inputs[:-1]):
+      # Rows followed by other values (tf.nn.sampled_softmax_loss puts the
+      # labels before the sampled classes): no longer one row axis.
+      return [_NONE]
     return [together if len(together) == 1 else _NONE]
   axis = op.get_attr('axis')
   together = frozenset().union(*inputs)
@@ -865,7 +937,8 @@ def _gather(op: tf.Operation, inputs: List[Axes]) -> Axes:
   else:
     axis = 0
   if axis in inputs[0] and op.type != 'ResourceGather' and (
-      not _picked_by_mask(indices)):
+      not _picked_by_mask(indices)) and not (
+          axis == 0 and _within_each_example(params, indices)):
     raise _subset(op, f'gathers along axis {axis}, which indexes the '
                   "tower's examples, by position")
   found = set()
@@ -880,6 +953,54 @@ def _gather(op: tf.Operation, inputs: List[Axes]) -> Axes:
       elif a > axis:
         found.add(a + rank_i - batch_dims - 1)
   return frozenset(found) if len(found) == 1 else _NONE
+
+
+_SAME_VALUES = frozenset(['Identity', 'Cast', 'Reshape', 'ExpandDims',
+                          'Squeeze'])
+
+
+def _below_copies(tensor: tf.Tensor) -> tf.Tensor:
+  while tensor.op.type in _SAME_VALUES:
+    tensor = tensor.op.inputs[0]
+  return tensor
+
+
+def _within_each_example(params: tf.Tensor, indices: tf.Tensor) -> bool:
+  """Whether `indices` pick each example's rows among its own rows of
+  `params`, as BERT's gather_indexes does: it flattens [batch, seq, width]
+  to [batch * seq, width] and adds `tf.range(batch) * seq` to each
+  example's positions (which must lie in [0, seq))."""
+  total = _below_copies(indices)
+  source = params.op
+  if total.op.type not in ('Add', 'AddV2') or source.type != 'Reshape':
+    return False
+  dims = [tf.compat.dimension_value(d) for d in source.inputs[0].shape]
+  rank = _rank(params)
+  if rank is None or len(dims) <= rank:
+    return False
+  block = dims[1:1 + len(dims) - rank]  # Merged into the rows' axis.
+  if None in block:
+    return False
+  size = int(np.prod(block, dtype=np.int64))
+  return any(_row_numbers_times(t) == size for t in total.op.inputs)
+
+
+def _row_numbers_times(tensor: tf.Tensor) -> Optional[int]:
+  """C if `tensor` is `tf.range(n) * C` (reshaped), else None."""
+  product = _below_copies(tensor).op
+  if product.type != 'Mul':
+    return None
+  a, b = product.inputs
+  for numbers, factor in ((a, b), (b, a)):
+    numbers = _below_copies(numbers).op
+    scale = _constant(factor)
+    if numbers.type != 'Range' or scale is None or np.size(scale) != 1:
+      continue
+    start, delta = _constant(numbers.inputs[0]), _constant(numbers.inputs[2])
+    if start is not None and delta is not None and (
+        int(start) == 0 and int(delta) == 1):
+      return int(np.reshape(scale, []))
+  return None
 
 
 def _picked_by_mask(indices: tf.Tensor) -> bool:

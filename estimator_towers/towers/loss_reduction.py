@@ -227,7 +227,7 @@ def _is_the_rows(denominator: tf.Tensor, depends) -> bool:
   if rows is None or element.type not in _SHAPE_ELEMENT:
     return False
   shape = element.inputs[0]
-  if not _folded_shape(shape.op) or shape.shape.rank != 1:
+  if not folded_shape(shape.op) or shape.shape.rank != 1:
     return False
   value = _static_value(denominator)
   return value is not None and np.size(value) == 1 and (
@@ -279,7 +279,7 @@ def _counts_the_summed(numerator: tf.Tensor, denominator: tf.Tensor,
   return 'count' if _from_shapes(denominator) else 'ambiguous'
 
 
-def _folded_shape(op: tf.Operation) -> bool:
+def folded_shape(op: tf.Operation) -> bool:
   """Whether `op` is a constant tf.size / tf.shape folded from a static shape.
 
   A constant made that way is a count of the shard's elements; one the user
@@ -299,7 +299,7 @@ def _from_shapes(tensor: tf.Tensor) -> bool:
     if op.name in seen:
       continue
     seen.add(op.name)
-    if _folded_shape(op):
+    if folded_shape(op):
       return True
     pending.extend(t.op for t in op.inputs)
   return False

@@ -10,6 +10,7 @@ whole shard and no weighting of the towers gives one device's step:
 * weights normalised by the shard's sum: `sum(loss * w / sum(w))`;
 * values centred or scaled by the shard's mean, max or count:
   `(x - mean(x)) ** 2`, `x / max(x)`, `x / tf.shape(x)[0]`;
+* class weights counted in the shard (`unsorted_segment_sum` by label);
 * a softmax over the examples (`tf.nn.softmax` of a [batch] vector);
 * batch norm from the shard's moments that batch_norm='global' does not
   reach (`tf.nn.moments` / `tf.nn.fused_batch_norm` by hand, tf_slim).
@@ -21,28 +22,44 @@ between the towers (a collective: batch norm's global moments,
 `whole_batch`) gives the whole batch's values: nothing passes it. With
 batch_norm='per_tower' the user chose each shard's moments: reductions
 inside `tf.nn.moments` / `weighted_moments` and fused batch norm are then
-no statistic.
+no statistic. A truth value over the shard (`tf.reduce_all`,
+`reduce_any`: Keras' hinge losses ask whether the labels are all 0 or 1)
+is taken as the batch's: it is for every valid label set, and refusing
+those losses would refuse every model using them.
 """
 
 import re
 from typing import Dict, Optional, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
+
+from estimator_towers.towers import loss_reduction
 
 # What batch_mixing calls `Axes`: the row axes of a tensor.
 Axes = frozenset
 
-_REDUCTIONS = frozenset(['Sum', 'Mean', 'Max', 'Min', 'Prod', 'Any', 'All',
-                         'EuclideanNorm', 'ArgMax', 'ArgMin'])
-_FUSED_BATCH_NORMS = frozenset(['FusedBatchNorm', 'FusedBatchNormV2',
-                                'FusedBatchNormV3'])
+_REDUCTIONS = frozenset(['Sum', 'Mean', 'Max', 'Min', 'Prod', 'EuclideanNorm',
+                         'ArgMax', 'ArgMin'])
+# Reductions by segment: a statistic when the segments come from the
+# shard's values (class counts by label), not from positions (per-example
+# sums of a flattened sequence).
+_SEGMENT_REDUCTIONS = frozenset([
+    'UnsortedSegmentSum', 'UnsortedSegmentMax', 'UnsortedSegmentMin',
+    'UnsortedSegmentProd', 'SegmentSum', 'SegmentMean', 'SegmentMax',
+    'SegmentMin', 'SegmentProd', 'Bincount', 'DenseBincount'])
+FUSED_BATCH_NORMS = frozenset(['FusedBatchNorm', 'FusedBatchNormV2',
+                               'FusedBatchNormV3'])
 # A count of the shard's rows read from its shape stays a statistic only
 # through arithmetic: `tf.range(n)` numbers positions (whole_batch's
 # labels), and `[n, -1]` is a shape.
 _ARITHMETIC = frozenset([
-    'Identity', 'Cast', 'Neg', 'Reciprocal', 'Sqrt', 'Rsqrt', 'Square',
-    'Add', 'AddV2', 'Sub', 'Mul', 'RealDiv', 'Div', 'TrueDiv', 'DivNoNan',
-    'Maximum', 'Minimum', 'Pow', 'FloorDiv'])
+    'Identity', 'Snapshot', 'StopGradient', 'Cast', 'Reshape', 'Squeeze',
+    'ExpandDims', 'Neg', 'Reciprocal', 'Sqrt', 'Rsqrt', 'Square', 'Add',
+    'AddV2', 'Sub', 'Mul', 'RealDiv', 'Div', 'TrueDiv', 'DivNoNan',
+    'Maximum', 'Minimum', 'Pow', 'FloorDiv', 'Fill', 'BroadcastTo'])
+# Ops through which a shape vector stays one, element for element.
+_KEEPS_SHAPE = frozenset(['Identity', 'Snapshot', 'StopGradient', 'Cast'])
 # Inputs that are shapes, axes, sizes or positions, not values: a
 # statistic there does not meet the rows' values.
 _NOT_VALUES = {
@@ -65,14 +82,20 @@ class Trail:
   Args:
     per_tower_batch_norm: Whether batch_norm='per_tower' accepts each
       shard's moments.
+    rows: The shard's static number of rows, or None: with a static batch
+      size `tf.shape(x)[0]` folds into a constant, a count of the rows
+      when it equals them.
   """
 
-  def __init__(self, per_tower_batch_norm: bool):
+  def __init__(self, per_tower_batch_norm: bool,
+               rows: Optional[int] = None):
     self._per_tower_batch_norm = per_tower_batch_norm
+    self._rows = rows
     # Tensor name -> (the op that made the statistic, whether it is a count
     # read from a shape, which only arithmetic keeps).
     self._statistics: Dict[str, Tuple[tf.Operation, bool]] = {}
-    self._shapes: Dict[str, Axes] = {}  # Shape of rows -> their axes.
+    # A shape vector of rows -> the positions in it that count rows.
+    self._shapes: Dict[str, Axes] = {}
     self._mixed: Dict[str, Found] = {}  # Tensor name -> where it mixed.
 
   def follow(self, op: tf.Operation, inputs: Sequence[Axes],
@@ -101,6 +124,7 @@ class Trail:
       for output in op.outputs:
         self._mixed[output.name] = mixed
       return
+    self._follow_shape(op)
     self._statistic_outputs(op, inputs, outputs, held)
 
   def mixed(self, tensor: tf.Tensor) -> Optional[Found]:
@@ -110,7 +134,7 @@ class Trail:
   # --------------------------------------------------------------------
 
   def _copy(self, source: str, target: str) -> None:
-    for table in (self._statistics, self._mixed):
+    for table in (self._statistics, self._mixed, self._shapes):
       if source in table:
         table[target] = table[source]
 
@@ -128,8 +152,7 @@ class Trail:
       if rank is not None and rank - 1 in inputs[0]:
         return (op, 'normalises over the examples (its last axis holds '
                 "the shard's rows)")
-    if op.type in _FUSED_BATCH_NORMS and not self._per_tower_batch_norm and (
-        op.get_attr('is_training') and 0 in inputs[0]):
+    if op.type in FUSED_BATCH_NORMS and self._normalises_rows(op, inputs):
       return (op, "normalises with the shard's own moments: a batch norm "
               "that batch_norm='global' does not reach")
     if not any(outputs):
@@ -144,10 +167,25 @@ class Trail:
                 f"{source[0].name!r}, a statistic of the shard's rows")
     return None
 
+  def _normalises_rows(self, op: tf.Operation, inputs: Sequence[Axes]
+                       ) -> bool:
+    """Whether a fused batch norm in training normalises over the rows."""
+    return (not self._per_tower_batch_norm and op.get_attr('is_training')
+            and bool(set(inputs[0]) - {channel_axis(op)}))
+
+  def _follow_shape(self, op: tf.Operation) -> None:
+    """Keeps track of a shape vector through casts and copies."""
+    if op.type in _KEEPS_SHAPE and op.inputs[0].name in self._shapes:
+      self._shapes[op.outputs[0].name] = self._shapes[op.inputs[0].name]
+
   def _statistic_outputs(self, op: tf.Operation, inputs: Sequence[Axes],
                          outputs: Sequence[Axes],
                          held: Sequence[bool]) -> None:
     """Marks the outputs without rows that are statistics of the shard."""
+    if op.type == 'Unpack' and op.inputs[0].name in self._shapes:
+      for i in self._shapes[op.inputs[0].name]:
+        self._statistics[op.outputs[i].name] = (op, True)
+      return
     new = self._new_statistic(op, inputs, held)
     if new is None:
       given = [self._statistics[t.name] for t in op.inputs
@@ -163,30 +201,76 @@ class Trail:
   def _new_statistic(self, op: tf.Operation, inputs: Sequence[Axes],
                      held: Sequence[bool]):
     """(op, is a count) if `op` reduces the rows away, else None."""
-    if op.type == 'StridedSlice' and op.inputs[0].name in self._shapes:
-      begin = tf.get_static_value(op.inputs[1])
-      rows = self._shapes[op.inputs[0].name]
-      if (begin is not None and begin.size == 1 and
-          op.get_attr('shrink_axis_mask') == 1 and int(begin[0]) in rows):
-        return (op, True)
-      return None
+    if op.inputs and op.inputs[0].name in self._shapes:
+      return (op, True) if self._picks_a_count(op) else None
+    if op.type == 'StridedSlice':
+      return (op, True) if self._folded_count(op) else None
     if op.type == 'L2Loss' and inputs[0]:
       return (op, not held[0])
+    if op.type in _SEGMENT_REDUCTIONS:
+      segments = 0 if op.type in ('Bincount', 'DenseBincount') else 1
+      if any(inputs) and held[segments]:
+        return (op, False)
+      return None
     if op.type not in _REDUCTIONS or not inputs[0]:
       return None
     if self._per_tower_batch_norm and _in_moments(op):
       return None
-    rank = op.inputs[0].shape.rank
-    axes = tf.get_static_value(op.inputs[1]) if rank else None
-    if axes is None:
-      return None
-    reduced = {int(a) % rank for a in axes.reshape([-1])}
-    if not reduced & set(inputs[0]):
+    reduced = _reduced_axes(op)
+    if reduced is None or not reduced & set(inputs[0]):
       return None
     return (op, not held[0])
+
+  def _picks_a_count(self, op: tf.Operation) -> bool:
+    """Whether `op` reads a row count from a shape vector of rows:
+    `tf.shape(x)[0]`, `tf.gather(tf.shape(x), 0)`, its product."""
+    counts = self._shapes[op.inputs[0].name]
+    length = tf.compat.dimension_value(op.inputs[0].shape[0])
+    if op.type in ('Prod', 'Sum', 'Max', 'Min'):
+      return True
+    if op.type == 'StridedSlice':
+      if op.get_attr('shrink_axis_mask') != 1:
+        return False
+      index = tf.get_static_value(op.inputs[1])
+    elif op.type in ('GatherV2', 'Gather'):
+      index = tf.get_static_value(op.inputs[1])
+    else:
+      return False
+    if index is None or np.size(index) != 1 or length is None:
+      return False
+    return int(np.reshape(index, [])) % length in counts
+
+  def _folded_count(self, op: tf.Operation) -> bool:
+    """Whether a StridedSlice is `tf.shape(x)[0]` folded into a constant
+    by a static shape, equal to the shard's static row count (as
+    loss_reduction reads it)."""
+    begin = tf.get_static_value(op.inputs[1])
+    if (self._rows is None or begin is None or begin.size != 1 or
+        int(begin[0]) != 0 or op.get_attr('shrink_axis_mask') != 1 or
+        not loss_reduction.folded_shape(op.inputs[0].op)):
+      return False
+    shape = tf.get_static_value(op.inputs[0])
+    return shape is not None and np.size(shape) > 0 and (
+        int(np.reshape(shape, [-1])[0]) == self._rows)
+
+
+def channel_axis(op: tf.Operation) -> int:
+  """The channel axis of a fused batch norm's input (NHWC or NCHW)."""
+  rank = op.inputs[0].shape.rank or 4
+  return 1 if op.get_attr('data_format') in (b'NCHW', b'NCDHW') else rank - 1
+
+
+def _reduced_axes(op: tf.Operation):
+  """The axes a reduction op reduces, as a set; None if unknown."""
+  rank = op.inputs[0].shape.rank
+  if rank == 0:
+    return set()
+  axes = tf.get_static_value(op.inputs[1]) if rank else None
+  if axes is None:
+    return None
+  return {int(a) % rank for a in np.reshape(axes, [-1])}
 
 
 def _in_moments(op: tf.Operation) -> bool:
   """Whether `op` is made inside `tf.nn.moments` or `weighted_moments`."""
   return any(_MOMENTS_SCOPE.match(part) for part in op.name.split('/')[:-1])
-
