@@ -45,6 +45,12 @@ def _model_fn(loss_of, hidden=None):
 def _moments(net):
   """Batch norm by hand, as tf_slim's non-fused batch_norm computes it."""
   mean, variance = tf.nn.moments(net, [0])
+  return tf.nn.batch_normalization(net, mean, variance, None, None, 1e-3)
+
+
+def _standardised(net):
+  """The shard's moments used outside batch norm (advantages)."""
+  mean, variance = tf.nn.moments(net, [0])
   return (net - mean) * tf.math.rsqrt(variance + 1e-3)
 
 
@@ -137,6 +143,14 @@ def test_batch_norm_the_library_does_not_reach_is_refused(name):
 def test_per_tower_batch_norm_accepts_the_shards_moments(name):
   build_replicated(_model_fn(_mean, _BATCH_NORMS[name][0]), 2,
                    batch_norm='per_tower')
+
+
+@pytest.mark.fast
+def test_per_tower_batch_norm_accepts_them_in_batch_norm_only():
+  with pytest.raises(ValueError, match=_REFUSAL.format(
+      "Sub 'sub' combines the rows with Mean 'moments/mean'")):
+    build_replicated(_model_fn(_mean, _standardised), 2,
+                     batch_norm='per_tower')
 
 
 def _positions(per, w, x):

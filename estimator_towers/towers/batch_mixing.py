@@ -66,7 +66,8 @@ _ELEMENTWISE = frozenset([
     'Erf', 'Erfc', 'StopGradient', 'PreventGradient', 'CheckNumerics',
     'CheckNumericsV2', 'EnsureShape', 'OnesLike', 'ZerosLike', 'LogicalNot',
     'IsNan', 'IsFinite', 'IsInf', 'Softmax', 'LogSoftmax', 'Slice', 'Pad',
-    'PadV2', 'MirrorPad', 'Tile', 'Roll', 'ReverseV2', 'RandomShuffle'])
+    'PadV2', 'MirrorPad', 'Tile', 'Roll', 'ReverseV2', 'RandomShuffle',
+    'Cumsum', 'Cumprod', 'CumulativeLogsumexp'])
 # Elementwise with numpy broadcasting: inputs align on their last axes.
 _BROADCASTING = frozenset([
     'Add', 'AddV2', 'AddN', 'Sub', 'Mul', 'MulNoNan', 'RealDiv', 'Div',
@@ -210,19 +211,24 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
   held = set(rows)
   trail = shard_statistics.Trail(per_tower_batch_norm,
                                  _static_rows(sharding.leaves(shard)))
+  # Positions in the shard's order (`tf.range` of its row count), which
+  # rows in another order must not meet (a sorted batch weighted by rank).
+  positions = set()
   for op in op_ledger.by_creation(ops):
     if op.type not in _SHAPE_READS and any(t.name in held
                                            for t in op.inputs):
       held.update(t.name for t in op.outputs)
     inputs = [rows.get(t.name, _NONE) for t in op.inputs]
     inputs_held = [t.name in held for t in op.inputs]
+    if _numbers_positions(op, trail, positions):
+      positions.update(t.name for t in op.outputs)
     if not any(inputs):
       trail.follow(op, inputs, [_NONE] * len(op.outputs), inputs_held)
       continue
     try:
       product = _product(op, inputs, inputs_held)
       outputs = _rule(op, inputs, product)
-      order = _order(op, inputs, orders, product)
+      order = _order(op, inputs, orders, product, positions)
     except _Subset as subset:
       if op in values:
         return _Found(subset.op, subset.what, kind='subset')
@@ -260,15 +266,17 @@ _ROW_CONSTANT = frozenset(['OnesLike', 'ZerosLike'])
 
 
 def _order(op: tf.Operation, inputs: List[Axes], orders: Dict[str, object],
-           product: Optional['_Product'] = None):
+           product: Optional['_Product'] = None, positions=frozenset()):
   """The order of the rows of `op`'s outputs (see `_ANY`; `product`: see
-  `_product`).
+  `_product`; `positions`: tensors numbering the shard's rows in order).
 
   Raises:
     _Reordered: `op` combines rows in two orders: each tower would pair
       its shard's rows by position where one device pairs the batch's.
   """
   given = [orders.get(t.name) for t, axes in zip(op.inputs, inputs) if axes]
+  given += [None for t, axes in zip(op.inputs, inputs)
+            if not axes and t.name in positions]
   found = {order for order in given if order != _ANY}
   if op.type in _ROW_CONSTANT:
     return _ANY
@@ -288,6 +296,26 @@ def _order(op: tf.Operation, inputs: List[Axes], orders: Dict[str, object],
                      f'{op.type} {op.name!r} (a product with '
                      f'{product.matrix.op.name!r})')
   return _reordered(op, inputs, base)
+
+
+# Ops that keep a vector of positions one (shifted, scaled, cast).
+_POSITION_ARITHMETIC = frozenset(['Identity', 'Cast', 'Add', 'AddV2', 'Sub',
+                                  'Mul', 'RealDiv', 'TrueDiv', 'Div',
+                                  'FloorDiv', 'Neg', 'StopGradient'])
+
+
+def _numbers_positions(op: tf.Operation, trail, positions) -> bool:
+  """Whether `op`'s output numbers the shard's rows in their order:
+  `tf.range(n)` or `tf.linspace(a, b, n)` of the shard's row count n, or
+  arithmetic of such positions."""
+  if op.type == 'Range':
+    start, delta = _constant(op.inputs[0]), _constant(op.inputs[2])
+    return (start is not None and delta is not None and int(start) == 0
+            and int(delta) == 1 and trail.counts_rows(op.inputs[1]))
+  if op.type in ('LinSpace', 'LinSpaceV2'):
+    return trail.counts_rows(op.inputs[2])
+  return op.type in _POSITION_ARITHMETIC and any(
+      t.name in positions for t in op.inputs)
 
 
 def _joins_rows(op: tf.Operation, inputs: List[Axes]) -> bool:
@@ -606,7 +634,9 @@ def _product(op: tf.Operation, inputs: List[Axes], held: List[bool]
 # adds other values).
 _KEEP_UNIFORM = (frozenset(['Reshape', 'ExpandDims', 'Transpose', 'Squeeze',
                             'BroadcastTo', 'StridedSlice']) |
-                 _ELEMENTWISE) - frozenset(['Pad', 'PadV2', 'MirrorPad'])
+                 _ELEMENTWISE) - frozenset(['Pad', 'PadV2', 'MirrorPad',
+                                            'Cumsum', 'Cumprod',
+                                            'CumulativeLogsumexp'])
 
 
 def _uniform(tensor: tf.Tensor, depth: int = 40) -> bool:

@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from estimator_towers.graph import op_ledger
+from estimator_towers.towers import divisor_totals
 from estimator_towers.towers import sharding
 
 SUM = 'sum'
@@ -583,16 +584,51 @@ def exact_weights(losses: List[tf.Tensor], reductions: List[Reduction],
   return _ratio_weights(reductions, active, total_of)[0]
 
 
-def _ratio_weights(reductions: List[Reduction], active: tf.Tensor, total_of
-                   ) -> tuple:
-  """`exact_weights` of one-ratio losses, and the divisors' total."""
-  counts = [tf.where(active[t],
-                     tf.cast(tf.stop_gradient(r.divisors[0]), tf.float32),
-                     0.0) for t, r in enumerate(reductions)]
+def _ratio_weights(reductions: List[Reduction], active: tf.Tensor, total_of,
+                   depends_on: Optional[List] = None, term: int = 0) -> tuple:
+  """`exact_weights` of one-ratio losses, and the whole batch's divisor.
+
+  The weights (each tower's divisor over their sum) add up to 1. The
+  divisor one device would divide by is their sum, or, for a divisor
+  written as a sum plus or bounded by a constant (`max(sum, 1)`), that
+  expression of the towers' summed sums (divisor_totals).
+
+  Args:
+    reductions: `analyze` of each tower's value.
+    active: A bool per tower: False for idle towers.
+    total_of: Turns this task's total into the global batch's, or None.
+    depends_on: Per tower, its `ExampleDependence` (to read a divisor's
+      expression); None takes the sum of the divisors.
+    term: Which ratio term's divisors.
+
+  Returns:
+    (weights, divisor).
+  """
+  def summed(values):
+    total = tf.add_n([tf.where(active[t],
+                               tf.cast(tf.stop_gradient(v), tf.float32), 0.0)
+                      for t, v in enumerate(values)])
+    return total if total_of is None else total_of(total)
+
+  divisors = [r.divisors[term] for r in reductions]
+  counts = [tf.where(active[t], tf.cast(tf.stop_gradient(d), tf.float32), 0.0)
+            for t, d in enumerate(divisors)]
   total = tf.add_n(counts)
   if total_of is not None:
     total = total_of(total)
-  return [tf.math.divide_no_nan(count, total) for count in counts], total
+  weights = [tf.math.divide_no_nan(count, total) for count in counts]
+  found = None
+  if depends_on is not None:
+    found = [divisor_totals.parts(d, depends, lambda t, e=depends: (
+        _is_plain_sum(t, e))) for d, depends in zip(divisors, depends_on)]
+  if not found or any(f is None for f in found):
+    return weights, total
+  return weights, found[0].rebuild(summed([f.sum for f in found]))
+
+
+def _is_plain_sum(tensor: tf.Tensor, depends) -> bool:
+  reduction = analyze(tensor, depends)
+  return reduction.kind == SUM and not reduction.constant_terms
 
 
 def spread_exactly(values: List[tf.Tensor], reductions: List[Reduction],
@@ -618,15 +654,15 @@ def spread_exactly(values: List[tf.Tensor], reductions: List[Reduction],
   """
   if any(len(r.ratios) != 1 or len(r.divisors) != 1 for r in reductions):
     return None
-  weights, total = _ratio_weights(reductions, active, None)
+  weights, total = _ratio_weights(reductions, active, None, depends_on)
   spread = []
   for t, (value, reduction) in enumerate(zip(values, reductions)):
     no_nan = reduction.ratios[0].op.type == 'DivNoNan'
     reciprocal = (tf.math.reciprocal_no_nan(total) if no_nan
                   else tf.math.reciprocal(total))
     reciprocal = tf.where(active[t], reciprocal, tf.zeros_like(reciprocal))
-    rebuilt = _spread(value, reduction.ratios[0], weights[t], reciprocal,
-                      depends_on[t], [0])
+    rebuilt = _spread(value, {reduction.ratios[0].name: (
+        reciprocal, reduction.divisors[0])}, weights[t], depends_on[t], [0])
     if rebuilt is None:
       return None
     spread.append(rebuilt)
@@ -675,22 +711,22 @@ def proportional_weights(values: List[tf.Tensor],
     return tf.unstack(tf.identity(fractions[0]), num=len(values))
 
 
-def _spread(tensor: tf.Tensor, ratio: tf.Tensor, weight: tf.Tensor,
-            reciprocal: tf.Tensor, depends, budget: List[int]
-            ) -> Optional[tf.Tensor]:
-  """`tensor * weight` with the ratio N / D computed as N / total.
+def _spread(tensor: tf.Tensor, ratios: Dict[str, tf.Tensor], weight: tf.Tensor,
+            depends, budget: List[int]) -> Optional[tf.Tensor]:
+  """`tensor * weight` with each ratio N / D computed as N / total.
 
-  `weight` is D / total: each term the loss adds is multiplied by it, and
-  the ratio term becomes its numerator times 1 / total, which has no 0 / 0
-  when D is 0 (when every D is, 1 / total is 0: a global sum of no
-  weights, which tf.compat.v1.losses make 0 too). Follows the ops
+  `weight` (D / total for one ratio, the tower's share of the examples for
+  several) multiplies the terms that do not depend on the examples, and
+  each ratio term becomes its numerator times 1 / its whole-batch divisor,
+  which has no 0 / 0 when D is 0 (when every D is, 1 / total is 0: a global
+  sum of no weights, which tf.compat.v1.losses make 0 too). Follows the ops
   `analyze` reads; None for any other.
 
   Args:
-    tensor: The loss, or a part of it on the way to the ratio.
-    ratio: The ratio term's tensor.
+    tensor: The loss, or a part of it on the way to the ratios.
+    ratios: Each ratio term's tensor name -> (1 / the whole batch's divisor
+      of that term (0 for idle towers), the tower's divisor of it).
     weight: The tower's weight.
-    reciprocal: 1 / the sum of the towers' divisors (0 for idle towers).
     depends: The tower's `ExampleDependence`.
     budget: Ops walked so far (a one-element list).
 
@@ -699,15 +735,20 @@ def _spread(tensor: tf.Tensor, ratio: tf.Tensor, weight: tf.Tensor,
   """
   budget[0] += 1
   op = tensor.op
-  if tensor is ratio and op.type in _DIVIDE:
-    numerator = op.inputs[0]
-    return tf.cast(numerator * tf.cast(reciprocal, numerator.dtype),
-                   tensor.dtype)
-  if tensor is ratio or not depends(tensor):
+  if tensor.name in ratios:
+    reciprocal, divisor = ratios[tensor.name]
+    if op.type in _DIVIDE:
+      numerator = op.inputs[0]
+      return tf.cast(numerator * tf.cast(reciprocal, numerator.dtype),
+                     tensor.dtype)
+    # A mean: its count times 1 / the whole batch's.
+    return tensor * tf.cast(tf.stop_gradient(divisor) * tf.cast(
+        reciprocal, divisor.dtype), tensor.dtype)
+  if not depends(tensor):
     return tensor * tf.cast(weight, tensor.dtype)
   if budget[0] > _MAX_OPS:
     return None
-  spread = lambda t: _spread(t, ratio, weight, reciprocal, depends, budget)  # pylint: disable=unnecessary-lambda-assignment
+  spread = lambda t: _spread(t, ratios, weight, depends, budget)  # pylint: disable=unnecessary-lambda-assignment
   if op.type in _DIVIDE and not depends(op.inputs[1]):
     inner = spread(op.inputs[0])
     return None if inner is None else inner / op.inputs[1]
@@ -722,6 +763,34 @@ def _spread(tensor: tf.Tensor, ratio: tf.Tensor, weight: tf.Tensor,
   if any(t is None for t in inner):
     return None
   return _rebuild(op, tensor, inner)
+
+
+def _spreadable(loss: tf.Tensor, reduction: Reduction, depends) -> bool:
+  """Whether `_spread` can rebuild `loss` around its ratio terms."""
+  ratios = {r.name for r in reduction.ratios}
+  pending, seen = [loss], 0
+  while pending:
+    tensor = pending.pop()
+    seen += 1
+    op = tensor.op
+    if tensor.name in ratios or not depends(tensor):
+      continue
+    if seen > _MAX_OPS:
+      return False
+    if op.type in _DIVIDE and not depends(op.inputs[1]):
+      pending.append(op.inputs[0])
+    elif op.type in _SCALE:
+      varying = [t for t in op.inputs if depends(t)]
+      if len(varying) != 1:
+        return False
+      pending.append(varying[0])
+    elif op.type in _ADD:
+      pending.extend(op.inputs)
+    elif op.type in _PASS_THROUGH or _reduces_a_scalar(tensor):
+      pending.append(op.inputs[0])
+    else:
+      return False
+  return True
 
 
 def _rebuild(op: tf.Operation, tensor: tf.Tensor, inner: List[tf.Tensor]
@@ -771,7 +840,8 @@ class TowerWeights:
     self._cache: Dict[tuple, List[tf.Tensor]] = {}
     self._kinds: Dict[tuple, str] = {}
     self._reductions: Dict[tuple, List[Reduction]] = {}
-    self._totals: Dict[tuple, tf.Tensor] = {}
+    # Per loss, each ratio term's whole-batch divisor.
+    self._totals: Dict[tuple, List[tf.Tensor]] = {}
     self._advance_cache: Dict[tuple, List[tf.Tensor]] = {}
     self.checks: List[tf.Operation] = []
 
@@ -837,10 +907,12 @@ class TowerWeights:
                 ) -> Callable[[int], tf.Tensor]:
     """Builds tower t's loss times its weight, as `weighted(t)`.
 
-    For a loss with one ratio N / D, weight D / total, the ratio's part is
-    built as N / total: a tower whose D is 0 (every weight of its shard 0)
-    then adds 0, where its own N / D is 0 / 0, NaN in the loss and in the
-    gradients, which a zero weight keeps. One device never divides by it.
+    For a loss of ratios N_k / D_k, each ratio's part is built as N_k /
+    the whole batch's D_k: a tower whose D is 0 (every weight of its shard
+    0) then adds 0, where its own N / D is 0 / 0, NaN in the loss and in
+    the gradients, which a zero weight keeps. One device never divides by
+    it. Terms that do not depend on the examples are weighed by `weights`
+    (which add up to 1).
     """
     weights = self(losses)
     key = tuple(id(loss) for loss in losses)
@@ -850,19 +922,23 @@ class TowerWeights:
       weight = tf.cast(weights[t], losses[t].dtype)
       plain = losses[t] * weight
       reduction = reductions[t]
-      if key not in self._totals or len(reduction.ratios) != 1:
+      if key not in self._totals:
         return plain
-      depends = ExampleDependence(self._shards[t], self._towers.start(t))
       # An idle tower (a padding copy) counts for nothing: a tf.where
       # would still send its unselected branch's zero gradient through
       # N / D, so the reciprocal of the total is 0 instead.
-      reciprocal = tf.where(self._sizes[t] > 0,
-                            tf.math.reciprocal_no_nan(self._totals[key]), 0.0)
-      rebuilt = _spread(losses[t], reduction.ratios[0], weight, reciprocal,
-                        depends, [0])
+      ratios = {ratio.name: (tf.where(self._sizes[t] > 0,
+                                      tf.math.reciprocal_no_nan(total), 0.0),
+                             divisor)
+                for ratio, divisor, total in zip(
+                    reduction.ratios, reduction.divisors, self._totals[key])}
+      rebuilt = _spread(losses[t], ratios, weight, self._depends(t), [0])
       return plain if rebuilt is None else rebuilt
 
     return weighted
+
+  def _depends(self, tower: int) -> 'ExampleDependence':
+    return ExampleDependence(self._shards[tower], self._towers.start(tower))
 
   def _known_in_advance(self, losses: List[tf.Tensor]) -> List[tf.Tensor]:
     """Weights from the split alone, checked against the exact ones.
@@ -899,9 +975,8 @@ class TowerWeights:
 
   def _weights(self, losses: List[tf.Tensor], key: tuple
                ) -> List[tf.Tensor]:
-    reductions = [analyze(loss, ExampleDependence(self._shards[t],
-                                                  self._towers.start(t)))
-                  for t, loss in enumerate(losses)]
+    depends = [self._depends(t) for t in range(len(losses))]
+    reductions = [analyze(loss, depends[t]) for t, loss in enumerate(losses)]
     kind = self._resolve(losses[0], reductions)
     self._kinds[key] = kind
     self._reductions[key] = reductions
@@ -910,12 +985,24 @@ class TowerWeights:
       return [tf.where(active[t], tf.ones([], loss.dtype),
                        tf.zeros([], loss.dtype))
               for t, loss in enumerate(losses)]
-    if all(r.kind == RATIO for r in reductions):
-      if all(len(r.divisors) == 1 for r in reductions):
-        exact, self._totals[key] = _ratio_weights(reductions, active,
-                                                  self._total_of)
-        return exact
+    if not all(r.kind == RATIO for r in reductions):
+      return self._shares()
+    terms = len(reductions[0].divisors)
+    if terms == 1:
+      exact, total = _ratio_weights(reductions, active, self._total_of,
+                                    depends)
+      self._totals[key] = [total]
+      return exact
+    if self._in_advance or any(
+        len(r.divisors) != terms or len(r.ratios) != terms or
+        not _spreadable(loss, r, d) for loss, r, d in zip(
+            losses, reductions, depends)):
       return self._shares_checked(reductions, losses[0])
+    # Several ratios (a masked-LM mean plus a next-sentence mean): each
+    # divided by its own whole-batch divisor, exact whatever their shares.
+    self._totals[key] = [_ratio_weights(reductions, active, self._total_of,
+                                        depends, term)[1]
+                         for term in range(terms)]
     return self._shares()
 
   def _resolve(self, loss: tf.Tensor, reductions: List[Reduction]) -> str:

@@ -20,9 +20,13 @@ statistics and which rows have met one ("mixed"). It is fed by
 batch_mixing's walk, which knows each tensor's row axes. An exchange
 between the towers (a collective: batch norm's global moments,
 `whole_batch`) gives the whole batch's values: nothing passes it. With
-batch_norm='per_tower' the user chose each shard's moments: reductions
-inside `tf.nn.moments` / `weighted_moments` and fused batch norm are then
-no statistic. A truth value over the shard (`tf.reduce_all`,
+batch_norm='per_tower' the user chose each shard's moments for batch norm:
+the rows may meet them inside `tf.nn.moments` and
+`tf.nn.batch_normalization` (Keras' non-fused layers, tf_slim) and in a
+fused batch norm; anywhere else (advantages
+standardised with `tf.nn.moments`) they are still refused. A running sum
+over the examples (`tf.cumsum` along the rows) and a contraction over them
+(`h^T h`) are statistics too. A truth value over the shard (`tf.reduce_all`,
 `reduce_any`: Keras' hinge losses ask whether the labels are all 0 or 1)
 is taken as the batch's: it is for every valid label set, and refusing
 those losses would refuse every model using them.
@@ -41,13 +45,16 @@ Axes = frozenset
 
 _REDUCTIONS = frozenset(['Sum', 'Mean', 'Max', 'Min', 'Prod', 'EuclideanNorm',
                          'ArgMax', 'ArgMin'])
-# Reductions by segment: a statistic when the segments come from the
-# shard's values (class counts by label), not from positions (per-example
-# sums of a flattened sequence).
+# Reductions by segment into a fixed number of segments (class counts by
+# label); into as many as the shard has rows they pool each example's own
+# values (a ragged sequence's mean).
 _SEGMENT_REDUCTIONS = frozenset([
     'UnsortedSegmentSum', 'UnsortedSegmentMax', 'UnsortedSegmentMin',
-    'UnsortedSegmentProd', 'SegmentSum', 'SegmentMean', 'SegmentMax',
-    'SegmentMin', 'SegmentProd', 'Bincount', 'DenseBincount'])
+    'UnsortedSegmentProd'])
+_COUNTS_VALUES = frozenset(['Bincount', 'DenseBincount'])
+_CUMULATIVE = frozenset(['Cumsum', 'Cumprod', 'CumulativeLogsumexp'])
+_CONTRACTIONS = frozenset(['MatMul', 'BatchMatMul', 'BatchMatMulV2',
+                           'BatchMatMulV3', 'Einsum'])
 FUSED_BATCH_NORMS = frozenset(['FusedBatchNorm', 'FusedBatchNormV2',
                                'FusedBatchNormV3'])
 # A count of the shard's rows read from its shape stays a statistic only
@@ -71,7 +78,9 @@ _NOT_VALUES = {
     'Sum': (1,), 'Mean': (1,), 'Max': (1,), 'Min': (1,), 'Prod': (1,),
     'ArgMax': (1,), 'ArgMin': (1,), 'Any': (1,), 'All': (1,),
     'EuclideanNorm': (1,)}
-_MOMENTS_SCOPE = re.compile(r'^(weighted_)?moments(_\d+)?$')
+# tf.nn.batch_normalization's scope, and tf.nn.moments' (whose variance
+# centres the rows on their mean).
+_BATCH_NORM_SCOPE = re.compile(r'^(batchnorm|(weighted_)?moments)(_\d+)?$')
 
 Found = Tuple[tf.Operation, str]
 
@@ -131,6 +140,12 @@ class Trail:
     """(op, phrase) where `tensor`'s rows met a statistic, or None."""
     return self._mixed.get(tensor.name)
 
+  def counts_rows(self, tensor: tf.Tensor) -> bool:
+    """Whether `tensor` is a count of the shard's rows (read from a
+    shape, or folded from a static one)."""
+    found = self._statistics.get(tensor.name)
+    return found is not None and found[1]
+
   # --------------------------------------------------------------------
 
   def _copy(self, source: str, target: str) -> None:
@@ -155,7 +170,14 @@ class Trail:
     if op.type in FUSED_BATCH_NORMS and self._normalises_rows(op, inputs):
       return (op, "normalises with the shard's own moments: a batch norm "
               "that batch_norm='global' does not reach")
-    if not any(outputs):
+    if op.type in _CUMULATIVE and inputs[0]:
+      axis = tf.get_static_value(op.inputs[1])
+      rank = op.inputs[0].shape.rank
+      if axis is None or rank is None or int(axis) % rank in inputs[0]:
+        return (op, 'accumulates over the examples (each row adds the rows '
+                'before it)')
+    if not any(outputs) or (self._per_tower_batch_norm and
+                            _in_batch_norm(op)):
       return None
     skipped = _NOT_VALUES.get(op.type, ())
     positions = {p % len(op.inputs) for p in skipped} if op.inputs else set()
@@ -164,7 +186,8 @@ class Trail:
       if source is not None and position not in positions and (
           not inputs[position]):
         return (op, f'combines the rows with {source[0].type} '
-                f"{source[0].name!r}, a statistic of the shard's rows")
+                f"{source[0].name!r}, a statistic of the shard's rows"
+                f'{_hint(source[0])}')
     return None
 
   def _normalises_rows(self, op: tf.Operation, inputs: Sequence[Axes]
@@ -208,18 +231,29 @@ class Trail:
     if op.type == 'L2Loss' and inputs[0]:
       return (op, not held[0])
     if op.type in _SEGMENT_REDUCTIONS:
-      segments = 0 if op.type in ('Bincount', 'DenseBincount') else 1
-      if any(inputs) and held[segments]:
-        return (op, False)
+      return (op, False) if any(inputs) and self._fixed_segments(op) else None
+    if op.type in _COUNTS_VALUES:
+      return (op, False) if inputs[0] else None
+    if op.type in _CONTRACTIONS:
+      # Rows in, none out: summed against each other (h^T h) or against
+      # values that hold no example (a sum). A matrix of the examples'
+      # values the walk lost (a diagonal of their weights) may keep them
+      # apart: not taken as a statistic.
+      if any(inputs) and all(axes or not h for axes, h in zip(inputs, held)):
+        return (op, not any(held))
       return None
     if op.type not in _REDUCTIONS or not inputs[0]:
-      return None
-    if self._per_tower_batch_norm and _in_moments(op):
       return None
     reduced = _reduced_axes(op)
     if reduced is None or not reduced & set(inputs[0]):
       return None
     return (op, not held[0])
+
+  def _fixed_segments(self, op: tf.Operation) -> bool:
+    """Whether a segment reduction's number of segments is a constant other
+    than the shard's row count (classes, not examples)."""
+    number = tf.get_static_value(op.inputs[2])
+    return number is not None and int(number) != self._rows
 
   def _picks_a_count(self, op: tf.Operation) -> bool:
     """Whether `op` reads a row count from a shape vector of rows:
@@ -271,6 +305,20 @@ def _reduced_axes(op: tf.Operation):
   return {int(a) % rank for a in np.reshape(axes, [-1])}
 
 
-def _in_moments(op: tf.Operation) -> bool:
-  """Whether `op` is made inside `tf.nn.moments` or `weighted_moments`."""
-  return any(_MOMENTS_SCOPE.match(part) for part in op.name.split('/')[:-1])
+def _in_batch_norm(op: tf.Operation) -> bool:
+  """Whether `op` is made inside `tf.nn.batch_normalization` or
+  `tf.nn.moments`."""
+  return any(_BATCH_NORM_SCOPE.match(part)
+             for part in op.name.split('/')[:-1])
+
+
+def _hint(source: tf.Operation) -> str:
+  """What to do about a statistic the user may not have written."""
+  if 'SequenceMask' in source.name:
+    return (" (tf.sequence_mask without maxlen pads to the shard's longest "
+            'sequence: pass maxlen)')
+  if source.type == 'Size':
+    return (' (Keras weighs a masked loss by tf.size / sum(mask): give the '
+            "Keras loss reduction='sum' and divide by tf.reduce_sum(mask) "
+            'yourself)')
+  return ''
