@@ -335,19 +335,22 @@ def save_start_checkpoint(model_fn, input_fn, model_dirs, params=None):
 
 
 def train_in_session(model_fn, x, y, towers, batch, steps, start=None,
-                     **wrapper_kwargs):
+                     static_batch=False, **wrapper_kwargs):
   """Trains `steps` batches in a Session from the `start` variable values.
 
-  The features are {'x': x} batched in order; `towers` > 1 wraps `model_fn`
-  in replicate_model_fn(**wrapper_kwargs) on that many virtual CPUs.
+  The features are {'x': x} (or `x` itself, a dict) batched in order, of a
+  static size with `static_batch` (drop_remainder); `towers` > 1 wraps
+  `model_fn` in replicate_model_fn(**wrapper_kwargs) on that many virtual
+  CPUs.
 
   Returns:
     (start, end): every global variable's value before and after.
   """
   with tf.Graph().as_default():
+    features = x if isinstance(x, dict) else {'x': x}
     features, labels = tf1.data.make_one_shot_iterator(
-        tf.data.Dataset.from_tensor_slices(({'x': x}, y)).repeat()
-        .batch(batch)).get_next()
+        tf.data.Dataset.from_tensor_slices((features, y)).repeat()
+        .batch(batch, drop_remainder=static_batch)).get_next()
     config = trainer.make_run_config(cpu_devices=towers)
     if towers > 1:
       spec = trainer.replicate_model_fn(model_fn, **wrapper_kwargs)(

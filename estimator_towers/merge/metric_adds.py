@@ -153,7 +153,8 @@ def _count_once(metric: str, adds: List[tf.Operation], depends_on_shard,
       _replace(add, position, tf.where(on, value, tf.zeros_like(value)),
                'weighted_by_shard')
     return
-  weights = loss_reduction.exact_weights(values, reductions, active)
+  weights = loss_reduction.exact_weights(values, reductions, active,
+                                         depends_on=depends_on_shard)
   if weights is None:  # Several means (a difference of two): checked shares.
     weights = loss_reduction.proportional_weights(
         values, reductions, active,

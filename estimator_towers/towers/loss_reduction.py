@@ -44,6 +44,7 @@ _DIVIDE = frozenset(['RealDiv', 'Div', 'DivNoNan', 'TrueDiv'])
 _UNSPLITTABLE = 'unsplittable'  # A term kind: see _per_row.
 _PER_COLUMN = 'per_column'  # A term kind: see _per_column.
 _NONLINEAR = 'nonlinear'  # A term kind: a function of a reduction (sqrt).
+_STATIC_COUNT = 'static_count'  # A term kind: see _from_static_count.
 # Ops whose output is no weighted sum of their scalar input's shards.
 _NONLINEAR_OPS = frozenset([
     'Sqrt', 'Rsqrt', 'Square', 'Pow', 'Log', 'Log1p', 'Exp', 'Expm1', 'Abs',
@@ -62,6 +63,11 @@ _ELEMENTWISE = frozenset([
 _SHAPE_FOLDS = frozenset(['size_internal', 'shape_internal'])
 _SHAPE_ELEMENT = frozenset(['StridedSlice', 'GatherV2', 'Gather'])
 _MAX_OPS = 2000  # Bound on the walk: losses are small subgraphs at the top.
+# The name of the cast of a divisor the model_fn wrote (a sum of weights, a
+# count, max(positives, 1)), which `_ratio_weights` must read to trust;
+# the counts the analysis builds itself (a mean's tf.size) are counts.
+_WRITTEN_DIVISOR = 'written_divisor'
+
 
 
 @dataclasses.dataclass
@@ -110,6 +116,13 @@ _UNSPLITTABLE_KINDS = {
         'Sum (or average) over all the elements at once, e.g. '
         'tf.reduce_sum(losses * weights) / tf.reduce_sum(weights), or train '
         'on one device.'),
+    _STATIC_COUNT: (
+        "it divides by a value computed from the shard's static size that "
+        'is not its count (tf.shape(x)[0] + 1 with a static batch size): '
+        "each tower's shard has a size of its own",
+        'Divide by the count itself (tf.reduce_mean), by a sum over the '
+        'examples plus a constant (tf.reduce_sum(tf.ones_like(x)) + 1), or '
+        'train on one device.'),
     _NONLINEAR: (
         'it applies a nonlinear function to a reduction over the examples '
         '(e.g. the square root of a mean, an RMSE): the towers\' weighted '
@@ -178,7 +191,8 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
     if len(varying) == 1:
       _collect_terms(varying[0], depends, terms, budget)
     else:
-      terms.append((UNKNOWN, None, op.name))
+      terms.append(_times_a_reciprocal(op, depends, budget) or
+                   (UNKNOWN, None, op.name))
   elif op.type in _DIVIDE:
     numerator, denominator = op.inputs[0], op.inputs[1]
     if not depends(denominator):
@@ -195,6 +209,8 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
             'size: a sum)')))
       elif _is_the_rows(denominator, depends):
         terms.append(_per_row(numerator, denominator, depends, budget, op))
+      elif _from_static_count(denominator, numerator, depends):
+        terms.append((_STATIC_COUNT, None, op.name))
       else:  # A scaling, e.g. by a fixed batch size.
         _collect_terms(numerator, depends, terms, budget)
     else:  # A count of this shard's examples (rows, weights, tokens).
@@ -246,11 +262,34 @@ def _per_row(numerator: tf.Tensor, denominator: tf.Tensor, depends,
   _collect_terms(numerator, depends, inner, budget)
   kinds = {kind for kind, _, _ in inner}
   if kinds == {SUM}:
-    return (RATIO, tf.cast(denominator, op.outputs[0].dtype), op.name)
+    # An identity even when no cast is needed: its name marks the divisor.
+    return (RATIO, tf.identity(tf.cast(denominator, op.outputs[0].dtype),
+                               name=_WRITTEN_DIVISOR), op.name)
   if kinds & ({RATIO, 'constant'} | set(_UNSPLITTABLE_KINDS)) and (
       UNKNOWN not in kinds):
     return (_UNSPLITTABLE, None, op.name)
   return (UNKNOWN, None, op.name)
+
+
+def _times_a_reciprocal(op: tf.Operation, depends, budget: List[int]
+                        ) -> Optional[tuple]:
+  """The term `(c / D) * S` of a sum S over the examples: a ratio written
+  as a product (the Object Detection API's `(1 / normalizer) * loss`), or
+  None."""
+  if len(op.inputs) != 2:
+    return None
+  for scale, summed in (op.inputs, reversed(list(op.inputs))):
+    scale = _skip_pass_through(scale)
+    if scale.op.type not in _DIVIDE or depends(scale.op.inputs[0]) or (
+        not depends(scale.op.inputs[1])):
+      continue
+    inner: List[tuple] = []
+    _collect_terms(summed, depends, inner, budget)
+    if {kind for kind, _, _ in inner} == {SUM}:
+      divisor = scale.op.inputs[1]
+      return (RATIO, tf.identity(tf.cast(divisor, op.outputs[0].dtype),
+                                 name=_WRITTEN_DIVISOR), op.name)
+  return None
 
 
 def _counts_the_summed(numerator: tf.Tensor, denominator: tf.Tensor,
@@ -278,6 +317,33 @@ def _counts_the_summed(numerator: tf.Tensor, denominator: tf.Tensor,
       float(np.reshape(value, [])) != float(summed.num_elements())):
     return None
   return 'count' if _from_shapes(denominator) else 'ambiguous'
+
+
+def _from_static_count(denominator: tf.Tensor, numerator: tf.Tensor,
+                       depends) -> bool:
+  """Whether a constant divisor is computed from the shard's static row
+  count (`tf.shape(x)[0]`) or static size (`tf.size(x)` of what the
+  numerator sums), folded while building, without being that count."""
+  summed = None
+  if _reduces_all(numerator, SUM, depends):
+    summed = _skip_pass_through(numerator).op.inputs[0].shape.num_elements()
+  pending, seen = [denominator], set()
+  while pending and len(seen) < _MAX_OPS:
+    tensor = pending.pop()
+    if tensor.op.name in seen:
+      continue
+    seen.add(tensor.op.name)
+    if _is_the_rows(tensor, depends):
+      return True
+    op = tensor.op
+    if op.type == 'Const' and summed is not None and any(
+        frame.name == 'size_internal' for frame in op.traceback):
+      value = _static_value(tensor)
+      if value is not None and np.size(value) == 1 and (
+          int(np.reshape(value, [])) == summed):
+        return True
+    pending.extend(op.inputs)
+  return False
 
 
 def folded_shape(op: tf.Operation) -> bool:
@@ -557,7 +623,7 @@ class ExampleDependence:
 
 
 def exact_weights(losses: List[tf.Tensor], reductions: List[Reduction],
-                  active: tf.Tensor, total_of=None
+                  active: tf.Tensor, total_of=None, depends_on=None
                   ) -> Optional[List[tf.Tensor]]:
   """Tower weights that make the weighted sum the global-batch loss.
 
@@ -567,6 +633,8 @@ def exact_weights(losses: List[tf.Tensor], reductions: List[Reduction],
     active: A bool per tower: False for idle towers (their weight is 0).
     total_of: Turns this task's total divisor into the global batch's (a
       sum over the tasks of a synchronous cluster); None on one machine.
+    depends_on: Per tower, its `ExampleDependence`: a divisor bounded by a
+      constant (`max(S_t, 1)`) is then weighed against the whole batch's.
 
   Returns:
     For SUM, 1 for active towers. For RATIO with one divisor per tower,
@@ -581,7 +649,7 @@ def exact_weights(losses: List[tf.Tensor], reductions: List[Reduction],
             for t, loss in enumerate(losses)]
   if any(len(r.divisors) != 1 for r in reductions):
     return None
-  return _ratio_weights(reductions, active, total_of)[0]
+  return _ratio_weights(reductions, active, total_of, depends_on)[2]
 
 
 def _ratio_weights(reductions: List[Reduction], active: tf.Tensor, total_of,
@@ -602,7 +670,9 @@ def _ratio_weights(reductions: List[Reduction], active: tf.Tensor, total_of,
     term: Which ratio term's divisors.
 
   Returns:
-    (weights, divisor).
+    (weights, divisor, shares): the shares are each tower's divisor over
+    the whole batch's, which add up to 1 only when the divisor is a sum
+    (`max(S_t, 1)` of towers without positives adds 1 per tower).
   """
   def summed(values):
     total = tf.add_n([tf.where(active[t],
@@ -617,13 +687,45 @@ def _ratio_weights(reductions: List[Reduction], active: tf.Tensor, total_of,
   if total_of is not None:
     total = total_of(total)
   weights = [tf.math.divide_no_nan(count, total) for count in counts]
-  found = None
+  found = [None]
   if depends_on is not None:
-    found = [divisor_totals.parts(d, depends, lambda t, e=depends: (
-        _is_plain_sum(t, e))) for d, depends in zip(divisors, depends_on)]
-  if not found or any(f is None for f in found):
-    return weights, total
-  return weights, found[0].rebuild(summed([f.sum for f in found]))
+    found = [_divisor_parts(d, depends) for d, depends in zip(divisors,
+                                                             depends_on)]
+  if any(f is None for f in found):
+    return weights, total, weights
+  divisor = found[0].rebuild(summed([f.sum for f in found]))
+  return weights, divisor, [tf.math.divide_no_nan(count, divisor)
+                            for count in counts]
+
+
+def _divisor_parts(divisor: tf.Tensor, depends
+                   ) -> Optional[divisor_totals.Divisor]:
+  """A divisor as an expression of one sum over the examples; None for a
+  count the analysis built (its sum is the divisors' sum).
+
+  Raises:
+    ValueError: a divisor the model_fn wrote is no such expression (the
+      towers' divisors would not add up to one device's).
+  """
+  written = divisor.op.name.rsplit('/', 1)[-1].startswith(_WRITTEN_DIVISOR)
+  if not written:
+    return None
+  inner = divisor.op.inputs[0]
+  if not depends(inner):
+    return None  # A count a static shape fixed.
+  found = divisor_totals.parts(
+      inner, lambda t: depends(t) and not _other_dims(t),
+      lambda t: _is_plain_sum(t, depends))
+  if found is None:
+    raise ValueError(
+        f'A loss (or metric) divides by {inner.op.name!r}, which is neither '
+        'a sum over '
+        'the examples (a count, a sum of weights) nor such a sum plus, or '
+        'bounded by, a constant (tf.maximum(tf.reduce_sum(w), 1.0)): each '
+        "tower would divide by its own shard's value and no weighting of "
+        'the towers gives the one-device loss. Divide by such a sum, or '
+        'train on one device.')
+  return found
 
 
 def _is_plain_sum(tensor: tf.Tensor, depends) -> bool:
@@ -631,16 +733,50 @@ def _is_plain_sum(tensor: tf.Tensor, depends) -> bool:
   return reduction.kind == SUM and not reduction.constant_terms
 
 
+# Ops a dimension other than the rows may be computed with.
+_DIMENSION_OPS = frozenset(['Shape', 'StridedSlice', 'Cast', 'Identity',
+                            'Const', 'Mul', 'Add', 'AddV2', 'Sub', 'Maximum',
+                            'Minimum', 'RealDiv', 'FloorDiv', 'Prod',
+                            'GatherV2', 'Pack'])
+
+
+def _other_dims(tensor: tf.Tensor) -> bool:
+  """Whether `tensor` is computed from dimensions of the shard other than
+  its rows only (`tf.shape(x)[1]`, a sequence's padded length): the same in
+  every tower, since the batch is split along the rows."""
+  pending, seen = [tensor], set()
+  while pending:
+    current = pending.pop()
+    op = current.op
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    if len(seen) > 50 or op.type not in _DIMENSION_OPS:
+      return False
+    if op.type == 'Shape':
+      continue
+    if op.type == 'StridedSlice' and op.inputs[0].op.type == 'Shape':
+      begin = _static_value(op.inputs[1])
+      rank = op.inputs[0].op.inputs[0].shape.rank
+      if begin is None or rank is None or np.size(begin) != 1 or (
+          int(np.reshape(begin, [])) % rank == 0):
+        return False
+      continue
+    pending.extend(op.inputs)
+  return any(op_name for op_name in seen)  # Walked without a row count.
+
+
 def spread_exactly(values: List[tf.Tensor], reductions: List[Reduction],
                    active: List[tf.Tensor], depends_on: List
                    ) -> Optional[List[tf.Tensor]]:
-  """Each one-ratio value times its exact weight, as N_t / total.
+  """Each value with every ratio N_k / D_k built as N_k / the batch's D_k.
 
   The weighted value N_t / D_t * D_t / total is built as N_t / total, so a
   tower whose D_t is 0 (a shard without positives, or whose weights are all
   0) still adds its numerator, as one device's N / D counts it. The total
   is divided by as the value divides: `tf.math.divide_no_nan` gives 0 for a
-  batch whose total is 0, a plain division NaN, as on one device.
+  batch whose total is 0, a plain division NaN, as on one device. Several
+  ratios (BERT pretraining's two means) each get their own total.
 
   Args:
     values: The towers' values (e.g. a metric's adds), all RATIO.
@@ -649,20 +785,29 @@ def spread_exactly(values: List[tf.Tensor], reductions: List[Reduction],
     depends_on: Per tower, its `ExampleDependence`.
 
   Returns:
-    The weighted values, or None when a value has several ratio terms or
-    cannot be rebuilt (the caller weighs it instead).
+    The weighted values, or None when the towers' values have other
+    numbers of ratio terms or cannot be rebuilt (the caller weighs them
+    instead).
   """
-  if any(len(r.ratios) != 1 or len(r.divisors) != 1 for r in reductions):
+  terms = len(reductions[0].divisors)
+  if any(len(r.ratios) != terms or len(r.divisors) != terms or
+         not _spreadable(v, r, d)
+         for v, r, d in zip(values, reductions, depends_on)):
     return None
-  weights, total = _ratio_weights(reductions, active, None, depends_on)
+  parts = [_ratio_weights(reductions, active, None, depends_on, k)
+           for k in range(terms)]
   spread = []
   for t, (value, reduction) in enumerate(zip(values, reductions)):
-    no_nan = reduction.ratios[0].op.type == 'DivNoNan'
-    reciprocal = (tf.math.reciprocal_no_nan(total) if no_nan
-                  else tf.math.reciprocal(total))
-    reciprocal = tf.where(active[t], reciprocal, tf.zeros_like(reciprocal))
-    rebuilt = _spread(value, {reduction.ratios[0].name: (
-        reciprocal, reduction.divisors[0])}, weights[t], depends_on[t], [0])
+    ratios = {}
+    for (_, total, _), ratio, divisor in zip(parts, reduction.ratios,
+                                             reduction.divisors):
+      reciprocal = (tf.math.reciprocal_no_nan(total)
+                    if ratio.op.type == 'DivNoNan'
+                    else tf.math.reciprocal(total))
+      ratios[ratio.name] = (tf.where(active[t], reciprocal,
+                                     tf.zeros_like(reciprocal)), divisor)
+    # Terms that do not depend on the examples: weights adding up to 1.
+    rebuilt = _spread(value, ratios, parts[0][0][t], depends_on[t], [0])
     if rebuilt is None:
       return None
     spread.append(rebuilt)
@@ -842,6 +987,8 @@ class TowerWeights:
     self._reductions: Dict[tuple, List[Reduction]] = {}
     # Per loss, each ratio term's whole-batch divisor.
     self._totals: Dict[tuple, List[tf.Tensor]] = {}
+    # Per one-ratio loss, each tower's divisor over the whole batch's.
+    self._divisor_shares: Dict[tuple, List[tf.Tensor]] = {}
     self._advance_cache: Dict[tuple, List[tf.Tensor]] = {}
     self.checks: List[tf.Operation] = []
 
@@ -957,6 +1104,9 @@ class TowerWeights:
     if self._kinds[key] == SUM:  # From the sizes only already.
       weights = exact
     else:
+      # Against the whole batch's divisor: max(S_t, 1) of micro-batches
+      # without positives is 1 each, proportional to nothing.
+      exact = self._divisor_shares.get(key, exact)
       weights = self._shares()
       check = tf.debugging.assert_near(
           tf.stack(exact), tf.stack(weights), rtol=1e-5, atol=1e-6,
@@ -989,15 +1139,16 @@ class TowerWeights:
       return self._shares()
     terms = len(reductions[0].divisors)
     if terms == 1:
-      exact, total = _ratio_weights(reductions, active, self._total_of,
-                                    depends)
+      exact, total, shares = _ratio_weights(reductions, active,
+                                            self._total_of, depends)
       self._totals[key] = [total]
+      self._divisor_shares[key] = shares
       return exact
     if self._in_advance or any(
         len(r.divisors) != terms or len(r.ratios) != terms or
         not _spreadable(loss, r, d) for loss, r, d in zip(
             losses, reductions, depends)):
-      return self._shares_checked(reductions, losses[0])
+      return self._shares_checked(reductions, losses[0], depends)
     # Several ratios (a masked-LM mean plus a next-sentence mean): each
     # divided by its own whole-batch divisor, exact whatever their shares.
     self._totals[key] = [_ratio_weights(reductions, active, self._total_of,
@@ -1064,11 +1215,12 @@ class TowerWeights:
     return tf.unstack(sizes / total, num=len(self._shards))
 
   def _shares_checked(self, reductions: List[Reduction],
-                      loss: tf.Tensor) -> List[tf.Tensor]:
+                      loss: tf.Tensor, depends: List) -> List[tf.Tensor]:
     """Example shares, asserting at run time that they are exact.
 
     A loss with several ratio terms (two means, say) splits exactly by
-    example shares only if every divisor is proportional to the examples.
+    example shares only if every divisor is proportional to the examples
+    (each tower's divisor over the whole batch's equals its share).
     """
     shares = self._shares()
     checks = []
@@ -1078,13 +1230,10 @@ class TowerWeights:
                        'numbers of terms; every tower must build one model.')
     active = self._sizes > 0
     for k in range(terms):
-      counts = [tf.where(active[t],
-                         tf.cast(tf.stop_gradient(r.divisors[k]), tf.float32),
-                         0.0) for t, r in enumerate(reductions)]
-      fractions = tf.math.divide_no_nan(tf.stack(counts),
-                                        self._total_of(tf.add_n(counts)))
+      fractions = _ratio_weights(reductions, active, self._total_of, depends,
+                                 k)[2]
       checks.append(tf.debugging.assert_near(
-          fractions, tf.stack(shares), atol=1e-6, message=(
+          tf.stack(fractions), tf.stack(shares), atol=1e-6, message=(
               f'The loss {loss.op.name!r} adds several ratios whose divisors '
               'are not proportional to the towers\' numbers of examples (e.g. '
               'a sum of weighted means), so no weighting of the towers gives '
