@@ -674,18 +674,17 @@ def _ratio_weights(reductions: List[Reduction], active: tf.Tensor, total_of,
     the whole batch's, which add up to 1 only when the divisor is a sum
     (`max(S_t, 1)` of towers without positives adds 1 per tower).
   """
-  def summed(values):
-    total = tf.add_n([tf.where(active[t],
-                               tf.cast(tf.stop_gradient(v), tf.float32), 0.0)
-                      for t, v in enumerate(values)])
+  def active_values(values):
+    return [tf.where(active[t], tf.cast(tf.stop_gradient(v), tf.float32), 0.0)
+            for t, v in enumerate(values)]
+
+  def summed(counts):
+    total = tf.add_n(counts)
     return total if total_of is None else total_of(total)
 
   divisors = [r.divisors[term] for r in reductions]
-  counts = [tf.where(active[t], tf.cast(tf.stop_gradient(d), tf.float32), 0.0)
-            for t, d in enumerate(divisors)]
-  total = tf.add_n(counts)
-  if total_of is not None:
-    total = total_of(total)
+  counts = active_values(divisors)
+  total = summed(counts)
   weights = [tf.math.divide_no_nan(count, total) for count in counts]
   found = [None]
   if depends_on is not None:
@@ -693,7 +692,7 @@ def _ratio_weights(reductions: List[Reduction], active: tf.Tensor, total_of,
                                                              depends_on)]
   if any(f is None for f in found):
     return weights, total, weights
-  divisor = found[0].rebuild(summed([f.sum for f in found]))
+  divisor = found[0].rebuild(summed(active_values([f.sum for f in found])))
   return weights, divisor, [tf.math.divide_no_nan(count, divisor)
                             for count in counts]
 
@@ -719,12 +718,11 @@ def _divisor_parts(divisor: tf.Tensor, depends
   if found is None:
     raise ValueError(
         f'A loss (or metric) divides by {inner.op.name!r}, which is neither '
-        'a sum over '
-        'the examples (a count, a sum of weights) nor such a sum plus, or '
-        'bounded by, a constant (tf.maximum(tf.reduce_sum(w), 1.0)): each '
-        "tower would divide by its own shard's value and no weighting of "
-        'the towers gives the one-device loss. Divide by such a sum, or '
-        'train on one device.')
+        'a sum over the examples (a count, a sum of weights) nor such a sum '
+        'plus, or bounded by, a constant (tf.maximum(tf.reduce_sum(w), '
+        "1.0)): each tower would divide by its own shard's value and no "
+        'weighting of the towers gives the one-device loss. Divide by such '
+        'a sum, or train on one device.')
   return found
 
 
@@ -763,7 +761,7 @@ def _other_dims(tensor: tf.Tensor) -> bool:
         return False
       continue
     pending.extend(op.inputs)
-  return any(op_name for op_name in seen)  # Walked without a row count.
+  return True  # Walked to its shapes and constants without a row count.
 
 
 def spread_exactly(values: List[tf.Tensor], reductions: List[Reduction],
