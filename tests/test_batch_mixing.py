@@ -383,6 +383,15 @@ def test_rows_reordered_alike_train_as_one_device(name):
                                err_msg=variable)
 
 
+def test_rows_gathered_by_a_mask_column_other_than_the_rows_are_refused():
+  # tf.where of a [rows, 2] mask: column 1 holds positions on the other
+  # axis, not the rows a mask kept.
+  loss_of = lambda p, l, x: tf.reduce_mean(tf.gather(
+      tf.reduce_sum(_squares(p, l), 1), tf.where(x[:, :2] > 0)[:, 1]))
+  with pytest.raises(ValueError, match='keeps only some examples'):
+    build_replicated(_regression(loss_of), towers=2, loss_reduction='mean')
+
+
 def test_per_example_selections_train_as_one_device():
   # Other axes' slices, a full-range slice, a full sort and a boolean mask
   # by a per-example condition keep each example's term its own; so do a
@@ -393,6 +402,9 @@ def test_per_example_selections_train_as_one_device():
             + tf.reduce_mean(squares[:]) + tf.reduce_mean(
                 tf.sort(tf.reduce_sum(squares, 1)))
             + tf.reduce_mean(tf.boolean_mask(squares, x[:, 0] > 0))
+            # tf.boolean_mask by hand (refused before as a subset).
+            + tf.reduce_mean(tf.gather(tf.reduce_sum(squares, 1),
+                                       tf.where(x[:, 0] > 0)[:, 0]))
             + tf.reduce_mean(tf.reverse(squares, [0]))
             + tf.reduce_mean(_squares(tf.roll(p, 1, 1), l)))
 

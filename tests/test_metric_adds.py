@@ -325,6 +325,26 @@ def test_a_batch_value_spread_over_the_examples_is_refused():
           estimator_towers.make_run_config(cpu_devices=2))
 
 
+@pytest.mark.parametrize('towers', [2, 3])
+def test_per_class_counts_added_at_indices_equal_one_device(checkpoint,
+                                                            towers):
+  # mean_per_class_accuracy scatter-adds per-class counts: refused as a
+  # write the last tower wins. The last batch (2 rows) leaves a tower of 3
+  # idle: its padding copy must add nothing.
+  def model_fn(features, labels, mode, params):
+    del params
+    return _classifier(features, labels, mode, {'metrics': lambda e: {
+        'm': tf1.metrics.mean_per_class_accuracy(
+            labels, tf.cast(e < 0.5, tf.int64), 2, weights=features['w'])}})
+
+  expected = _evaluate(model_fn, checkpoint, 1,
+                       input_fn=_weighted_input_fn)['m']
+  actual = _evaluate(model_fn, checkpoint, towers,
+                     input_fn=_weighted_input_fn)['m']
+  assert 0 < expected < 1
+  np.testing.assert_allclose(actual, expected, rtol=1e-6)
+
+
 def _keras_mean(values):
   """A Keras Mean with a scalar sample weight, as the v2 heads make it."""
   metric = tf.keras.metrics.Mean()

@@ -52,7 +52,9 @@ from estimator_towers.towers import loss_reduction
 from estimator_towers.towers import tower_effects
 
 # Adds into a metric's state: position of the value they add.
-_ADDS = {'AssignAdd': 1, 'AssignAddVariableOp': 1}
+_ADDS = {'AssignAdd': 1, 'AssignAddVariableOp': 1,
+         # Adds at indices (mean_per_class_accuracy's per-class counts).
+         'ScatterAdd': 2, 'ResourceScatterAdd': 2}
 
 
 def count_once(metric_ops: Sequence[Dict[str, tuple]],

@@ -1035,11 +1035,22 @@ def _row_numbers_times(tensor: tf.Tensor) -> Optional[int]:
 
 def _picked_by_mask(indices: tf.Tensor) -> bool:
   """Whether `indices` are the positions tf.where gives of a mask (as
-  tf.boolean_mask gathers): each row is kept or not on its own."""
+  tf.boolean_mask gathers, or `tf.where(mask)[:, 0]`, their row column):
+  each row is kept or not on its own."""
   op = indices.op
-  while op.type in ('Squeeze', 'Reshape', 'Identity', 'Cast'):
+  while op.type in ('Squeeze', 'Reshape', 'Identity', 'Cast') or (
+      op.type == 'StridedSlice' and _first_column(op)):
     op = op.inputs[0].op
   return op.type == 'Where'
+
+
+def _first_column(op: tf.Operation) -> bool:
+  """Whether a StridedSlice is `t[:, 0]` of a matrix (every row, column 0)."""
+  begin = _constant(op.inputs[1])
+  return (op.inputs[0].shape.rank == 2 and begin is not None and
+          np.size(begin) == 2 and int(np.ravel(begin)[1]) == 0 and
+          op.get_attr('shrink_axis_mask') == 2 and
+          op.get_attr('begin_mask') & 1 and op.get_attr('end_mask') & 1)
 
 
 def _one_hot(op: tf.Operation, axes: Axes) -> Axes:

@@ -1193,7 +1193,11 @@ class TowerWeights:
             f'replicate_model_fn cannot tell how the loss {name!r} reduces '
             f'its examples ({found.detail}), so it cannot tell how the '
             "towers' losses add up. Pass loss_reduction='mean' if the loss "
-            "is a mean over the batch, loss_reduction='sum' if it is a sum.")
+            'is a mean over the batch\'s examples (the towers are then '
+            "weighed by their shares of the examples, which a mean over "
+            "weights or a count of positives is not: write it as "
+            "tf.reduce_sum(loss * w) / tf.reduce_sum(w)), "
+            "loss_reduction='sum' if it is a sum.")
       return requested
     if requested is not None and requested != found.kind:
       said = 'a sum' if found.kind == SUM else 'a mean (a ratio)'
