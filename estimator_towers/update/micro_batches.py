@@ -51,6 +51,7 @@ from typing import Dict, List, Optional, Sequence, Set
 import tensorflow as tf
 
 from estimator_towers.graph import op_ledger
+from estimator_towers.towers import shard_statistics
 from estimator_towers.towers import sharding
 from estimator_towers import tower as tower_lib
 from estimator_towers.update import write_order
@@ -59,8 +60,6 @@ from estimator_towers.update import write_order
 # root logger.
 _log = logging.getLogger(__name__)
 tf1 = tf.compat.v1
-_FUSED_BATCH_NORMS = frozenset(['FusedBatchNorm', 'FusedBatchNormV2',
-                                'FusedBatchNormV3'])
 # Ops never gated: they hold state or feed the step, and run once.
 _UNGATED = frozenset(['VarHandleOp', 'VariableV2', 'Variable', 'Placeholder',
                       'PlaceholderWithDefault'])
@@ -128,7 +127,8 @@ class MicroBatches:
     graph = tf1.get_default_graph()
     region = towers.region(0)
     fused = [op.name for op in graph.get_operations()
-             if op.type in _FUSED_BATCH_NORMS and region.contains(op) and
+             if op.type in shard_statistics.FUSED_BATCH_NORMS and
+             region.contains(op) and
              op.get_attr('is_training') and not _normalises_each_row(op)]
     if not trains_batch_norm and not fused:
       return
