@@ -36,7 +36,7 @@ VOCAB = 7
 
 
 def model_fn(features, labels, mode, optimizer=None, projection=None,
-             manual_step=False, dropout=0.0, batch_norm=True):
+             manual_step=False, dropout=0.0, batch_norm=True, guarded=False):
   """Embedding (sparse gradients), dense layer, batch norm and Adam.
 
   With `projection` (an initializer), the features first go through a
@@ -45,7 +45,10 @@ def model_fn(features, labels, mode, optimizer=None, projection=None,
   `manual_step`, BERT's way: Adam's rate is read from global_step, which
   the model_fn advances by hand beside the update. With `dropout`, BERT's
   tf.nn.dropout (keep_prob) after the batch norm. Without `batch_norm`,
-  no batch norm (micro-batches refuse it in training).
+  no batch norm (micro-batches refuse it in training). With `guarded`, the
+  loss is a weighted mean inside tf.where(present > 0, ...) (the
+  `_safe_div` of tf.contrib.losses), whose condition must be the global
+  batch's on every task.
   """
   x = features['x']
   if projection is not None:
@@ -63,6 +66,12 @@ def model_fn(features, labels, mode, optimizer=None, projection=None,
     hidden = tf1.nn.dropout(hidden, 1.0 - dropout)
   predictions = tf1.layers.dense(hidden, 1)
   loss = tf1.losses.mean_squared_error(labels, predictions)
+  if guarded:
+    weights = tf.cast(features['x'][:, :1] > 0, tf.float32)
+    present = tf.reduce_sum(weights)
+    loss = tf.where(present > 0, tf.reduce_sum(
+        tf.square(labels - predictions) * weights) / tf.where(
+            present > 0, present, 1.0), 0.0)
   if mode != tf.estimator.ModeKeys.TRAIN:
     return tf.estimator.EstimatorSpec(mode, loss=loss)
   step = tf1.train.get_global_step()
@@ -106,9 +115,10 @@ def projected_model_fn(features, labels, mode):
 
 
 def momentum_model_fn(features, labels, mode):
-  """model_fn with momentum, whose sparse update touches only named rows."""
+  """model_fn with momentum, whose sparse update touches only named rows,
+  and a guarded loss."""
   return model_fn(features, labels, mode,
-                  tf1.train.MomentumOptimizer(0.05, 0.9))
+                  tf1.train.MomentumOptimizer(0.05, 0.9), guarded=True)
 
 
 def dropout_model_fn(features, labels, mode):

@@ -194,6 +194,58 @@ def test_analyze_with_a_static_batch_size(build, expected):
   assert found.kind == expected, found.detail
 
 
+def _guarded_sum(x):
+  present = tf.reduce_sum(tf.cast(tf.not_equal(x[:, 0], 0.0), tf.float32))
+  return tf.where(present > 0, tf.reduce_sum(tf.square(x)), 0.0)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('build,kind,guarded', [
+    # tf.compat.v1.losses.mean_pairwise_squared_error's form.
+    (_guarded_sum, loss_reduction.SUM, True),
+    # The zero on the true branch.
+    (lambda x: tf.where(tf.reduce_sum(x) <= 0.0, 0.0, tf.reduce_mean(x)),
+     loss_reduction.RATIO, True),
+    # A condition that does not depend on the examples needs no rebuild.
+    (lambda x: tf.where(tf.constant(True), tf.reduce_sum(x), 0.0),
+     loss_reduction.SUM, False),
+    # Not a guard: the other branch is no zero (one device adds 1 once, the
+    # towers once each).
+    (lambda x: tf.where(tf.reduce_sum(x) > 0.0, tf.reduce_sum(x), 1.0),
+     loss_reduction.UNKNOWN, False),
+    # Not a guard: a condition on a max, no sum over the examples.
+    (lambda x: tf.where(tf.reduce_max(x) > 0.0, tf.reduce_sum(x), 0.0),
+     loss_reduction.UNKNOWN, False),
+])
+def test_analyze_reads_guards_only_when_asked(build, kind, guarded):
+  with tf.Graph().as_default():
+    x = tf1.placeholder(tf.float32, [None, 3])
+    loss = build(x)
+    depends = loss_reduction.ExampleDependence(x, since=op_ledger.GRAPH_START)
+    found = loss_reduction.analyze(loss, depends, guards=True)
+    # Other readers (metrics, train_op writes) add the towers' values as
+    # they are, which a guard of each shard's own condition breaks.
+    unasked = loss_reduction.analyze(loss, depends)
+  assert found.kind == kind, found.detail
+  assert [g.condition is not None for g in found.guards] == (
+      [True] if guarded else [False] * len(found.guards))
+  if found.guards:
+    assert unasked.kind == loss_reduction.UNKNOWN
+
+
+@pytest.mark.fast
+def test_a_guarded_loss_with_micro_batches_is_refused():
+  def model_fn(features, labels, mode):
+    logits = tf1.layers.dense(features['x'], 2)
+    loss = _guarded_sum(logits - labels)
+    train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  with pytest.raises(ValueError, match='micro_batches > 1 weighs the'):
+    train_in_session(model_fn, _X, _Y, 2, 12, 1, micro_batches=2)
+
+
 @pytest.mark.fast
 def test_analyze_tells_constant_terms():
   with tf.Graph().as_default():

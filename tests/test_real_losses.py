@@ -28,7 +28,7 @@ K = tf.keras
 ModeKeys = tf.estimator.ModeKeys
 
 
-def _model_fn(loss_of, metrics_of=None):
+def _model_fn(loss_of, metrics_of=None, learning_rate=0.5):
   """A 2-layer classifier; loss `loss_of(x, labels, logits, hidden)`."""
 
   def model_fn(features, labels, mode):
@@ -39,7 +39,7 @@ def _model_fn(loss_of, metrics_of=None):
     if mode == ModeKeys.EVAL:
       ops = metrics_of(x, labels, logits, hidden) if metrics_of else {}
       return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops=ops)
-    train_op = tf1.train.GradientDescentOptimizer(0.5).minimize(
+    train_op = tf1.train.GradientDescentOptimizer(learning_rate).minimize(
         loss, tf1.train.get_or_create_global_step())
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
@@ -499,3 +499,124 @@ def test_metrics_of_values_meeting_their_shard_are_refused(name):
     build_replicated(_model_fn(_cross_entropy, _metric_of(values_of)), 2,
                      mode=ModeKeys.EVAL, static_batch=False,
                      batch_norm=batch_norm)
+
+
+# --------------------------------------------------------------------------
+# Losses guarded by a tf.where on a sum over the examples: where(present >
+# 0, loss, 0), as tf.compat.v1.losses.mean_pairwise_squared_error and
+# tf-slim's write it, and the `_safe_div` of tf.contrib.losses (a mean in a
+# guard whose divisor is where(n == 0, 1, n)). Every tower applies the
+# whole batch's condition. All were refused ("cannot tell how the loss
+# reduces"); told loss_reduction='mean', `_safe_div` trained 0.114 off one
+# device. Tower 0's shard of every batch of 12 weighs nothing.
+
+
+def _half_weighted_data():
+  x, y = _data()
+  x[:, 4] = np.abs(x[:, 4]) + 0.1
+  x[np.arange(48) % 12 < 6, 4] = -1.0
+  return x, y
+
+
+def _present(x):
+  return tf.cast(x[:, 4] > 0, tf.float32)
+
+
+def _safe_div_mean(x, y, logits, unused_hidden):
+  weights = _present(x)
+  present = tf.reduce_sum(tf.where(tf.equal(weights, 0.0),
+                                   tf.zeros_like(weights),
+                                   tf.ones_like(weights)))
+  total = tf.reduce_sum(_per_example(y, logits) * weights)
+  return tf.where(tf.greater(present, 0),
+                  total / tf.where(tf.equal(present, 0),
+                                   tf.ones_like(present), present),
+                  tf.zeros_like(total))
+
+
+def _guard_on_the_logits(unused_x, unused_y, logits, unused_hidden):
+  # The condition differs between the shards: only the whole batch's is
+  # one device's.
+  return tf.where(tf.reduce_sum(logits) > 0.0,
+                  tf.reduce_sum(tf.square(logits)), 0.0)
+
+
+def _zero_when_absent(x, y, logits, unused_hidden):
+  weights = _present(x)
+  present = tf.reduce_sum(weights)
+  return tf.where(present <= 0.0, 0.0,
+                  tf.reduce_sum(_per_example(y, logits) * weights) / present)
+
+
+def _slim_losses():
+  import tf_slim  # pylint: disable=g-import-not-at-top
+  return tf_slim.losses
+
+
+_GUARDED = {
+    'tf_mean_pairwise_squared_error': lambda x, y, logits, h: (
+        tf1.losses.mean_pairwise_squared_error(tf.one_hot(y, 3), logits)),
+    'tf_mean_pairwise_squared_error_weighted': lambda x, y, logits, h: (
+        tf1.losses.mean_pairwise_squared_error(
+            tf.one_hot(y, 3), logits, weights=_present(x)[:, None])),
+    'slim_mean_pairwise_squared_error': lambda x, y, logits, h: (
+        _slim_losses().mean_pairwise_squared_error(logits, tf.one_hot(y, 3))),
+    'slim_mean_pairwise_squared_error_weighted': lambda x, y, logits, h: (
+        _slim_losses().mean_pairwise_squared_error(
+            logits, tf.one_hot(y, 3), weights=_present(x))),
+    'contrib_safe_div_mean': _safe_div_mean,
+    'guard_on_the_logits': _guard_on_the_logits,
+    'zero_on_the_true_branch': _zero_when_absent,
+}
+
+
+@pytest.mark.training
+@pytest.mark.parametrize('towers', [2, 3])
+@pytest.mark.parametrize('name', sorted(_GUARDED))
+def test_guarded_losses_train_as_one_device(name, towers):
+  x, y = _half_weighted_data()
+  # A small step: these sums of squares diverge at 0.5.
+  model_fn = _model_fn(_GUARDED[name], learning_rate=0.01)
+  start, one = train_in_session(model_fn, x, y, 1, 12, 3)
+  _, many = train_in_session(model_fn, x, y, towers, 12, 3, start=start)
+  difference = max(float(np.max(np.abs(many[n] - one[n]))) for n in one)
+  assert difference < 1e-5, difference
+
+
+# tf-slim's losses module, unchanged: each reduces as the towers read it.
+_SLIM = {
+    'softmax_cross_entropy': lambda L, w, y, logits: L.softmax_cross_entropy(
+        logits, tf.one_hot(y, 3), weights=w, label_smoothing=0.1),
+    'sparse_softmax_cross_entropy': lambda L, w, y, logits: (
+        L.sparse_softmax_cross_entropy(logits, y, weights=w)),
+    'sigmoid_cross_entropy': lambda L, w, y, logits: L.sigmoid_cross_entropy(
+        logits, tf.one_hot(y, 3), weights=w[:, None]),
+    'mean_squared_error': lambda L, w, y, logits: L.mean_squared_error(
+        logits, tf.one_hot(y, 3), weights=w[:, None]),
+    'absolute_difference': lambda L, w, y, logits: L.absolute_difference(
+        logits, tf.one_hot(y, 3)),
+    'log_loss': lambda L, w, y, logits: L.log_loss(
+        tf.nn.softmax(logits), tf.one_hot(y, 3), weights=w[:, None]),
+    'cosine_distance': lambda L, w, y, logits: L.cosine_distance(
+        tf.nn.l2_normalize(logits, 1), tf.one_hot(y, 3), axis=1),
+    'compute_weighted_loss': lambda L, w, y, logits: L.compute_weighted_loss(
+        tf.square(logits - tf.one_hot(y, 3)), w),
+    # hinge_loss leaves the per-example losses out of the collection.
+    'hinge_loss_mean': lambda L, w, y, logits: L.add_loss(tf.reduce_mean(
+        L.hinge_loss(logits, tf.one_hot(y, 3)))),
+}
+
+
+@pytest.mark.training
+@pytest.mark.parametrize('name', sorted(_SLIM))
+def test_slim_losses_train_as_one_device(name):
+  def loss_of(x, y, logits, unused_hidden):
+    _SLIM[name](_slim_losses(), _present(x), y, logits)
+    return _slim_losses().get_total_loss()
+
+  x, y = _half_weighted_data()
+  model_fn = _model_fn(loss_of)
+  start, one = train_in_session(model_fn, x, y, 1, 12, 3)
+  _, many = train_in_session(model_fn, x, y, 2, 12, 3, start=start)
+  difference = max(float(np.max(np.abs(many[n] - one[n]))) for n in one)
+  assert difference < 1e-5, difference

@@ -70,7 +70,9 @@ def test_sliced_global_batches_train_as_one_process_to_the_same_end(
   # 19 rows in global batches of 9: the tasks keep 5+4, 5+4, then 1+0 (the
   # worker trains on nothing in the last step), and both stop when the
   # one pass ends. Momentum updates only the embedding rows its sparse
-  # gradient names: the worker's zero row must not name row 0.
+  # gradient names: the worker's zero row must not name row 0. The loss is
+  # guarded by tf.where(present > 0, ...): every task applies the global
+  # batch's condition (summed over the tasks).
   private_network.check_unshare_works()
   cluster_dir, one_dir = tmp_path / 'cluster', tmp_path / 'one'
   batches = lambda: sync_cluster_task.sliced_batches(9, 19)

@@ -10,6 +10,12 @@ own max(S_t, 1) would apply it once per tower (0.41 of a step off when a
 shard has no positive). `Divisor.rebuild` applies the divisor's expression
 to the towers' total instead, so that tower t's N_t / rebuild(sum S_t) adds
 up to one device's N / D exactly.
+
+The same reading serves a loss guarded by a condition on such a sum
+(`tf.where(num_present > 0, loss, 0)`, as tf.compat.v1.losses'
+mean_pairwise_squared_error writes it): `Divisor.rebuild` then gives the
+condition of the whole batch, which every tower applies instead of its own.
+An expression may use its sum several times (`tf.where(n == 0, 1, n)`).
 """
 
 from typing import Callable, NamedTuple, Optional
@@ -20,7 +26,15 @@ _BINARY = {'Add': tf.add, 'AddV2': tf.add, 'Sub': tf.subtract,
            'Mul': tf.multiply, 'RealDiv': tf.divide, 'Div': tf.divide,
            'TrueDiv': tf.divide, 'Maximum': tf.maximum,
            'Minimum': tf.minimum}
-_UNARY = {'Identity': tf.identity, 'StopGradient': tf.stop_gradient}
+_UNARY = {'Identity': tf.identity, 'StopGradient': tf.stop_gradient,
+          'LogicalNot': tf.logical_not, 'OnesLike': tf.ones_like,
+          'ZerosLike': tf.zeros_like}
+# Comparisons and logic: a guard's condition on the sum (`n > 0`).
+_CONDITIONS = {'Greater': tf.greater, 'GreaterEqual': tf.greater_equal,
+               'Less': tf.less, 'LessEqual': tf.less_equal,
+               'Equal': tf.equal, 'NotEqual': tf.not_equal,
+               'LogicalAnd': tf.logical_and, 'LogicalOr': tf.logical_or}
+_SELECTS = frozenset(['Select', 'SelectV2'])
 
 
 class Divisor(NamedTuple):
@@ -29,7 +43,8 @@ class Divisor(NamedTuple):
   Attributes:
     sum: The sum over the tower's examples the divisor is computed from.
     rebuild: The divisor's expression applied to another value of that
-      sum (the towers' total): a float32 scalar.
+      sum (the towers' total), in the expression's own dtype (a bool for a
+      condition).
   """
   sum: tf.Tensor
   rebuild: Callable[[tf.Tensor], tf.Tensor]
@@ -40,32 +55,40 @@ def parts(divisor: tf.Tensor, depends: Callable[[tf.Tensor], bool],
   """`divisor` as f(a sum over the examples), f of constants only.
 
   Args:
-    divisor: A tower's divisor.
+    divisor: A tower's divisor (or a guard's condition).
     depends: Whether a tensor depends on the tower's examples.
     is_sum: Whether a tensor is a plain sum over the tower's examples.
 
   Returns:
-    The Divisor, or None when the divisor is no such expression (two sums,
-    a function other than arithmetic with constants).
+    The Divisor, or None when the divisor is no such expression (two
+    different sums, a function other than arithmetic, comparisons and
+    selections with constants).
   """
   if is_sum(divisor):
     return Divisor(divisor, lambda total: total)
   op = divisor.op
   varying = [i for i, t in enumerate(op.inputs) if depends(t)]
-  known = op.type in _BINARY or op.type in _UNARY or op.type == 'Cast'
-  if not known or len(varying) != 1:
+  known = (op.type in _BINARY or op.type in _UNARY or op.type == 'Cast' or
+           op.type in _CONDITIONS or op.type in _SELECTS)
+  if not known or not varying:
     return None
-  inner = parts(op.inputs[varying[0]], depends, is_sum)
-  if inner is None:
-    return None
+  inner = {}
+  for i in varying:
+    found = parts(op.inputs[i], depends, is_sum)
+    if found is None:
+      return None
+    inner[i] = found
+  sums = {found.sum.name for found in inner.values()}
+  if len(sums) != 1:
+    return None  # Two different sums: no one total to rebuild from.
 
   def rebuild(total: tf.Tensor) -> tf.Tensor:
     args = list(op.inputs)
-    position = varying[0]
-    args[position] = tf.cast(inner.rebuild(total), args[position].dtype)
-    return tf.cast(_apply(op, args), tf.float32)
+    for i, found in inner.items():
+      args[i] = tf.cast(found.rebuild(total), args[i].dtype)
+    return _apply(op, args)
 
-  return Divisor(inner.sum, rebuild)
+  return Divisor(next(iter(inner.values())).sum, rebuild)
 
 
 def _apply(op: tf.Operation, args) -> tf.Tensor:
@@ -73,4 +96,8 @@ def _apply(op: tf.Operation, args) -> tf.Tensor:
     return tf.cast(args[0], op.get_attr('DstT'))
   if op.type in _UNARY:
     return _UNARY[op.type](args[0])
+  if op.type in _SELECTS:
+    return tf.where(*args)
+  if op.type in _CONDITIONS:
+    return _CONDITIONS[op.type](*args)
   return _BINARY[op.type](*args)

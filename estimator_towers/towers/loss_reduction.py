@@ -67,6 +67,7 @@ _MAX_OPS = 2000  # Bound on the walk: losses are small subgraphs at the top.
 # count, max(positives, 1)), which `_ratio_weights` must read to trust;
 # the counts the analysis builds itself (a mean's tf.size) are counts.
 _WRITTEN_DIVISOR = 'written_divisor'
+_SUMS = ':sums'  # A key of `_spread`'s guards: never a tensor's name.
 
 
 
@@ -89,6 +90,11 @@ class Reduction:
       divide).
     example_free: No term depends on the examples (a loss of the weights
       alone, a constant): every tower computes the same value.
+    guards: With `analyze(..., guards=True)`, each `tf.where(c, x, 0)` the
+      loss's terms pass through whose condition is a function of a sum over
+      the examples (`num_present > 0`): the towers must apply the whole
+      batch's condition (see `Guard`).
+    sums: For SUM, the op name of each sum term.
   """
   kind: str
   divisors: List[tf.Tensor] = dataclasses.field(default_factory=list)
@@ -99,6 +105,28 @@ class Reduction:
                  'mean), or train on one device.')
   ratios: List[tf.Tensor] = dataclasses.field(default_factory=list)
   example_free: bool = False
+  guards: List['Guard'] = dataclasses.field(default_factory=list)
+  sums: List[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Guard:
+  """A `tf.where(c, x, 0)` (or `tf.where(c, 0, x)`) around a loss's terms.
+
+  One device applies c of the whole batch once: where(c, sum of x, 0). A
+  tower's own c_t of its shard would drop or keep its x_t on its own, so
+  every tower applies the whole batch's condition instead, rebuilt from
+  the towers' total of the sum c is computed from (divisor_totals).
+
+  Attributes:
+    name: The tf.where's output tensor name.
+    kept: Which input is x (1: the true branch, 2: the false branch).
+    condition: c as an expression of one sum over the examples; None when
+      c does not depend on the examples (the same in every tower).
+  """
+  name: str
+  kept: int
+  condition: Optional[divisor_totals.Divisor]
 
 
 # What each unsplittable term kind is, and what to write instead.
@@ -134,19 +162,24 @@ _UNSPLITTABLE_KINDS = {
 
 
 def analyze(loss: tf.Tensor,
-            depends_on_examples: Callable[[tf.Tensor], bool]) -> Reduction:
+            depends_on_examples: Callable[[tf.Tensor], bool],
+            guards: bool = False) -> Reduction:
   """Classifies how `loss` reduces the tower's examples.
 
   Args:
     loss: A tower's scalar loss.
     depends_on_examples: Tells whether a tensor depends on the tower's shard
       of the batch.
+    guards: Read through `tf.where(c, x, 0)` guards (`Reduction.guards`),
+      for a caller that applies the whole batch's conditions; otherwise a
+      guard is unknown (a tower's guarded value does not add up).
 
   Returns:
     A `Reduction`.
   """
   terms: List[tuple] = []
-  _collect_terms(loss, depends_on_examples, terms, [0])
+  found_guards: Optional[List[Guard]] = [] if guards else None
+  _collect_terms(loss, depends_on_examples, terms, [0], found_guards)
   kinds = {kind for kind, _, _ in terms}
   constant = 'constant' in kinds
   kinds.discard('constant')
@@ -167,12 +200,16 @@ def analyze(loss: tf.Tensor,
   divisors = [d for k, d, _ in terms if k == RATIO]
   ratios = [loss.graph.get_operation_by_name(n).outputs[0]
             for k, _, n in terms if k == RATIO]
-  return Reduction(kind, divisors, constant, found, ratios=ratios)
+  return Reduction(kind, divisors, constant, found, ratios=ratios,
+                   guards=found_guards or [],
+                   sums=[n for k, _, n in terms if k == SUM])
 
 
 def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
-                   budget: List[int]) -> None:
-  """Appends (kind, divisor, op name) for each additive term of `tensor`."""
+                   budget: List[int],
+                   guards: Optional[List[Guard]] = None) -> None:
+  """Appends (kind, divisor, op name) for each additive term of `tensor`,
+  and to `guards` (when given) the guards the terms pass through."""
   budget[0] += 1
   if budget[0] > _MAX_OPS:
     terms.append((UNKNOWN, None, tensor.op.name))
@@ -181,15 +218,19 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
     terms.append(('constant', None, tensor.op.name))
     return
   op = tensor.op
-  if op.type in _PASS_THROUGH or _reduces_a_scalar(tensor):
-    _collect_terms(op.inputs[0], depends, terms, budget)
+  guard = _guard(tensor, depends) if guards is not None else None
+  if guard is not None:
+    guards.append(guard)
+    _collect_terms(op.inputs[guard.kept], depends, terms, budget, guards)
+  elif op.type in _PASS_THROUGH or _reduces_a_scalar(tensor):
+    _collect_terms(op.inputs[0], depends, terms, budget, guards)
   elif op.type in _ADD:
     for t in op.inputs:
-      _collect_terms(t, depends, terms, budget)
+      _collect_terms(t, depends, terms, budget, guards)
   elif op.type in _SCALE:
     varying = [t for t in op.inputs if depends(t)]
     if len(varying) == 1:
-      _collect_terms(varying[0], depends, terms, budget)
+      _collect_terms(varying[0], depends, terms, budget, guards)
     else:
       terms.append(_times_a_reciprocal(op, depends, budget) or
                    (UNKNOWN, None, op.name))
@@ -212,7 +253,7 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
       elif _from_static_count(denominator, numerator, depends):
         terms.append((_STATIC_COUNT, None, op.name))
       else:  # A scaling, e.g. by a fixed batch size.
-        _collect_terms(numerator, depends, terms, budget)
+        _collect_terms(numerator, depends, terms, budget, guards)
     else:  # A count of this shard's examples (rows, weights, tokens).
       terms.append(_per_row(numerator, denominator, depends, budget, op))
   elif _reduces_all(tensor, SUM, depends) or _counts_examples(tensor, depends):
@@ -228,6 +269,34 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
     terms.append((_NONLINEAR, None, op.name))
   else:
     terms.append((UNKNOWN, None, op.name))
+
+
+def _guard(tensor: tf.Tensor, depends) -> Optional[Guard]:
+  """`tensor` as a `Guard` if it is a scalar `tf.where(c, x, 0)` (or
+  `tf.where(c, 0, x)`) whose c is the same in every tower or a function of
+  one sum over the examples; else None."""
+  op = tensor.op
+  if op.type not in ('Select', 'SelectV2') or tensor.shape.rank != 0:
+    return None
+  condition = op.inputs[0]
+  for kept, zero in ((1, 2), (2, 1)):
+    if not _is_zero(op.inputs[zero]):
+      continue
+    if not depends(condition):
+      return Guard(tensor.name, kept, None)
+    found = divisor_totals.parts(
+        condition, lambda t: depends(t) and not _other_dims(t),
+        lambda t: _is_plain_sum(t, depends))
+    return None if found is None else Guard(tensor.name, kept, found)
+  return None
+
+
+def _is_zero(tensor: tf.Tensor) -> bool:
+  """Whether `tensor` is zeros whatever the examples."""
+  if _skip_pass_through(tensor).op.type == 'ZerosLike':
+    return True
+  value = tf.get_static_value(tensor)
+  return value is not None and not np.any(value)
 
 
 def _is_the_rows(denominator: tf.Tensor, depends) -> bool:
@@ -692,7 +761,9 @@ def _ratio_weights(reductions: List[Reduction], active: tf.Tensor, total_of,
                                                              depends_on)]
   if any(f is None for f in found):
     return weights, total, weights
-  divisor = found[0].rebuild(summed(active_values([f.sum for f in found])))
+  divisor = tf.cast(
+      found[0].rebuild(summed(active_values([f.sum for f in found]))),
+      tf.float32)
   return weights, divisor, [tf.math.divide_no_nan(count, divisor)
                             for count in counts]
 
@@ -855,7 +926,9 @@ def proportional_weights(values: List[tf.Tensor],
 
 
 def _spread(tensor: tf.Tensor, ratios: Dict[str, tf.Tensor], weight: tf.Tensor,
-            depends, budget: List[int]) -> Optional[tf.Tensor]:
+            depends, budget: List[int],
+            guards: Optional[Dict[str, tuple]] = None
+            ) -> Optional[tf.Tensor]:
   """`tensor * weight` with each ratio N / D computed as N / total.
 
   `weight` (D / total for one ratio, the tower's share of the examples for
@@ -872,12 +945,27 @@ def _spread(tensor: tf.Tensor, ratios: Dict[str, tf.Tensor], weight: tf.Tensor,
     weight: The tower's weight.
     depends: The tower's `ExampleDependence`.
     budget: Ops walked so far (a one-element list).
+    guards: Each guard's tensor name -> (the kept input's position, the
+      whole batch's condition): the guard is rebuilt with that condition;
+      under `_SUMS`, the sum terms of a guarded SUM loss (weighed as they
+      are).
 
   Returns:
     The weighted tensor, or None.
   """
   budget[0] += 1
   op = tensor.op
+  guards = guards or {}
+  if op.name in guards.get(_SUMS, ()):
+    return tensor * tf.cast(weight, tensor.dtype)  # A SUM loss's term.
+  if tensor.name in guards:
+    kept, condition = guards[tensor.name]
+    inner = _spread(op.inputs[kept], ratios, weight, depends, budget, guards)
+    if inner is None:
+      return None
+    zeros = tf.zeros_like(inner)
+    return (tf.where(condition, inner, zeros) if kept == 1 else
+            tf.where(condition, zeros, inner))
   if tensor.name in ratios:
     reciprocal, divisor = ratios[tensor.name]
     if op.type in _DIVIDE:
@@ -891,7 +979,7 @@ def _spread(tensor: tf.Tensor, ratios: Dict[str, tf.Tensor], weight: tf.Tensor,
     return tensor * tf.cast(weight, tensor.dtype)
   if budget[0] > _MAX_OPS:
     return None
-  spread = lambda t: _spread(t, ratios, weight, depends, budget)  # pylint: disable=unnecessary-lambda-assignment
+  spread = lambda t: _spread(t, ratios, weight, depends, budget, guards)  # pylint: disable=unnecessary-lambda-assignment
   if op.type in _DIVIDE and not depends(op.inputs[1]):
     inner = spread(op.inputs[0])
     return None if inner is None else inner / op.inputs[1]
@@ -911,16 +999,20 @@ def _spread(tensor: tf.Tensor, ratios: Dict[str, tf.Tensor], weight: tf.Tensor,
 def _spreadable(loss: tf.Tensor, reduction: Reduction, depends) -> bool:
   """Whether `_spread` can rebuild `loss` around its ratio terms."""
   ratios = {r.name for r in reduction.ratios}
+  guards = {g.name: g.kept for g in reduction.guards}
+  sums = set(reduction.sums) if reduction.kind == SUM else set()
   pending, seen = [loss], 0
   while pending:
     tensor = pending.pop()
     seen += 1
     op = tensor.op
-    if tensor.name in ratios or not depends(tensor):
+    if tensor.name in ratios or op.name in sums or not depends(tensor):
       continue
     if seen > _MAX_OPS:
       return False
-    if op.type in _DIVIDE and not depends(op.inputs[1]):
+    if tensor.name in guards:
+      pending.append(op.inputs[guards[tensor.name]])
+    elif op.type in _DIVIDE and not depends(op.inputs[1]):
       pending.append(op.inputs[0])
     elif op.type in _SCALE:
       varying = [t for t in op.inputs if depends(t)]
@@ -988,6 +1080,9 @@ class TowerWeights:
     # Per one-ratio loss, each tower's divisor over the whole batch's.
     self._divisor_shares: Dict[tuple, List[tf.Tensor]] = {}
     self._advance_cache: Dict[tuple, List[tf.Tensor]] = {}
+    # Per guarded loss, per tower: guard name -> (kept input, the whole
+    # batch's condition).
+    self._guards: Dict[tuple, List[Dict[str, tuple]]] = {}
     self.checks: List[tf.Operation] = []
 
   def __call__(self, losses: List[tf.Tensor]) -> List[tf.Tensor]:
@@ -1067,7 +1162,8 @@ class TowerWeights:
       weight = tf.cast(weights[t], losses[t].dtype)
       plain = losses[t] * weight
       reduction = reductions[t]
-      if key not in self._totals:
+      guards = self._guards[key][t] if key in self._guards else None
+      if key not in self._totals and not guards:
         return plain
       # An idle tower (a padding copy) counts for nothing: a tf.where
       # would still send its unselected branch's zero gradient through
@@ -1076,8 +1172,12 @@ class TowerWeights:
                                       tf.math.reciprocal_no_nan(total), 0.0),
                              divisor)
                 for ratio, divisor, total in zip(
-                    reduction.ratios, reduction.divisors, self._totals[key])}
-      rebuilt = _spread(losses[t], ratios, weight, self._depends(t), [0])
+                    reduction.ratios, reduction.divisors,
+                    self._totals.get(key, []))}
+      rebuilt = _spread(losses[t], ratios, weight, self._depends(t), [0],
+                        guards)
+      if rebuilt is None and guards:  # `_weights` checked it can be.
+        raise AssertionError(f'unspreadable guarded loss {losses[t].name}')
       return plain if rebuilt is None else rebuilt
 
     return weighted
@@ -1124,16 +1224,27 @@ class TowerWeights:
   def _weights(self, losses: List[tf.Tensor], key: tuple
                ) -> List[tf.Tensor]:
     depends = [self._depends(t) for t in range(len(losses))]
-    reductions = [analyze(loss, depends[t]) for t, loss in enumerate(losses)]
+    reductions = [analyze(loss, depends[t], guards=True)
+                  for t, loss in enumerate(losses)]
     kind = self._resolve(losses[0], reductions)
     self._kinds[key] = kind
     self._reductions[key] = reductions
     active = self._sizes > 0
+    if any(r.guards for r in reductions):
+      self._guards[key] = self._guard_conditions(losses, reductions, depends,
+                                                 active)
     if kind == SUM:
       return [tf.where(active[t], tf.ones([], loss.dtype),
                        tf.zeros([], loss.dtype))
               for t, loss in enumerate(losses)]
     if not all(r.kind == RATIO for r in reductions):
+      if key in self._guards:
+        raise ValueError(
+            f'The loss {losses[0].op.name!r} is guarded by a tf.where on a '
+            'sum over the examples, and what it guards is no sum or mean '
+            "over them that the towers could rebuild with the whole batch's "
+            'condition. Write it as a sum or mean inside one tf.where, or '
+            'train on one device.')
       return self._shares()
     terms = len(reductions[0].divisors)
     if terms == 1:
@@ -1153,6 +1264,62 @@ class TowerWeights:
                                         depends, term)[1]
                          for term in range(terms)]
     return self._shares()
+
+  def _guard_conditions(self, losses: List[tf.Tensor],
+                        reductions: List[Reduction], depends: List,
+                        active: tf.Tensor) -> List[Dict[str, tuple]]:
+    """Per tower, its guards with the whole batch's conditions.
+
+    Raises:
+      ValueError: the guarded loss cannot be rebuilt around its guards
+        (the towers would each apply their own shard's condition).
+    """
+    name = losses[0].op.name
+    guard = reductions[0].guards[0].name.split(':')[0]
+
+    def refusal(why: str) -> ValueError:
+      return ValueError(
+          f'The loss {name!r} is guarded by tf.where ({guard!r}) on a sum '
+          f'over the examples, and {why}. Under replicate_model_fn each '
+          "tower's guard must take the whole batch's condition, as one "
+          'device applies it. Write the loss as a sum or mean over the '
+          'examples inside one tf.where, or train on one device.')
+
+    if self._in_advance:
+      raise refusal('micro_batches > 1 weighs the micro-batches before '
+                    'their conditions are known')
+    if any(len(r.guards) != len(reductions[0].guards) for r in reductions) or (
+        not all(_spreadable(loss, r, d)
+                for loss, r, d in zip(losses, reductions, depends))):
+      raise refusal('its terms are combined in a way the towers cannot '
+                    'rebuild')
+    if len({r.kind for r in reductions}) != 1 or reductions[0].kind not in (
+        SUM, RATIO):
+      raise refusal('it is neither a sum nor a mean over the examples '
+                    'inside the guard')
+    conditions = []
+    for k, guard in enumerate(reductions[0].guards):
+      if guard.condition is None:  # The same in every tower.
+        conditions.append(None)
+        continue
+      sums = [tf.where(active[t], tf.cast(tf.stop_gradient(
+          r.guards[k].condition.sum), tf.float32), 0.0)
+              for t, r in enumerate(reductions)]
+      total = self._total_of(tf.add_n(sums))
+      conditions.append(guard.condition.rebuild(
+          tf.cast(total, guard.condition.sum.dtype)))
+    result = []
+    for t, reduction in enumerate(reductions):
+      own = {}
+      for guard, condition in zip(reduction.guards, conditions):
+        if condition is None:
+          condition = losses[t].graph.get_tensor_by_name(
+              guard.name).op.inputs[0]
+        own[guard.name] = (guard.kept, condition)
+      if reduction.kind == SUM:
+        own[_SUMS] = frozenset(reduction.sums)
+      result.append(own)
+    return result
 
   def _resolve(self, loss: tf.Tensor, reductions: List[Reduction]) -> str:
     """The reduction to weigh by: SUM or RATIO (a mean)."""
