@@ -451,10 +451,6 @@ def _running_max(per_example):
      'neither a sum nor a mean'),
     ('squared_mean', lambda e: tf1.metrics.mean(tf.square(tf.reduce_mean(e))),
      'neither a sum nor a mean'),
-    # A vector mean over the batch axis: doubled on 2 towers.
-    ('mean_vector', lambda e: tf1.metrics.mean_tensor(
-        tf.reduce_mean(tf.stack([e, 2 * e], 1), 0)),
-     'neither a sum nor a mean'),
     # A ratio weighed by another sum than its divisor: no tower's part is
     # its numerator (a ratio times its own divisor is, above).
     ('ratio_times_other_sum', lambda e: tf1.metrics.mean(
@@ -526,3 +522,22 @@ def test_a_batch_smaller_than_the_tower_count_evaluates_as_one_device(
     for name in ('accuracy', 'auc', 'mean_p1', 'loss'):
       np.testing.assert_allclose(results[towers][name], results[1][name],
                                  rtol=1e-5, err_msg=f'{name}, {towers}')
+
+
+@pytest.mark.parametrize('towers', [2, 3])
+def test_a_per_column_mean_of_each_batch_equals_one_device(checkpoint,
+                                                           towers):
+  # tf.compat.v1.metrics.mean_tensor of tf.reduce_mean(values, 0) (each
+  # batch's column means) was doubled on 2 towers, then refused as "neither
+  # a sum nor a mean over the examples". Each tower's column means now weigh
+  # by its share of the rows; the uneven last batch tells the shares from
+  # equal weights.
+  def column_means(per_example):
+    columns = tf.stack([per_example, tf.square(per_example)], 1)
+    return {'m': tf1.metrics.mean_tensor(tf.reduce_mean(columns, 0))}
+
+  params = {'metrics': column_means}
+  expected = _evaluate(_classifier, checkpoint, 1, params)['m']
+  actual = _evaluate(_classifier, checkpoint, towers, params)['m']
+  assert expected.shape == (2,)
+  np.testing.assert_allclose(actual, expected, rtol=1e-5)

@@ -267,6 +267,10 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
   elif op.type in _NONLINEAR_OPS and all(
       t.shape.rank == 0 for t in op.inputs if depends(t)):
     terms.append((_NONLINEAR, None, op.name))
+  elif _per_column_mean(tensor, depends):
+    # Every column divides its sum over the rows by their number.
+    rows = tf.cast(tf.shape(op.inputs[0])[0], tensor.dtype)
+    terms.append((RATIO, rows, op.name))
   else:
     terms.append((UNKNOWN, None, op.name))
 
@@ -297,6 +301,17 @@ def _is_zero(tensor: tf.Tensor) -> bool:
     return True
   value = tf.get_static_value(tensor)
   return value is not None and not np.any(value)
+
+
+def _per_column_mean(tensor: tf.Tensor, depends) -> bool:
+  """Whether `tensor` is `tf.reduce_mean(x, 0)` of per-example rows `x`,
+  columns kept (a metric's per-class mean of probabilities)."""
+  op = tensor.op
+  if op.type != 'Mean' or not tensor.shape.rank or _reduced_axes(op) != [0]:
+    return False
+  values = op.inputs[0]
+  return (_row_reduction_below(values, depends) is None and
+          _rows(values.shape) == getattr(depends, 'batch_size', None))
 
 
 def _is_the_rows(denominator: tf.Tensor, depends) -> bool:
