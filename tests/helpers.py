@@ -127,6 +127,39 @@ def seeded(seed):
   return tf1.glorot_uniform_initializer(seed=seed)
 
 
+def loss_model_fn(loss_of, metrics_of=None, learning_rate=0.5):
+  """A seeded 2-layer classifier of features['x'] into 3 classes, trained
+  by SGD on `loss_of(x, labels, logits, hidden)`; EVAL metrics
+  `metrics_of(x, labels, logits, hidden)`. For tests of how the towers
+  read and weigh a loss."""
+
+  def model_fn(features, labels, mode):
+    x = features['x']
+    hidden = tf1.layers.dense(x, 4, kernel_initializer=seeded(1))
+    logits = tf1.layers.dense(hidden, 3, kernel_initializer=seeded(2))
+    loss = loss_of(x, labels, logits, hidden)
+    if mode == tf.estimator.ModeKeys.EVAL:
+      ops = metrics_of(x, labels, logits, hidden) if metrics_of else {}
+      return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops=ops)
+    train_op = tf1.train.GradientDescentOptimizer(learning_rate).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  return model_fn
+
+
+def half_weighted_data():
+  """48 examples of 5 features and 3 classes; column 4 > 0 marks the
+  present (weighted) ones: none in the first half of every 12 (tower 0's
+  shard of a batch of 12 on 2 towers), all in the second."""
+  rng = np.random.RandomState(0)
+  x = rng.randn(48, 5).astype(np.float32)
+  y = rng.randint(0, 3, 48).astype(np.int32)
+  x[:, 4] = np.abs(x[:, 4]) + 0.1
+  x[np.arange(48) % 12 < 6, 4] = -1.0
+  return x, y
+
+
 def classifier_model_fn(features, labels, mode, params):
   """Dense net mixing tf.compat.v1.layers and an unnamed tf.keras layer.
 

@@ -21,29 +21,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import build_replicated, seeded, train_in_session
+from helpers import (build_replicated, half_weighted_data, loss_model_fn,
+                     seeded, train_in_session)
 
 tf1 = tf.compat.v1
 K = tf.keras
 ModeKeys = tf.estimator.ModeKeys
 
 
-def _model_fn(loss_of, metrics_of=None, learning_rate=0.5):
-  """A 2-layer classifier; loss `loss_of(x, labels, logits, hidden)`."""
-
-  def model_fn(features, labels, mode):
-    x = features['x']
-    hidden = tf1.layers.dense(x, 4, kernel_initializer=seeded(1))
-    logits = tf1.layers.dense(hidden, 3, kernel_initializer=seeded(2))
-    loss = loss_of(x, labels, logits, hidden)
-    if mode == ModeKeys.EVAL:
-      ops = metrics_of(x, labels, logits, hidden) if metrics_of else {}
-      return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops=ops)
-    train_op = tf1.train.GradientDescentOptimizer(learning_rate).minimize(
-        loss, tf1.train.get_or_create_global_step())
-    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
-
-  return model_fn
+_model_fn = loss_model_fn
 
 
 def _data():
@@ -511,13 +497,6 @@ def test_metrics_of_values_meeting_their_shard_are_refused(name):
 # device. Tower 0's shard of every batch of 12 weighs nothing.
 
 
-def _half_weighted_data():
-  x, y = _data()
-  x[:, 4] = np.abs(x[:, 4]) + 0.1
-  x[np.arange(48) % 12 < 6, 4] = -1.0
-  return x, y
-
-
 def _present(x):
   return tf.cast(x[:, 4] > 0, tf.float32)
 
@@ -574,7 +553,7 @@ _GUARDED = {
 @pytest.mark.parametrize('towers', [2, 3])
 @pytest.mark.parametrize('name', sorted(_GUARDED))
 def test_guarded_losses_train_as_one_device(name, towers):
-  x, y = _half_weighted_data()
+  x, y = half_weighted_data()
   # A small step: these sums of squares diverge at 0.5.
   model_fn = _model_fn(_GUARDED[name], learning_rate=0.01)
   start, one = train_in_session(model_fn, x, y, 1, 12, 3)
@@ -614,9 +593,40 @@ def test_slim_losses_train_as_one_device(name):
     _SLIM[name](_slim_losses(), _present(x), y, logits)
     return _slim_losses().get_total_loss()
 
-  x, y = _half_weighted_data()
+  x, y = half_weighted_data()
   model_fn = _model_fn(loss_of)
   start, one = train_in_session(model_fn, x, y, 1, 12, 3)
   _, many = train_in_session(model_fn, x, y, 2, 12, 3, start=start)
+  difference = max(float(np.max(np.abs(many[n] - one[n]))) for n in one)
+  assert difference < 1e-5, difference
+
+
+@pytest.mark.training
+@pytest.mark.parametrize('name', ['tf_mean_pairwise_squared_error',
+                                  'slim_mean_pairwise_squared_error'])
+def test_guarded_losses_counting_a_static_batch_are_refused(name):
+  # With a static batch and no weights, the count the guard reads folds to
+  # a constant of the tower's rows while building (18 = 6 x 3): it cannot
+  # be told from a constant of the model, so the towers refuse it rather
+  # than compare their own count (one device's is 36). Known gap: one
+  # device trains it; pass weights, or a batch of unknown size.
+  x, y = half_weighted_data()
+  with pytest.raises(ValueError, match='no function of one sum'):
+    train_in_session(_model_fn(_GUARDED[name], learning_rate=0.01), x, y, 2,
+                     12, 1, static_batch=True)
+
+
+@pytest.mark.training
+@pytest.mark.parametrize('name', [
+    'tf_mean_pairwise_squared_error_weighted',
+    'slim_mean_pairwise_squared_error_weighted', 'contrib_safe_div_mean',
+    'guard_on_the_logits'])
+def test_guarded_losses_with_a_static_batch_train_as_one_device(name):
+  # Static shapes inside the sums a guard reads are the towers' to total.
+  x, y = half_weighted_data()
+  model_fn = _model_fn(_GUARDED[name], learning_rate=0.01)
+  start, one = train_in_session(model_fn, x, y, 1, 12, 3, static_batch=True)
+  _, many = train_in_session(model_fn, x, y, 2, 12, 3, start=start,
+                             static_batch=True)
   difference = max(float(np.max(np.abs(many[n] - one[n]))) for n in one)
   assert difference < 1e-5, difference

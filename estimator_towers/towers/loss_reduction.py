@@ -45,6 +45,7 @@ _UNSPLITTABLE = 'unsplittable'  # A term kind: see _per_row.
 _PER_COLUMN = 'per_column'  # A term kind: see _per_column.
 _NONLINEAR = 'nonlinear'  # A term kind: a function of a reduction (sqrt).
 _STATIC_COUNT = 'static_count'  # A term kind: see _from_static_count.
+_UNREAD_GUARD = 'unread_guard'  # A term kind: see _chooses_per_shard.
 # Ops whose output is no weighted sum of their scalar input's shards.
 _NONLINEAR_OPS = frozenset([
     'Sqrt', 'Rsqrt', 'Square', 'Pow', 'Log', 'Log1p', 'Exp', 'Expm1', 'Abs',
@@ -151,6 +152,13 @@ _UNSPLITTABLE_KINDS = {
         'Divide by the count itself (tf.reduce_mean), by a sum over the '
         'examples plus a constant (tf.reduce_sum(tf.ones_like(x)) + 1), or '
         'train on one device.'),
+    _UNREAD_GUARD: (
+        'it chooses with a scalar tf.where by a condition on the examples '
+        'that is no function of one sum over them (two sums, a max, a '
+        "static shape): each tower would choose by its own shard's value",
+        'Make the condition a function of one sum over the examples (a '
+        'count, a sum of weights: tf.where(tf.reduce_sum(w) > 0, loss, 0)), '
+        'or train on one device.'),
     _NONLINEAR: (
         'it applies a nonlinear function to a reduction over the examples '
         '(e.g. the square root of a mean, an RMSE): the towers\' weighted '
@@ -222,6 +230,8 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
   if guard is not None:
     guards.append(guard)
     _collect_terms(op.inputs[guard.kept], depends, terms, budget, guards)
+  elif guards is not None and _chooses_per_shard(tensor, depends):
+    terms.append((_UNREAD_GUARD, None, op.name))
   elif op.type in _PASS_THROUGH or _reduces_a_scalar(tensor):
     _collect_terms(op.inputs[0], depends, terms, budget, guards)
   elif op.type in _ADD:
@@ -287,12 +297,39 @@ def _guard(tensor: tf.Tensor, depends) -> Optional[Guard]:
     if not _is_zero(op.inputs[zero]):
       continue
     if not depends(condition):
+      if _static_shapes(condition, depends):
+        return None  # `tf.shape(x)[0] == 12` folded to the tower's size.
       return Guard(tensor.name, kept, None)
-    found = divisor_totals.parts(
-        condition, lambda t: depends(t) and not _other_dims(t),
-        lambda t: _is_plain_sum(t, depends))
+    found = divisor_totals.parts(condition, _varies(depends),
+                                 lambda t: _is_plain_sum(t, depends))
     return None if found is None else Guard(tensor.name, kept, found)
   return None
+
+
+def _chooses_per_shard(tensor: tf.Tensor, depends) -> bool:
+  """Whether `tensor` is a scalar tf.where whose condition is the shard's
+  (no `Guard`): no weighting of the towers makes their choices one
+  device's, whatever loss_reduction says."""
+  op = tensor.op
+  return (op.type in ('Select', 'SelectV2') and tensor.shape.rank == 0 and
+          (depends(op.inputs[0]) or _static_shapes(op.inputs[0], depends)))
+
+
+def _static_shapes(tensor: tf.Tensor, depends) -> bool:
+  """Whether `tensor` may hold the shard's static size: a shape or size
+  folded while building, from a shard of static rows (with unknown rows
+  no folded shape holds them)."""
+  return (getattr(depends, 'batch_size', None) is not None and
+          _from_shapes(tensor))
+
+
+def _varies(depends) -> Callable[[tf.Tensor], bool]:
+  """What `divisor_totals.parts` must read as the tower's, not as a
+  constant of its expression: what depends on the shard but for its other
+  dimensions, and shapes folded from its static rows."""
+  rows = getattr(depends, 'batch_size', None)
+  return lambda t: ((depends(t) and not _other_dims(t, rows)) or
+                    _static_shapes(t, depends))
 
 
 def _is_zero(tensor: tf.Tensor) -> bool:
@@ -768,8 +805,18 @@ def _ratio_weights(reductions: List[Reduction], active: tf.Tensor, total_of,
 
   divisors = [r.divisors[term] for r in reductions]
   counts = active_values(divisors)
-  total = summed(counts)
-  weights = [tf.math.divide_no_nan(count, total) for count in counts]
+  live = [tf.cast(active[t], tf.float32) for t in range(len(divisors))]
+  # One sum (one collective in a cluster) for the divisors and the towers.
+  total, towers = tf.unstack(summed([tf.stack([count, alive])
+                                     for count, alive in zip(counts, live)]))
+  # A batch whose divisor is 0 (every weight 0): the ratios are 0 (or NaN)
+  # in every tower as on one device, and the terms that do not depend on
+  # the examples (a regularization loss) must still add up to one device's
+  # once, which weights of 0 / 0 would drop: equal weights then.
+  weights = [tf.where(tf.not_equal(total, 0.0),
+                      tf.math.divide_no_nan(count, total),
+                      tf.math.divide_no_nan(alive, towers))
+             for count, alive in zip(counts, live)]
   found = [None]
   if depends_on is not None:
     found = [_divisor_parts(d, depends) for d, depends in zip(divisors,
@@ -798,9 +845,8 @@ def _divisor_parts(divisor: tf.Tensor, depends
   inner = divisor.op.inputs[0]
   if not depends(inner):
     return None  # A count a static shape fixed.
-  found = divisor_totals.parts(
-      inner, lambda t: depends(t) and not _other_dims(t),
-      lambda t: _is_plain_sum(t, depends))
+  found = divisor_totals.parts(inner, _varies(depends),
+                              lambda t: _is_plain_sum(t, depends))
   if found is None:
     raise ValueError(
         f'A loss (or metric) divides by {inner.op.name!r}, which is neither '
@@ -824,10 +870,17 @@ _DIMENSION_OPS = frozenset(['Shape', 'StridedSlice', 'Cast', 'Identity',
                             'GatherV2', 'Pack'])
 
 
-def _other_dims(tensor: tf.Tensor) -> bool:
+def _other_dims(tensor: tf.Tensor, rows: Optional[int] = None) -> bool:
   """Whether `tensor` is computed from dimensions of the shard other than
-  its rows only (`tf.shape(x)[1]`, a sequence's padded length): the same in
-  every tower, since the batch is split along the rows."""
+  its rows only (`tf.shape(x)[1]`, a feature width): the same in every
+  tower, since the batch is split along the rows.
+
+  A dimension is taken for another one only when it is known while
+  building and differs from the shard's static row count `rows` (if
+  known): an unknown one may be the rows of a transposed tensor (a
+  time-major `[time, batch]` reads its batch as `tf.shape(x)[1]`), and the
+  whole shape vector (`tf.reduce_prod(tf.shape(x))`) holds the rows.
+  """
   pending, seen = [tensor], set()
   while pending:
     current = pending.pop()
@@ -835,19 +888,26 @@ def _other_dims(tensor: tf.Tensor) -> bool:
     if op.name in seen:
       continue
     seen.add(op.name)
-    if len(seen) > 50 or op.type not in _DIMENSION_OPS:
+    if len(seen) > 50 or op.type not in _DIMENSION_OPS or op.type == 'Shape':
       return False
-    if op.type == 'Shape':
-      continue
     if op.type == 'StridedSlice' and op.inputs[0].op.type == 'Shape':
-      begin = _static_value(op.inputs[1])
-      rank = op.inputs[0].op.inputs[0].shape.rank
-      if begin is None or rank is None or np.size(begin) != 1 or (
-          int(np.reshape(begin, [])) % rank == 0):
+      if not _names_another_dim(op, rows):
         return False
       continue
     pending.extend(op.inputs)
-  return True  # Walked to its shapes and constants without a row count.
+  return True  # Walked to its dimensions and constants without the rows.
+
+
+def _names_another_dim(op: tf.Operation, rows: Optional[int]) -> bool:
+  """Whether a StridedSlice of a Shape picks one known dimension that
+  cannot be the shard's rows."""
+  begin = _static_value(op.inputs[1])
+  shape = op.inputs[0].op.inputs[0].shape
+  if begin is None or shape.rank is None or np.size(begin) != 1:
+    return False
+  axis = int(np.reshape(begin, [])) % shape.rank
+  size = shape[axis]
+  return axis != 0 and size is not None and size != rows
 
 
 def spread_exactly(values: List[tf.Tensor], reductions: List[Reduction],
@@ -1317,12 +1377,14 @@ class TowerWeights:
       if guard.condition is None:  # The same in every tower.
         conditions.append(None)
         continue
-      sums = [tf.where(active[t], tf.cast(tf.stop_gradient(
-          r.guards[k].condition.sum), tf.float32), 0.0)
-              for t, r in enumerate(reductions)]
-      total = self._total_of(tf.add_n(sums))
+      # In the sum's own dtype: float32 would round a float64 sum (or a
+      # large int64 count) before the comparison.
+      sums = []
+      for t, r in enumerate(reductions):
+        value = tf.stop_gradient(r.guards[k].condition.sum)
+        sums.append(tf.where(active[t], value, tf.zeros_like(value)))
       conditions.append(guard.condition.rebuild(
-          tf.cast(total, guard.condition.sum.dtype)))
+          self._total_of(tf.add_n(sums))))
     result = []
     for t, reduction in enumerate(reductions):
       own = {}
