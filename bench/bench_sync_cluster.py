@@ -18,6 +18,10 @@ its own (`unshare --net`, loopback only):
             TF_CONFIG chief + worker, one replica (CPU:0) per task
   sync_1tower  as `sync` with 1 tower per task: the same layout as `mwms`
             (not in --quick)
+  sync_bn_global, sync_bn_per_tower
+            as `sync` with a batch norm after each hidden layer, with
+            batch_norm='global' (moments exchanged between the towers and
+            the tasks at each call) or 'per_tower' (only by --configs)
 
 Configurations alternate within each round (the order rotates), so the
 load other processes put on the machine hits all alike; the median over
@@ -68,7 +72,9 @@ sys.path.insert(0, ROOT)
 
 from trainer.cluster import private_network  # pylint: disable=wrong-import-position
 
-CONFIGS = ('sync', 'async_ps', 'one', 'mwms', 'sync_1tower')
+CONFIGS = ('sync', 'async_ps', 'one', 'mwms', 'sync_1tower', 'sync_bn_global',
+           'sync_bn_per_tower')
+DEFAULT_CONFIGS = CONFIGS[:5]
 QUICK_CONFIGS = CONFIGS[:4]
 INPUT_DIM = 128
 VOCAB = 5000
@@ -88,8 +94,9 @@ _BUILT = {}
 # The model, the input and the measuring hook (run in the task processes).
 
 
-def model_fn(features, labels, mode):
-  """An embedding (sparse gradients) and a 2x256 DNN, Adam."""
+def model_fn(features, labels, mode, batch_norm=False):
+  """An embedding (sparse gradients) and a 2x256 DNN, Adam; with
+  `batch_norm`, a batch norm after each hidden layer's product."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf1 = tf.compat.v1
   table = tf1.get_variable(
@@ -98,15 +105,26 @@ def model_fn(features, labels, mode):
   hidden = tf.concat(
       [features['x'], tf.nn.embedding_lookup(table, features['ids'])], 1)
   for units in HIDDEN:
+    if batch_norm:
+      hidden = tf.nn.relu(tf1.layers.batch_normalization(
+          tf1.layers.dense(hidden, units),
+          training=mode == tf.estimator.ModeKeys.TRAIN))
+      continue
     hidden = tf1.layers.dense(hidden, units, activation=tf.nn.relu)
   logits = tf1.layers.dense(hidden, NUM_CLASSES)
   loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
   _BUILT['rows_per_replica'] = features['x'].shape[0]
   _BUILT['replicas_in_sync'] = (
       tf.distribute.get_replica_context().num_replicas_in_sync)
-  train_op = tf1.train.AdamOptimizer(1e-3).minimize(
-      loss, tf1.train.get_or_create_global_step())
+  with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+    train_op = tf1.train.AdamOptimizer(1e-3).minimize(
+        loss, tf1.train.get_or_create_global_step())
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def bn_model_fn(features, labels, mode):
+  """`model_fn` with batch norm (the sync_bn_* configurations)."""
+  return model_fn(features, labels, mode, batch_norm=True)
 
 
 def make_input_fn(batch):
@@ -251,9 +269,13 @@ def run_task(spec):
     aggregation = 'global_loss' if name == 'async_ps' else 'all_reduce'
     config = estimator_towers.make_run_config(
         model_dir=spec['model_dir'], cpu_devices=spec['towers'], **quiet)
+    model, options = model_fn, {}
+    if name.startswith('sync_bn'):
+      model = bn_model_fn
+      options['batch_norm'] = name[len('sync_bn_'):]
     estimator = tf.estimator.Estimator(
-        estimator_towers.replicate_model_fn(model_fn,
-                                            aggregation=aggregation),
+        estimator_towers.replicate_model_fn(model, aggregation=aggregation,
+                                            **options),
         config=config)
   hooks = []
   # Not config.is_chief: a RunConfig with train_distribute says True on
@@ -525,7 +547,7 @@ def _medians(rows):
 def _print_table(results, global_batch):
   print(f'\nglobal batch {global_batch} per step; median over rounds; '
         'KB = 1000 bytes')
-  print(f'{"config":>11} {"examples/s":>11} {"vs one":>7} '
+  print(f'{"config":>17} {"examples/s":>11} {"vs one":>7} '
         f'{"KB sent/task-step":>18} {"ps KB sent/step":>16} '
         f'{"lo KB/step":>11} {"others cores":>14}')
   one = statistics.median(r['examples_per_sec'] for r in results['one'])
@@ -534,7 +556,7 @@ def _print_table(results, global_batch):
       continue
     median = _medians(results[name])
     rate = median('examples_per_sec')
-    print(f'{name:>11} {rate:>11.0f} {rate / one:>7.2f} '
+    print(f'{name:>17} {rate:>11.0f} {rate / one:>7.2f} '
           f'{median("sent_per_task_step") / 1e3:>18.1f} '
           f'{median("ps_sent_per_step") / 1e3:>16.1f} '
           f'{median("lo_per_step") / 1e3:>11.1f} '
@@ -607,7 +629,7 @@ def main(argv):
   parser.add_argument('--skip', type=int, default=40,
                       help='Global batches before the window opens.')
   parser.add_argument('--global-batch', type=int, default=256)
-  parser.add_argument('--configs', help=f'Default {",".join(CONFIGS)}; '
+  parser.add_argument('--configs', help=f'Default {",".join(DEFAULT_CONFIGS)}; '
                       f'--quick: {",".join(QUICK_CONFIGS)}.')
   parser.add_argument('--packing', action=argparse.BooleanOptionalAction,
                       default=True)
@@ -641,7 +663,7 @@ def main(argv):
     args.rounds, args.steps, args.skip = 1, 50, 10
     args.pack_rounds, args.pack_reps = 2, 20
   if args.configs is None:
-    args.configs = ','.join(QUICK_CONFIGS if args.quick else CONFIGS)
+    args.configs = ','.join(QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS)
   benchmark(args)
   return 0
 
