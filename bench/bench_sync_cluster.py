@@ -22,6 +22,9 @@ its own (`unshare --net`, loopback only):
             as `sync` with a batch norm after each hidden layer, with
             batch_norm='global' (moments exchanged between the towers and
             the tasks at each call) or 'per_tower' (only by --configs)
+  sync_dropout_per_tower, sync_dropout_one_device
+            as `sync` with dropout 0.1 after each hidden layer, with
+            random_ops='per_tower' or 'one_device' (only by --configs)
 
 Configurations alternate within each round (the order rotates), so the
 load other processes put on the machine hits all alike; the median over
@@ -73,7 +76,8 @@ sys.path.insert(0, ROOT)
 from trainer.cluster import private_network  # pylint: disable=wrong-import-position
 
 CONFIGS = ('sync', 'async_ps', 'one', 'mwms', 'sync_1tower', 'sync_bn_global',
-           'sync_bn_per_tower')
+           'sync_bn_per_tower', 'sync_dropout_per_tower',
+           'sync_dropout_one_device')
 DEFAULT_CONFIGS = CONFIGS[:5]
 QUICK_CONFIGS = CONFIGS[:4]
 INPUT_DIM = 128
@@ -94,9 +98,10 @@ _BUILT = {}
 # The model, the input and the measuring hook (run in the task processes).
 
 
-def model_fn(features, labels, mode, batch_norm=False):
+def model_fn(features, labels, mode, batch_norm=False, dropout=False):
   """An embedding (sparse gradients) and a 2x256 DNN, Adam; with
-  `batch_norm`, a batch norm after each hidden layer's product."""
+  `batch_norm`, a batch norm after each hidden layer's product; with
+  `dropout`, BERT's dropout (0.1) after each hidden layer."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf1 = tf.compat.v1
   table = tf1.get_variable(
@@ -111,6 +116,8 @@ def model_fn(features, labels, mode, batch_norm=False):
           training=mode == tf.estimator.ModeKeys.TRAIN))
       continue
     hidden = tf1.layers.dense(hidden, units, activation=tf.nn.relu)
+    if dropout and mode == tf.estimator.ModeKeys.TRAIN:
+      hidden = tf1.nn.dropout(hidden, keep_prob=0.9)
   logits = tf1.layers.dense(hidden, NUM_CLASSES)
   loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
   _BUILT['rows_per_replica'] = features['x'].shape[0]
@@ -125,6 +132,11 @@ def model_fn(features, labels, mode, batch_norm=False):
 def bn_model_fn(features, labels, mode):
   """`model_fn` with batch norm (the sync_bn_* configurations)."""
   return model_fn(features, labels, mode, batch_norm=True)
+
+
+def dropout_model_fn(features, labels, mode):
+  """`model_fn` with dropout (the sync_dropout_* configurations)."""
+  return model_fn(features, labels, mode, dropout=True)
 
 
 def make_input_fn(batch):
@@ -273,6 +285,9 @@ def run_task(spec):
     if name.startswith('sync_bn'):
       model = bn_model_fn
       options['batch_norm'] = name[len('sync_bn_'):]
+    elif name.startswith('sync_dropout'):
+      model = dropout_model_fn
+      options['random_ops'] = name[len('sync_dropout_'):]
     estimator = tf.estimator.Estimator(
         estimator_towers.replicate_model_fn(model, aggregation=aggregation,
                                             **options),
@@ -547,7 +562,7 @@ def _medians(rows):
 def _print_table(results, global_batch):
   print(f'\nglobal batch {global_batch} per step; median over rounds; '
         'KB = 1000 bytes')
-  print(f'{"config":>17} {"examples/s":>11} {"vs one":>7} '
+  print(f'{"config":>23} {"examples/s":>11} {"vs one":>7} '
         f'{"KB sent/task-step":>18} {"ps KB sent/step":>16} '
         f'{"lo KB/step":>11} {"others cores":>14}')
   one = statistics.median(r['examples_per_sec'] for r in results['one'])
@@ -556,7 +571,7 @@ def _print_table(results, global_batch):
       continue
     median = _medians(results[name])
     rate = median('examples_per_sec')
-    print(f'{name:>17} {rate:>11.0f} {rate / one:>7.2f} '
+    print(f'{name:>23} {rate:>11.0f} {rate / one:>7.2f} '
           f'{median("sent_per_task_step") / 1e3:>18.1f} '
           f'{median("ps_sent_per_step") / 1e3:>16.1f} '
           f'{median("lo_per_step") / 1e3:>11.1f} '
