@@ -68,7 +68,6 @@ _MAX_OPS = 2000  # Bound on the walk: losses are small subgraphs at the top.
 # count, max(positives, 1)), which `_ratio_weights` must read to trust;
 # the counts the analysis builds itself (a mean's tf.size) are counts.
 _WRITTEN_DIVISOR = 'written_divisor'
-_SUMS = ':sums'  # A key of `_spread`'s guards: never a tensor's name.
 
 
 
@@ -1002,8 +1001,8 @@ def proportional_weights(values: List[tf.Tensor],
 
 def _spread(tensor: tf.Tensor, ratios: Dict[str, tf.Tensor], weight: tf.Tensor,
             depends, budget: List[int],
-            guards: Optional[Dict[str, tuple]] = None
-            ) -> Optional[tf.Tensor]:
+            guards: Optional[Dict[str, tuple]] = None,
+            sums: frozenset = frozenset()) -> Optional[tf.Tensor]:
   """`tensor * weight` with each ratio N / D computed as N / total.
 
   `weight` (D / total for one ratio, the tower's share of the examples for
@@ -1021,8 +1020,8 @@ def _spread(tensor: tf.Tensor, ratios: Dict[str, tf.Tensor], weight: tf.Tensor,
     depends: The tower's `ExampleDependence`.
     budget: Ops walked so far (a one-element list).
     guards: Each guard's tensor name -> (the kept input's position, the
-      whole batch's condition): the guard is rebuilt with that condition;
-      under `_SUMS`, the sum terms of a guarded SUM loss (weighed as they
+      whole batch's condition): the guard is rebuilt with that condition.
+    sums: The op names of a guarded SUM loss's sum terms (weighed as they
       are).
 
   Returns:
@@ -1031,11 +1030,12 @@ def _spread(tensor: tf.Tensor, ratios: Dict[str, tf.Tensor], weight: tf.Tensor,
   budget[0] += 1
   op = tensor.op
   guards = guards or {}
-  if op.name in guards.get(_SUMS, ()):
-    return tensor * tf.cast(weight, tensor.dtype)  # A SUM loss's term.
+  if op.name in sums:
+    return tensor * tf.cast(weight, tensor.dtype)
   if tensor.name in guards:
     kept, condition = guards[tensor.name]
-    inner = _spread(op.inputs[kept], ratios, weight, depends, budget, guards)
+    inner = _spread(op.inputs[kept], ratios, weight, depends, budget, guards,
+                    sums)
     if inner is None:
       return None
     zeros = tf.zeros_like(inner)
@@ -1054,7 +1054,8 @@ def _spread(tensor: tf.Tensor, ratios: Dict[str, tf.Tensor], weight: tf.Tensor,
     return tensor * tf.cast(weight, tensor.dtype)
   if budget[0] > _MAX_OPS:
     return None
-  spread = lambda t: _spread(t, ratios, weight, depends, budget, guards)  # pylint: disable=unnecessary-lambda-assignment
+  spread = lambda t: _spread(t, ratios, weight, depends, budget, guards,  # pylint: disable=unnecessary-lambda-assignment
+                             sums)
   if op.type in _DIVIDE and not depends(op.inputs[1]):
     inner = spread(op.inputs[0])
     return None if inner is None else inner / op.inputs[1]
@@ -1249,8 +1250,9 @@ class TowerWeights:
                 for ratio, divisor, total in zip(
                     reduction.ratios, reduction.divisors,
                     self._totals.get(key, []))}
+      sums = frozenset(reduction.sums if reduction.kind == SUM else ())
       rebuilt = _spread(losses[t], ratios, weight, self._depends(t), [0],
-                        guards)
+                        guards, sums)
       if rebuilt is None and guards:  # `_weights` checked it can be.
         raise AssertionError(f'unspreadable guarded loss {losses[t].name}')
       return plain if rebuilt is None else rebuilt
@@ -1393,8 +1395,6 @@ class TowerWeights:
           condition = losses[t].graph.get_tensor_by_name(
               guard.name).op.inputs[0]
         own[guard.name] = (guard.kept, condition)
-      if reduction.kind == SUM:
-        own[_SUMS] = frozenset(reduction.sums)
       result.append(own)
     return result
 
