@@ -206,3 +206,92 @@ def test_a_metric_of_a_guarded_value_is_refused():
   with pytest.raises(ValueError, match='guarded'):
     build_replicated(_model_fn(loss_of, metrics_of), 2, mode=ModeKeys.EVAL,
                      static_batch=False)
+
+
+# --------------------------------------------------------------------------
+# Widths of the shard (a dimension other than the rows) are the same in
+# every tower: a fixed scaling, a constant of a guard's condition. The
+# second adversary round (2 towers, 3 steps at 0.01).
+
+
+def _per_output_squared_error(x, y, logits):
+  """A sum of squared errors over the number of outputs (3)."""
+  del x
+  width = tf.cast(tf.shape(logits)[1], tf.float32)
+  return tf.reduce_sum(tf.square(logits - tf.one_hot(y, 3))) / width
+
+
+@pytest.mark.training
+def test_a_sum_over_a_width_equal_to_the_rows_equals_one_device():
+  # 0.0496: static batches of 6 give shards of 3 rows, and the logits'
+  # folded width 3 was taken for the shard's row count (a mean).
+  assert _difference(_per_output_squared_error, batch=6,
+                     static_batch=True) < 1e-5
+
+
+@pytest.mark.training
+def test_a_sum_over_a_known_width_equals_one_device():
+  # Refused with batches of unknown size ("divides by 'Cast', which is
+  # neither a sum over the examples ..."): a divisor of the shard's shape
+  # was taken for a count of its examples.
+  assert _difference(_per_output_squared_error) < 1e-5
+
+
+def _guard_on_the_width(x, y, logits):
+  w = _present(x)
+  width = tf.cast(tf.shape(x)[1], tf.float32)
+  return tf.where(tf.reduce_sum(w) > 0.5 * width,
+                  tf.reduce_sum(_xent(y, logits) * w), 0.0)
+
+
+@pytest.mark.training
+@pytest.mark.parametrize('static_batch', [False, True])
+def test_a_guard_on_a_known_width_equals_one_device(static_batch):
+  # Refused with a static batch: every folded shape was taken for one that
+  # may hold the tower's rows, whatever dimension it picked.
+  assert _difference(_guard_on_the_width, static_batch=static_batch) < 1e-5
+
+
+def _zero_weights_first(x):
+  x = x.copy()
+  x[:, 4] = 1.0
+  x[:12, 4] = -1.0  # The first 12 examples weigh 0.
+  return x
+
+
+@pytest.mark.training
+def test_micro_batches_with_a_batch_of_zero_weights_equal_one_device():
+  # Failed at run time ("divides by a count that is not proportional to
+  # the micro-batches' numbers of examples"): with every weight 0 the
+  # divisors' shares are 0 / 0, and any weights adding up to one are
+  # exact; the check now passes such a batch.
+  x, y = half_weighted_data()
+
+  def loss_of(x, y, logits):
+    tf1.losses.sparse_softmax_cross_entropy(y, logits, weights=_present(x))
+    tf1.losses.add_loss(
+        0.1 * tf.add_n([tf.nn.l2_loss(v) for v in tf1.trainable_variables()]),
+        tf1.GraphKeys.REGULARIZATION_LOSSES)
+    return tf1.losses.get_total_loss()
+
+  assert _difference(loss_of, data=(_zero_weights_first(x), y),
+                     micro_batches=2) < 1e-5
+
+
+@pytest.mark.training
+@pytest.mark.parametrize('towers,batch,kwargs', [
+    (3, 7, {'aggregation': 'all_reduce'}),
+    (3, 2, {'aggregation': 'round_robin'}),  # An idle tower per batch.
+])
+def test_a_bounded_mean_with_l2_on_zero_weight_batches_equals_one_device(
+    towers, batch, kwargs):
+  x, y = half_weighted_data()
+
+  def loss_of(x, y, logits):
+    w = _present(x)
+    reg = 0.1 * tf.add_n([tf.nn.l2_loss(v) for v in tf1.trainable_variables()])
+    return tf.reduce_sum(_xent(y, logits) * w) / tf.maximum(
+        tf.reduce_sum(w), 1.0) + reg
+
+  assert _difference(loss_of, towers=towers, batch=batch,
+                     data=(_zero_weights_first(x), y), **kwargs) < 1e-5

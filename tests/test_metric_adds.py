@@ -541,3 +541,60 @@ def test_a_per_column_mean_of_each_batch_equals_one_device(checkpoint,
   actual = _evaluate(_classifier, checkpoint, towers, params)['m']
   assert expected.shape == (2,)
   np.testing.assert_allclose(actual, expected, rtol=1e-5)
+
+
+def _columns(per_example):
+  """Per-example rows of 2 columns, as probabilities are."""
+  likelihood = tf.exp(-per_example)
+  return tf.stack([likelihood, 1.0 - likelihood], 1)
+
+
+# Functions of each batch's column means that are no weighted sum of the
+# towers' column means: each tower added its own into the metric's total
+# while the count took the batch once (2 towers: 0.25-0.65 off, 3 towers:
+# 0.50-1.13, silently).
+_OF_COLUMN_MEANS = {
+    'square': lambda e: tf.square(tf.reduce_mean(_columns(e), 0)),
+    'maximum': lambda e: tf.maximum(tf.reduce_mean(_columns(e), 0), 0.5),
+    'guarded': lambda e: tf.where(tf.reduce_sum(e) > 3.0,
+                                  tf.reduce_mean(_columns(e), 0),
+                                  tf.zeros([2])),
+    'over_a_mean': lambda e: (tf.reduce_mean(_columns(e), 0) /
+                              tf.reduce_mean(e)),
+}
+
+
+@pytest.mark.parametrize('name', sorted(_OF_COLUMN_MEANS))
+def test_a_function_of_column_means_is_refused(name):
+  with tf.Graph().as_default():
+    features, labels = tf1.data.make_one_shot_iterator(_input_fn()).get_next()
+    with pytest.raises(ValueError, match="'m' adds one value per batch"):
+      estimator_towers.replicate_model_fn(_classifier)(
+          features, labels, tf.estimator.ModeKeys.EVAL,
+          {'metrics': lambda e: {'m': tf1.metrics.mean_tensor(
+              _OF_COLUMN_MEANS[name](e))}},
+          estimator_towers.make_run_config(cpu_devices=2))
+
+
+@pytest.mark.parametrize('towers', [2, 3])
+def test_column_means_keepdims_3d_and_plus_a_constant_equal_one_device(
+    checkpoint, towers):
+  # `+ 1.0` failed inside the rewrite (TensorFlow's "Shapes must be equal
+  # rank" from an add_n of the weighted constant and the vector).
+  def metrics(e):
+    columns = _columns(e)
+    return {
+        'plus_one': tf1.metrics.mean_tensor(
+            tf.reduce_mean(columns, 0) + 1.0),
+        'keepdims': tf1.metrics.mean_tensor(
+            tf.reduce_mean(columns, 0, keepdims=True)),
+        'three_d': tf1.metrics.mean_tensor(
+            tf.reduce_mean(tf.stack([columns, 2 * columns], 1), 0)),
+    }
+
+  params = {'metrics': metrics}
+  expected = _evaluate(_classifier, checkpoint, 1, params)
+  actual = _evaluate(_classifier, checkpoint, towers, params)
+  for name in ('plus_one', 'keepdims', 'three_d'):
+    np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
+                               err_msg=name)

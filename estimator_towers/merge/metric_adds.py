@@ -138,7 +138,7 @@ def _count_once(metric: str, adds: List[tf.Operation], depends_on_shard,
       for add, value in zip(adds, numerators):
         _replace(add, position, value, 'ratio_times_its_divisor')
       return
-    if _unreadable_per_batch_value(values[0]):
+    if _unreadable_per_batch_value(values[0], depends_on_shard[0]):
       raise ValueError(
           f'The metric {metric!r} adds one value per batch that is neither '
           f'a sum nor a mean over the examples ({reductions[0].detail}, '
@@ -268,19 +268,21 @@ def _same_value(a: tf.Tensor, b: tf.Tensor, depth: int = 8) -> bool:
   return all(_same_value(s, t, depth - 1) for s, t in zip(x.inputs, y.inputs))
 
 
-def _unreadable_per_batch_value(value: tf.Tensor) -> bool:
+def _unreadable_per_batch_value(value: tf.Tensor, depends_on_shard) -> bool:
   """Whether an add the analysis cannot read is one value per batch.
 
-  A scalar is; so is a mean over the batch axis (`mean_tensor` of a batch
-  mean). Other vectors (`auc`'s per-threshold counts) are sums of
-  per-example counts, which add up over the towers.
+  A scalar is; so is a vector computed element-wise from a reduction over
+  the batch axis (a function of `mean_tensor`'s column means: a square, a
+  max, a division by a mean). Other vectors (`auc`'s per-threshold counts) are sums of per-example
+  counts, which add up over the towers.
   """
   if value.shape.rank == 0:
     return True
   op = value.op
   while op.type in ('Identity', 'Cast', 'Reshape', 'Squeeze') and op.inputs:
     op = op.inputs[0].op
-  return op.type == 'Mean'
+  return op.type == 'Mean' or loss_reduction.reduces_rows(value,
+                                                          depends_on_shard)
 
 
 def check_overwrites(metric_ops: Sequence[Dict[str, tuple]],

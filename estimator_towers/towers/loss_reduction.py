@@ -263,6 +263,9 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
         terms.append((_STATIC_COUNT, None, op.name))
       else:  # A scaling, e.g. by a fixed batch size.
         _collect_terms(numerator, depends, terms, budget, guards)
+    elif _other_dims(denominator, getattr(depends, 'batch_size', None)):
+      # A width of the shard (tf.shape(logits)[1]): the same in every tower.
+      _collect_terms(numerator, depends, terms, budget, guards)
     else:  # A count of this shard's examples (rows, weights, tokens).
       terms.append(_per_row(numerator, denominator, depends, budget, op))
   elif _reduces_all(tensor, SUM, depends) or _counts_examples(tensor, depends):
@@ -317,9 +320,23 @@ def _chooses_per_shard(tensor: tf.Tensor, depends) -> bool:
 def _static_shapes(tensor: tf.Tensor, depends) -> bool:
   """Whether `tensor` may hold the shard's static size: a shape or size
   folded while building, from a shard of static rows (with unknown rows
-  no folded shape holds them)."""
-  return (getattr(depends, 'batch_size', None) is not None and
-          _from_shapes(tensor))
+  no folded shape holds them), other than one of its other dimensions
+  picked by a known index (`tf.shape(x)[1]`)."""
+  if getattr(depends, 'batch_size', None) is None:
+    return False
+  pending, seen = [tensor.op], set()
+  while pending and len(seen) < _MAX_OPS:
+    op = pending.pop()
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    if (op.type in _SHAPE_ELEMENT and folded_shape(op.inputs[0].op) and
+        _folded_element_index(op) not in (None, 0)):
+      continue  # Another dimension: the same in every tower.
+    if folded_shape(op):
+      return True
+    pending.extend(t.op for t in op.inputs)
+  return False
 
 
 def _varies(depends) -> Callable[[tf.Tensor], bool]:
@@ -366,9 +383,23 @@ def _is_the_rows(denominator: tf.Tensor, depends) -> bool:
   shape = element.inputs[0]
   if not folded_shape(shape.op) or shape.shape.rank != 1:
     return False
+  if _folded_element_index(element) != 0:
+    # Another dimension that happens to equal the rows (a width of 3 on
+    # shards of 3 rows): a fixed scaling, as one device's is.
+    return False
   value = _static_value(denominator)
   return value is not None and np.size(value) == 1 and (
       float(np.reshape(value, [])) == float(rows))
+
+
+def _folded_element_index(element: tf.Operation) -> Optional[int]:
+  """Which dimension a StridedSlice or Gather of a folded shape picks
+  (non-negative), or None when not known while building."""
+  index = _static_value(element.inputs[1])
+  dims = element.inputs[0].shape.num_elements()
+  if index is None or np.size(index) != 1 or not dims:
+    return None
+  return int(np.reshape(index, [])) % dims
 
 
 def _per_row(numerator: tf.Tensor, denominator: tf.Tensor, depends,
@@ -523,6 +554,36 @@ def _row_reduction_below(tensor: tf.Tensor, depends) -> Optional[tf.Operation]:
     elif op.type in _PASS_THROUGH or op.type in _ELEMENTWISE:
       pending.extend(op.inputs)
   return None
+
+
+def reduces_rows(tensor: tf.Tensor, depends) -> bool:
+  """Whether `tensor` is computed, through element-wise ops, from a mean
+  (or max, min, product) over the shard's rows that keeps other axes (a
+  column mean): one value per batch, which the towers' values do not add
+  up to. A sum over the rows adds up, and `ones_like` of anything is no
+  value of it.
+
+  Args:
+    tensor: A tower's tensor (a metric's add).
+    depends: The tower's `ExampleDependence`.
+  """
+  pending, seen = [tensor], set()
+  while pending and len(seen) < _MAX_OPS:
+    current = pending.pop()
+    op = current.op
+    if op.name in seen or not depends(current):
+      continue
+    seen.add(op.name)
+    if op.type in _REDUCTIONS and op.outputs[0].shape.rank != 0:
+      axes = _reduced_axes(op)
+      if axes is None or 0 in axes:
+        if op.type != 'Sum':
+          return True
+        continue
+      pending.append(op.inputs[0])
+    elif op.type in _PASS_THROUGH or op.type in _ELEMENTWISE:
+      pending.extend(op.inputs)
+  return False
 
 
 def _skip_scalings(tensor: tf.Tensor, depends) -> tf.Tensor:
@@ -1107,7 +1168,9 @@ def _spreadable(loss: tf.Tensor, reduction: Reduction, depends) -> bool:
 def _rebuild(op: tf.Operation, tensor: tf.Tensor, inner: List[tf.Tensor]
              ) -> tf.Tensor:
   """`op` (an addition or a pass-through) applied to new inputs."""
-  if op.type in ('Add', 'AddV2', 'AddN'):
+  if op.type in ('Add', 'AddV2'):
+    return tf.add(inner[0], inner[1])  # Broadcasts, as the op did.
+  if op.type == 'AddN':
     return tf.add_n(inner)
   if op.type == 'Sub':
     return inner[0] - inner[1]
@@ -1281,18 +1344,23 @@ class TowerWeights:
     else:
       # Against the whole batch's divisor: max(S_t, 1) of micro-batches
       # without positives is 1 each, proportional to nothing.
-      exact = self._divisor_shares.get(key, exact)
+      exact = tf.stack(self._divisor_shares.get(key, exact))
       weights = self._shares()
-      check = tf.debugging.assert_near(
-          tf.stack(exact), tf.stack(weights), rtol=1e-5, atol=1e-6,
-          message=(
-              f'The loss {losses[0].op.name!r} divides by a count that is '
-              "not proportional to the micro-batches' numbers of examples "
-              '(a weighted mean: a weight column, a token mask). With '
-              'micro_batches > 1 the micro-batches run one after another, '
-              'so their losses are weighed by their shares of the examples, '
-              'which would not give the one-device loss: use '
-              'micro_batches=1, or make the loss a sum, or a plain mean.'))
+      near = tf.reduce_all(tf.abs(exact - tf.stack(weights)) <=
+                           1e-6 + 1e-5 * tf.abs(tf.stack(weights)))
+      if key in self._totals:
+        # A batch whose divisor is 0 (every weight 0) has only ratios of 0
+        # and example-free terms, which any weights adding up to 1 count
+        # once: the shares of the examples are exact then.
+        near = tf.logical_or(tf.equal(self._totals[key][0], 0.0), near)
+      check = tf.debugging.Assert(near, [
+          f'The loss {losses[0].op.name!r} divides by a count that is '
+          "not proportional to the micro-batches' numbers of examples "
+          '(a weighted mean: a weight column, a token mask). With '
+          'micro_batches > 1 the micro-batches run one after another, '
+          'so their losses are weighed by their shares of the examples, '
+          'which would not give the one-device loss: use '
+          'micro_batches=1, or make the loss a sum, or a plain mean.'])
       with tf.control_dependencies([check]):
         self.checks.append(tf.no_op(name='weights_known_in_advance'))
     self._advance_cache[key] = weights
