@@ -40,6 +40,16 @@ def _xent(y, logits):
                                                         logits=logits)
 
 
+def _weighted_xent_and_l2(x, y, logits):
+  """tf.compat.v1.losses' default reduction (div_no_nan(sum, num_present))
+  plus an L2 regularization loss, as get_total_loss adds them."""
+  tf1.losses.sparse_softmax_cross_entropy(y, logits, weights=_present(x))
+  tf1.losses.add_loss(
+      0.1 * tf.add_n([tf.nn.l2_loss(v) for v in tf1.trainable_variables()]),
+      tf1.GraphKeys.REGULARIZATION_LOSSES)
+  return tf1.losses.get_total_loss()
+
+
 def _difference(loss_of, towers=2, batch=12, data=None, static_batch=False,
                 **wrapper_kwargs):
   """Max variable difference from one device after 3 steps."""
@@ -157,15 +167,7 @@ def test_regularization_on_a_batch_of_zero_weights_equals_one_device():
   # and dropped it. They now weigh it equally when the total is 0.
   x, y = half_weighted_data()
   x[:12, 4] = -1.0  # The first batch: every weight 0.
-
-  def loss_of(x, y, logits):
-    tf1.losses.sparse_softmax_cross_entropy(y, logits, weights=_present(x))
-    tf1.losses.add_loss(
-        0.1 * tf.add_n([tf.nn.l2_loss(v) for v in tf1.trainable_variables()]),
-        tf1.GraphKeys.REGULARIZATION_LOSSES)
-    return tf1.losses.get_total_loss()
-
-  assert _difference(loss_of, data=(x, y)) < 1e-5
+  assert _difference(_weighted_xent_and_l2, data=(x, y)) < 1e-5
 
 
 @pytest.mark.training
@@ -266,15 +268,7 @@ def test_micro_batches_with_a_batch_of_zero_weights_equal_one_device():
   # divisors' shares are 0 / 0, and any weights adding up to one are
   # exact; the check now passes such a batch.
   x, y = half_weighted_data()
-
-  def loss_of(x, y, logits):
-    tf1.losses.sparse_softmax_cross_entropy(y, logits, weights=_present(x))
-    tf1.losses.add_loss(
-        0.1 * tf.add_n([tf.nn.l2_loss(v) for v in tf1.trainable_variables()]),
-        tf1.GraphKeys.REGULARIZATION_LOSSES)
-    return tf1.losses.get_total_loss()
-
-  assert _difference(loss_of, data=(_zero_weights_first(x), y),
+  assert _difference(_weighted_xent_and_l2, data=(_zero_weights_first(x), y),
                      micro_batches=2) < 1e-5
 
 

@@ -22,7 +22,7 @@ is reported as unknown: `TowerWeights` then needs to be told.
 """
 
 import dataclasses
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -537,8 +537,16 @@ def _row_reduction_below(tensor: tf.Tensor, depends) -> Optional[tf.Operation]:
 
   Its result has columns, not rows, first: a reduction of it is no
   reduction over the examples, whatever its (unknown) first dimension.
-  The walk follows only ops that keep their inputs' rows.
   """
+  return next(_row_reductions_below(tensor, depends), None)
+
+
+def _row_reductions_below(tensor: tf.Tensor,
+                          depends) -> Iterator[tf.Operation]:
+  """Each reduction over the rows (axis 0, or unknown axes) `tensor` is
+  computed from through element-wise ops. The walk follows only ops that
+  keep their inputs' rows (not `ones_like`, whose values are no values of
+  its input)."""
   pending, seen = [tensor], set()
   while pending and len(seen) < _MAX_OPS:
     current = pending.pop()
@@ -549,41 +557,25 @@ def _row_reduction_below(tensor: tf.Tensor, depends) -> Optional[tf.Operation]:
     if op.type in _REDUCTIONS and op.outputs[0].shape.rank != 0:
       axes = _reduced_axes(op)
       if axes is None or 0 in axes:
-        return op
+        yield op
+        continue
       pending.append(op.inputs[0])
     elif op.type in _PASS_THROUGH or op.type in _ELEMENTWISE:
       pending.extend(op.inputs)
-  return None
 
 
 def reduces_rows(tensor: tf.Tensor, depends) -> bool:
   """Whether `tensor` is computed, through element-wise ops, from a mean
   (or max, min, product) over the shard's rows that keeps other axes (a
   column mean): one value per batch, which the towers' values do not add
-  up to. A sum over the rows adds up, and `ones_like` of anything is no
-  value of it.
+  up to. A sum over the rows adds up.
 
   Args:
     tensor: A tower's tensor (a metric's add).
     depends: The tower's `ExampleDependence`.
   """
-  pending, seen = [tensor], set()
-  while pending and len(seen) < _MAX_OPS:
-    current = pending.pop()
-    op = current.op
-    if op.name in seen or not depends(current):
-      continue
-    seen.add(op.name)
-    if op.type in _REDUCTIONS and op.outputs[0].shape.rank != 0:
-      axes = _reduced_axes(op)
-      if axes is None or 0 in axes:
-        if op.type != 'Sum':
-          return True
-        continue
-      pending.append(op.inputs[0])
-    elif op.type in _PASS_THROUGH or op.type in _ELEMENTWISE:
-      pending.extend(op.inputs)
-  return False
+  return any(op.type != 'Sum'
+             for op in _row_reductions_below(tensor, depends))
 
 
 def _skip_scalings(tensor: tf.Tensor, depends) -> tf.Tensor:
