@@ -322,21 +322,8 @@ def _static_shapes(tensor: tf.Tensor, depends) -> bool:
   folded while building, from a shard of static rows (with unknown rows
   no folded shape holds them), other than one of its other dimensions
   picked by a known index (`tf.shape(x)[1]`)."""
-  if getattr(depends, 'batch_size', None) is None:
-    return False
-  pending, seen = [tensor.op], set()
-  while pending and len(seen) < _MAX_OPS:
-    op = pending.pop()
-    if op.name in seen:
-      continue
-    seen.add(op.name)
-    if (op.type in _SHAPE_ELEMENT and folded_shape(op.inputs[0].op) and
-        _folded_element_index(op) not in (None, 0)):
-      continue  # Another dimension: the same in every tower.
-    if folded_shape(op):
-      return True
-    pending.extend(t.op for t in op.inputs)
-  return False
+  return (getattr(depends, 'batch_size', None) is not None and
+          _from_shapes(tensor, rows_only=True))
 
 
 def _varies(depends) -> Callable[[tf.Tensor], bool]:
@@ -509,14 +496,20 @@ def folded_shape(op: tf.Operation) -> bool:
       frame.name in _SHAPE_FOLDS for frame in op.traceback)
 
 
-def _from_shapes(tensor: tf.Tensor) -> bool:
-  """Whether a constant-valued tensor is computed from a folded shape."""
+def _from_shapes(tensor: tf.Tensor, rows_only: bool = False) -> bool:
+  """Whether a constant-valued tensor is computed from a folded shape; with
+  `rows_only`, not counting an element of one picked by a known index
+  other than the first (`tf.shape(x)[1]`: another dimension)."""
   pending, seen = [tensor.op], set()
   while pending and len(seen) < _MAX_OPS:
     op = pending.pop()
     if op.name in seen:
       continue
     seen.add(op.name)
+    if (rows_only and op.type in _SHAPE_ELEMENT and
+        folded_shape(op.inputs[0].op) and
+        _folded_element_index(op) not in (None, 0)):
+      continue
     if folded_shape(op):
       return True
     pending.extend(t.op for t in op.inputs)
