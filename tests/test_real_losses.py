@@ -297,22 +297,7 @@ def _bert_pretraining(x, y, logits, hidden):
   """run_pretraining.py's total_loss: masked LM (a mean weighted by
   masked_lm_weights, which vary per example) plus next sentence (a mean):
   two ratios, each exact when weighed by its own divisor."""
-  seq_length, width = 3, 4
-  sequence = tf.reshape(tf.tile(hidden, [1, seq_length]),
-                        [-1, seq_length, width])
-  positions = tf.stack([y % seq_length, (y + 1) % seq_length], 1)
-  batch_size = tf.shape(sequence)[0]
-  flat_offsets = tf.reshape(tf.range(0, batch_size) * seq_length, [-1, 1])
-  flat_positions = tf.reshape(positions + flat_offsets, [-1])
-  gathered = tf.gather(tf.reshape(sequence, [-1, width]), flat_positions)
-  lm_logits = tf1.layers.dense(gathered, 5, kernel_initializer=seeded(3))
-  log_probs = tf.nn.log_softmax(lm_logits, -1)
-  label_ids = tf.reshape(tf.stack([y, y + 1], 1), [-1])
-  label_weights = tf.reshape(
-      tf.cast(tf.stack([y > 0, y >= 0], 1), tf.float32), [-1])
-  per_prediction = -tf.reduce_sum(log_probs * tf.one_hot(label_ids, 5), -1)
-  masked_lm_loss = tf.reduce_sum(label_weights * per_prediction) / (
-      tf.reduce_sum(label_weights) + 1e-5)
+  masked_lm_loss = _bert_masked_lm(x, y, logits, hidden)
   nsp_log_probs = tf.nn.log_softmax(
       tf1.layers.dense(hidden, 2, kernel_initializer=seeded(4)), -1)
   next_sentence_loss = tf.reduce_mean(
