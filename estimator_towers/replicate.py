@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 from typing import Any, Callable, List, Mapping, Optional, Sequence
 
+from absl import logging
 import tensorflow as tf
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
@@ -293,6 +294,19 @@ def replicate_model_fn(model_fn: ModelFn,
           _placer(0, tower_devices[0], strategy, lambda: False)):
         return tpu_spec.as_estimator_spec(
             model_fn(features=features, **kwargs))
+    features = sharding.with_array_rows_as_tensors(features)
+    labels = sharding.with_array_rows_as_tensors(labels)
+    if not sharding.has_batch(features, labels):
+      _check_batch_free_call(task_group, micro, config)
+      # Nothing to split: every tower would compute one device's values
+      # again, and run its state updates once more; one call is exact.
+      logging.info(
+          'replicate_model_fn: the features and labels are one value for '
+          'the whole batch; the model_fn runs once, on %s.', tower_devices[0])
+      with tf1.get_default_graph().device(
+          _placer(0, tower_devices[0], strategy, lambda: False)):
+        return tpu_spec.as_estimator_spec(
+            model_fn(features=features, **kwargs))
     builder = _TowerBuilder(model_fn, tower_devices, strategy, task_group,
                             loss_reduction, mode,
                             loss_scaling.automatic(config),
@@ -308,6 +322,26 @@ def replicate_model_fn(model_fn: ModelFn,
 
   replicated_model_fn.__signature__ = _presented_signature(model_fn)
   return replicated_model_fn
+
+
+def _check_batch_free_call(task_group, micro, config) -> None:
+  """Refuses a batch-free input where one call is not one device's step.
+
+  Raises:
+    ValueError: in a synchronous cluster (each task would train alone),
+      with micro-batches, or with the float16 loss scale, which need towers.
+  """
+  why = ('tasks of a synchronous cluster would each train alone'
+         if task_group.across_tasks else
+         'micro_batches splits a batch' if micro is not None else
+         'the automatic float16 loss scale is applied across towers'
+         if loss_scaling.automatic(config) else None)
+  if why:
+    raise ValueError(
+        'replicate_model_fn found no feature or label with a batch '
+        f'dimension to split over the towers (scalars are one value per '
+        f'batch), and {why}. Give the batched inputs shape [batch, ...] in '
+        'the input_fn.')
 
 
 @dataclasses.dataclass

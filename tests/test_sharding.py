@@ -106,8 +106,39 @@ def test_labels_must_match_features_batch():
 
 def test_non_tensor_leaf_is_a_type_error():
   with tf.Graph().as_default():
-    with pytest.raises(TypeError, match=r"features\['n'\] is a int"):
-      _split({'x': tf.zeros([2]), 'n': 3}, 2)
+    with pytest.raises(TypeError, match=r"features\['n'\] is a object"):
+      _split({'x': tf.zeros([2]), 'n': object()}, 2)
+
+
+def test_python_and_numpy_scalars_go_whole_to_every_tower():
+  # tf.estimator hands an input_fn's Python values to the model_fn as they
+  # are; one value for the whole batch is every tower's.
+  scalars = {'n': 3, 'name': 'abc', 'f': np.float32(2.5), 'a': np.array(7)}
+  with tf.Graph().as_default():
+    shards = _split({'x': tf.zeros([5, 2]), **scalars}, 2)
+  for shard in shards:
+    assert {key: shard[key] for key in scalars} == scalars
+
+
+def test_a_list_of_python_values_beside_a_batch_is_refused():
+  # [1., 2.] may be one weight per example: given whole to each tower, a
+  # shard of 1 would broadcast against it silently.
+  with tf.Graph().as_default():
+    with pytest.raises(TypeError, match=r"features\['w'\] is a list of "
+                       'Python values'):
+      sharding.has_batch({'x': tf.zeros([2, 1]), 'w': [1., 2.]}, None)
+    assert not sharding.has_batch({'w': [1., 2.]}, 4.0)  # No batch: as is.
+
+
+def test_numpy_arrays_with_rows_are_split_like_tensors():
+  x = np.arange(10, dtype=np.float32).reshape(5, 2)
+  with tf.Graph().as_default():
+    features = sharding.with_array_rows_as_tensors({'x': x, 'c': np.array(1)})
+    assert sharding.has_batch(features, None)
+    shards = _split(features, 2)
+    assert all(shard['c'] == 1 for shard in shards)
+    values = _run([shard['x'] for shard in shards])
+  np.testing.assert_array_equal(np.concatenate(values), x)
 
 
 def test_padding_gives_an_empty_batch_one_zero_row_of_every_kind():
@@ -159,23 +190,79 @@ def _trained_kernel(input_fn, towers, tmp_path):
   return estimator.get_variable_value('dense/kernel')
 
 
-@pytest.mark.parametrize('features', ['scalar', 'none'])
+@pytest.mark.parametrize('features', ['scalar', 'static_batch', 'none',
+                                      'numpy'])
 def test_a_per_batch_scalar_or_no_features_train_as_one_device(tmp_path,
                                                                  features):
-  # A scalar is every tower's whole; without features, labels are split.
+  # A scalar is every tower's whole; without features, labels are split;
+  # numpy arrays are split as Tensors, a Python scalar goes whole.
   rng = np.random.RandomState(0)
   x, y = rng.randn(20, 3).astype(np.float32), rng.randn(20).astype(np.float32)
 
   def input_fn():
     if features == 'none':
       return None, tf.constant(y[:7])
-    data = tf.data.Dataset.from_tensor_slices(({'x': x}, y)).batch(7)
+    if features == 'numpy':
+      return {'x': x[:7], 'scale': 2.0}, y[:7]
+    # With a static batch, the scalar (sorted first) once hid the shard's
+    # static rows from the loss analysis: the mean was refused.
+    data = tf.data.Dataset.from_tensor_slices(({'x': x}, y)).batch(
+        7, drop_remainder=features == 'static_batch')
     return data.map(lambda f, l: (dict(f, scale=tf.constant(2.0)), l))
 
   expected = _trained_kernel(input_fn, 1, tmp_path)
   for towers in (2, 3):
     np.testing.assert_allclose(_trained_kernel(input_fn, towers, tmp_path),
-                               expected, rtol=1e-5, err_msg=f'{towers}')
+                               expected, rtol=1e-5, atol=1e-7,
+                               err_msg=f'{towers}')
+
+
+def _batch_free_model_fn(calls):
+  """A regression on Python scalar features and labels (no batch at all)."""
+
+  def model_fn(features, labels, mode):
+    calls.append(mode)
+    x = tf.fill([4, 1], features['x'])
+    predictions = tf.compat.v1.layers.dense(
+        x, 1, kernel_initializer=tf.compat.v1.constant_initializer(0.1))
+    loss = tf.reduce_mean(tf.square(predictions - labels))
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(1e-4).minimize(
+        loss, tf.compat.v1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  return model_fn
+
+
+def test_python_scalars_without_a_batch_run_the_model_fn_once(tmp_path):
+  # tf.estimator's own tests feed ({'x': 42.}, 44.): there is nothing to
+  # split, and one call is one device's step (a second would repeat it).
+  import estimator_towers  # pylint: disable=g-import-not-at-top
+  kernels = []
+  for towers in (1, 2):
+    calls = []
+    model_fn = _batch_free_model_fn(calls)
+    if towers > 1:
+      model_fn = estimator_towers.replicate_model_fn(model_fn)
+    estimator = tf.estimator.Estimator(
+        model_fn, config=estimator_towers.make_run_config(
+            str(tmp_path / str(towers)), cpu_devices=towers))
+    estimator.train(lambda: ({'x': 42.}, 44.), steps=3)
+    assert calls == [tf.estimator.ModeKeys.TRAIN]
+    kernels.append(estimator.get_variable_value('dense/kernel'))
+  np.testing.assert_allclose(kernels[1], kernels[0], rtol=1e-6)
+  assert abs(kernels[0].item() - 0.1) > 1e-3  # It trained.
+
+
+def test_batch_free_input_with_micro_batches_is_refused():
+  import estimator_towers  # pylint: disable=g-import-not-at-top
+  model_fn = estimator_towers.replicate_model_fn(
+      _batch_free_model_fn([]), micro_batches=2)
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    with pytest.raises(ValueError, match='no feature or label with a batch.*'
+                       'micro_batches splits a batch'):
+      model_fn({'x': 42.}, 44., tf.estimator.ModeKeys.TRAIN,
+               config=estimator_towers.make_run_config(cpu_devices=2))
 
 
 def test_only_scalars_have_nothing_to_split():

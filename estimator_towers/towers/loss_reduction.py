@@ -757,7 +757,8 @@ class ExampleDependence:
     # A scalar feature is every tower's whole, not part of a shard.
     self._shard_ops = {t.op.name for t in leaves if isinstance(t, tf.Tensor)
                        and t.shape.rank != 0}
-    dense = [t for t in sharding.leaves(shard) if isinstance(t, tf.Tensor)]
+    dense = [t for t in sharding.leaves(shard) if isinstance(t, tf.Tensor)
+             and not sharding.is_per_batch(t)]
     # The shard's static number of examples; None when known only at run
     # time (the usual case; static when the input's batch size is).
     self.batch_size = (_rows(dense[0].shape) if dense and dense[0].shape.rank

@@ -3,15 +3,20 @@
 The split is computed at run time from the actual batch size, so the short
 last batch of an epoch and a serving request of one example work: shard sizes
 differ by at most one, and towers beyond the batch size get empty shards.
-A scalar feature (one value for the whole batch, such as a temperature) is
-not split: every tower gets it, as one device does.
+A scalar feature (one value for the whole batch, such as a temperature: a
+scalar Tensor, a Python number or string, a numpy scalar) is not split:
+every tower gets it, as one device does. A numpy array with a first
+dimension is a batch like a Tensor (`with_array_rows_as_tensors`).
 """
 
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
 
 _BATCHED_TYPES = (tf.Tensor, tf.SparseTensor, tf.RaggedTensor)
+# One value for the whole batch when an input_fn returns it as it is.
+_PYTHON_SCALARS = (bool, int, float, complex, str, bytes, np.generic)
 
 
 def _leaves_with_paths(structure: Any, prefix: str = '') -> List[Tuple[str, Any]]:
@@ -62,17 +67,79 @@ def leaves(structure: Any, expand_composites: bool = False) -> List[Any]:
 
 
 def _check_leaf(name: str, leaf: Any) -> None:
-  if not isinstance(leaf, _BATCHED_TYPES):
+  if not isinstance(leaf, _BATCHED_TYPES) and not is_per_batch(leaf):
     raise TypeError(
         f'{name} is a {type(leaf).__name__}; replicate_model_fn splits only '
-        'Tensors, SparseTensors and RaggedTensors (in dicts, lists or tuples). '
-        'Convert it to a Tensor in the input_fn.')
+        'Tensors, SparseTensors, RaggedTensors and numpy arrays (in dicts, '
+        'lists or tuples) and gives every tower a scalar. Convert it to a '
+        'Tensor in the input_fn.')
+
+
+def _check_python_rows(name: str, structure: Any) -> None:
+  """Refuses a list of Python scalars: it may be one value per example."""
+  if isinstance(structure, dict):
+    for key in _sorted_keys(structure):
+      _check_python_rows(f'{name}[{key!r}]', structure[key])
+  elif isinstance(structure, (list, tuple)):
+    if structure and all(isinstance(item, _PYTHON_SCALARS)
+                         for item in structure):
+      raise TypeError(
+          f'{name} is a {type(structure).__name__} of Python values, which '
+          'may hold one value per example or several values for the whole '
+          'batch; replicate_model_fn cannot tell which. Return a Tensor of '
+          'shape [batch, ...] (or a numpy array) from the input_fn, or a '
+          'scalar per key for a value of the whole batch.')
+    for i, item in enumerate(structure):
+      _check_python_rows(f'{name}[{i}]', item)
 
 
 def is_per_batch(leaf: Any) -> bool:
-  """Whether `leaf` is one value for the whole batch (a scalar Tensor),
-  which every tower gets whole."""
-  return isinstance(leaf, tf.Tensor) and leaf.shape.rank == 0
+  """Whether `leaf` is one value for the whole batch (a scalar Tensor, a
+  Python or numpy scalar), which every tower gets as it is."""
+  if isinstance(leaf, tf.Tensor):
+    return leaf.shape.rank == 0
+  if isinstance(leaf, np.ndarray):
+    return leaf.ndim == 0
+  return isinstance(leaf, _PYTHON_SCALARS)
+
+
+def with_array_rows_as_tensors(structure: Any) -> Any:
+  """`structure` with each numpy array that has rows as a constant Tensor.
+
+  An input_fn may return numpy arrays (Keras' `model_to_estimator` model_fn
+  converts them itself); an array of shape [batch, ...] is a batch like a
+  Tensor of that shape, so it is split like one.
+  """
+  return map_leaves(
+      lambda leaf: tf.constant(leaf) if isinstance(leaf, np.ndarray) and
+      leaf.ndim else leaf, structure)
+
+
+def has_batch(features: Any, labels: Any) -> bool:
+  """Whether any feature or label has a batch dimension to split.
+
+  Args:
+    features: The input_fn's features.
+    labels: Its labels, or None.
+
+  Returns:
+    False when every leaf is None or one value for the whole batch (a
+    model_fn given Python scalars, as tf.estimator allows).
+
+  Raises:
+    TypeError: a leaf is neither batched nor a scalar, or a list of Python
+      values sits beside a batch.
+  """
+  found = named_leaves(features, labels)
+  for name, leaf in found:
+    if leaf is not None:
+      _check_leaf(name, leaf)
+  batched = any(leaf is not None and not is_per_batch(leaf)
+                for _, leaf in found)
+  if batched:
+    _check_python_rows('features', features)
+    _check_python_rows('labels', labels)
+  return batched
 
 
 def batch_size_of(leaf: Any) -> tf.Tensor:
