@@ -451,6 +451,10 @@ class _TowerBuilder:
       batch_mixing.check_loss(specs[0].loss, split.shard(0),
                               self._towers.start(0),
                               self._batch_norm == 'per_tower')
+      tower_effects.check_loss_reads_no_write(
+          specs[0].loss, self._towers.start(0),
+          {_op_of(u).name for u in update_ops[0]} |
+          (step.statistics.exact_writes if step.statistics else set()))
     if self._mode == ModeKeys.TRAIN:
       moving_statistics.check_single_writers(update_ops)
       if self._micro:

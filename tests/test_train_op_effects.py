@@ -250,3 +250,62 @@ def test_optimizer_with_its_own_update_equals_one_device(tmp_path, data,
   one, many = _train_both(tmp_path, data, own_update_model_fn, 2,
                           {'keras': keras})
   assert_same_variables(variables_of(one), variables_of(many))
+
+
+def counted_loss_model_fn(features, labels, mode, params):
+  """A loss read back from a counter the model_fn advances in each call.
+
+  tensorflow/estimator's own `test_loss_metric_is_reported` does this with
+  an example-free loss: `2 * assign_add(local_weight, 1)`, 2, 4, 6, ...
+  """
+  counter = tf1.get_variable(
+      'calls', [], initializer=tf1.zeros_initializer(), trainable=False,
+      collections=[tf1.GraphKeys.LOCAL_VARIABLES],
+      use_resource=params['resource'])
+  count = tf1.assign_add(counter, 1.0)
+  loss = 2.0 * count
+  if params['with_examples']:
+    loss = _loss(features, labels) * count
+  step = tf1.train.get_or_create_global_step()
+  return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                    train_op=tf1.assign_add(step, 1))
+
+
+@pytest.mark.parametrize('resource', [True, False])
+@pytest.mark.parametrize('with_examples', [False, True])
+def test_a_loss_read_from_a_write_of_each_call_is_refused(
+    tmp_path, data, resource, with_examples):
+  # Each tower's loss would advance the counter: on 2 towers the mean loss
+  # of 5 evaluation batches was 11 where one device reports 6, silently.
+  x, y = data
+  params = {'resource': resource, 'with_examples': with_examples}
+  input_fn = dataset_input_fn({'x': x}, y, BATCH, repeat=False)
+  one = make_estimator(counted_loss_model_fn, tmp_path / 'one', 1, params)
+  one.train(input_fn, steps=1)
+  if not with_examples:
+    assert one.evaluate(input_fn, steps=3)['loss'] == pytest.approx(4.0)
+  many = make_estimator(counted_loss_model_fn, tmp_path / 'many', 2, params)
+  for run in (lambda: many.train(input_fn, steps=1),
+              lambda: many.evaluate(input_fn, steps=3,
+                                    checkpoint_path=one.latest_checkpoint())):
+    with pytest.raises(ValueError, match=r"(?s)The loss '.*' is computed "
+                       r'after the model_fn writes calls.*once per tower'):
+      run()
+
+
+def update_ops_before_loss_model_fn(features, labels, mode):
+  """Batch norm whose UPDATE_OPS the loss is ordered after, as some
+  model_fns write it."""
+  x = tf1.layers.batch_normalization(features['x'], training=True)
+  loss = tf1.losses.sigmoid_cross_entropy(
+      tf.cast(labels[:, None], tf.float32), _net(x, 'net'))
+  with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+    loss = tf.identity(loss)
+  train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_a_loss_after_its_update_ops_still_equals_one_device(tmp_path, data):
+  one, many = _train_both(tmp_path, data, update_ops_before_loss_model_fn, 2)
+  assert_same_variables(variables_of(one), variables_of(many))

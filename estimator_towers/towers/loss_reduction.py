@@ -1119,6 +1119,31 @@ def _spread(tensor: tf.Tensor, ratios: Dict[str, tf.Tensor], weight: tf.Tensor,
   return _rebuild(op, tensor, inner)
 
 
+def _keeping_control_inputs(loss: tf.Tensor, rebuilt: tf.Tensor,
+                            since: op_ledger.Mark) -> tf.Tensor:
+  """`rebuilt`, run after what the ops of `loss` it replaced waited for.
+
+  A model_fn may order its loss after other work: `with
+  tf.control_dependencies(update_ops): loss = tf.identity(loss)` runs the
+  batch-norm updates whenever the loss is. The rebuilt loss reuses the
+  tensors below the ratios, not the ops above them, so their control
+  inputs are carried over (the towers' moving statistics never moved).
+  """
+  kept = op_ledger.ancestors([rebuilt.op], since)
+  waited, pending, seen = set(), [loss.op], set()
+  while pending:
+    op = pending.pop()
+    if op in kept or op in seen or op_ledger.made_before(op, since):
+      continue
+    seen.add(op)
+    waited.update(c for c in op.control_inputs if c not in kept)
+    pending.extend(t.op for t in op.inputs)
+  if not waited:
+    return rebuilt
+  with tf.control_dependencies(op_ledger.by_creation(waited)):
+    return tf.identity(rebuilt)
+
+
 def _spreadable(loss: tf.Tensor, reduction: Reduction, depends) -> bool:
   """Whether `_spread` can rebuild `loss` around its ratio terms."""
   ratios = {r.name for r in reduction.ratios}
@@ -1304,7 +1329,10 @@ class TowerWeights:
                         guards, sums)
       if rebuilt is None and guards:  # `_weights` checked it can be.
         raise AssertionError(f'unspreadable guarded loss {losses[t].name}')
-      return plain if rebuilt is None else rebuilt
+      if rebuilt is None:
+        return plain
+      return _keeping_control_inputs(losses[t], rebuilt,
+                                     self._towers.start(t))
 
     return weighted
 

@@ -185,6 +185,48 @@ _FORWARDING = frozenset(['Identity', 'RefIdentity', 'Enter', 'RefEnter',
                          'Switch', 'RefSwitch'])
 
 
+def check_loss_reads_no_write(loss: tf.Tensor, since: op_ledger.Mark,
+                              exempt: Collection[str] = ()) -> None:
+  """Refuses a tower's loss computed after a variable write of its own.
+
+  Every tower's loss is run each step, so a write the loss waits for (a
+  counter read back as `2 * assign_add(v, 1)`, a running total) runs once
+  per tower, and the towers read values one device never has: the
+  reported loss and its gradients differ from one device's, silently.
+
+  Args:
+    loss: The tower's loss.
+    since: A mark taken before the tower's model_fn call; the walk stays
+      among the tower's own ops.
+    exempt: Names of writes another module makes exact (the tower's
+      UPDATE_OPS, the moving statistics); the walk stops there.
+
+  Raises:
+    ValueError: the loss waits for (reads or is ordered after) such a
+      write.
+  """
+  pending, seen = [loss.op], set()
+  while pending:
+    op = pending.pop()
+    if (op.name in seen or op.name in exempt or
+        op_ledger.made_before(op, since)):
+      continue
+    seen.add(op.name)
+    if (op.type in _OTHER_WRITES or op.type in _ADDS or
+        (op.type in CALLS and calls_write(op))):
+      written = (variable_source(op.inputs[0]).name if op.type not in CALLS
+                 else 'a variable inside a function')
+      raise ValueError(
+          f'The loss {loss.op.name!r} is computed after the model_fn writes '
+          f'{written} (op {op.name}, a {op.type}). Every tower computes its '
+          'loss each step, so the write would run once per tower and the '
+          "towers' losses would read values one device never has. Compute "
+          'the loss without the write (make it in the train_op, which runs '
+          'it once per step, or in an eval metric), or train on one device.')
+    pending.extend(t.op for t in op.inputs)
+    pending.extend(op.control_inputs)
+
+
 def variable_source(handle: tf.Tensor) -> tf.Operation:
   """The op that made a variable's handle or ref, through ops that pass it
   on unchanged."""
