@@ -472,8 +472,10 @@ class _TowerBuilder:
       return spec
     if self._mode == ModeKeys.EVAL:
       return self._merge_eval(step, specs)
-    return self._finish_tpu_spec(spec_merge.merge_predict(specs, split.sizes),
-                                 split)
+    depends = [reduction_lib.ExampleDependence(
+        split.shard(i), self._towers.start(i)) for i in range(len(specs))]
+    return self._finish_tpu_spec(
+        spec_merge.merge_predict(specs, split.sizes, depends), split)
 
   # --------------------------------------------------------------------------
   # Phases.

@@ -382,6 +382,38 @@ def test_predictions_not_one_row_per_example_fail_at_run_time(tmp_path, data):
 
 
 @pytest.mark.training
+def test_predictions_free_of_the_examples_are_one_devices(tmp_path, data):
+  # tf.estimator's own predict tests return constants of the batch's rows
+  # and a weight: one device's value, which no tower can split.
+  x, _ = data
+
+  def model_fn(features, mode):
+    bias = tf1.get_variable('bias', [2, 1], initializer=tf1.ones_initializer())
+    scores = tf1.layers.dense(features['x'], 1,
+                              kernel_initializer=tf1.constant_initializer(0.5))
+    loss = tf.reduce_mean(scores)
+    train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
+                                      predictions={
+        'constant': tf.constant([[10.0], [12.0]]), 'bias': bias * 3.0,
+        'scores': scores})
+
+  input_fn = dataset_input_fn({'x': x[:6]}, batch_size=2, repeat=False)
+  rows = []
+  for towers in (1, 2):
+    estimator = make_estimator(model_fn, tmp_path / str(towers), towers)
+    estimator.train(input_fn, steps=2)
+    rows.append(list(estimator.predict(input_fn)))
+  assert [row['constant'].item() for row in rows[1]] == [10.0, 12.0] * 3
+  assert [row['bias'].item() for row in rows[1]] == [3.0] * 6
+  for one, many in zip(*rows):
+    assert one.keys() == many.keys()
+    for key in one:
+      np.testing.assert_allclose(many[key], one[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.training
 def test_explicit_devices_pick_the_towers(tmp_path, data):
   params = {'optimizer': OPTIMIZERS['sgd']}
   one = _train(tmp_path, 'one', 1, 10, data, params)

@@ -179,10 +179,21 @@ def whole_batch_predictions(specs, sizes, padded: bool,
   def merge(name, tensors):
     per_example = (isinstance(tensors[0], tf.Tensor) and
                    tensors[0].shape.rank != 0 and
-                   any(map(lambda d, t: d(t), depends_on_shard, tensors)))
+                   _depend(depends_on_shard, tensors))
     return (concat_rows(name, tensors, sizes, padded) if per_example
             else tensors[0])
 
+  return _merged_predictions(specs, merge)
+
+
+def _depend(depends_on_shard: Sequence[Callable], tensors) -> bool:
+  """Whether any tower's tensor depends on that tower's shard."""
+  return any(map(lambda d, t: d(t), depends_on_shard, tensors))
+
+
+def _merged_predictions(specs, merge: Callable):
+  """`merge(name, towers' tensors)` of each prediction, shaped as tower 0's."""
+  first = specs[0].predictions
   if isinstance(first, dict):
     _check_same_keys('predictions', [s.predictions for s in specs])
     return {k: merge(f'predictions[{k!r}]', [s.predictions[k] for s in specs])
@@ -190,21 +201,29 @@ def whole_batch_predictions(specs, sizes, padded: bool,
   return merge('predictions', [s.predictions for s in specs])
 
 
-def merge_predict(specs, sizes: tf.Tensor) -> tf.estimator.EstimatorSpec:
+def merge_predict(specs, sizes: tf.Tensor,
+                  depends_on_shard: Sequence[Callable]
+                  ) -> tf.estimator.EstimatorSpec:
   """One PREDICT spec: predictions and export outputs back in input order.
+
+  A prediction that does not depend on the towers' shards (a constant, a
+  weight) is one device's value already: tower 0's is kept, unsplit.
 
   Args:
     specs: The towers' specs.
     sizes: Each tower's number of real examples; an idle tower's padding
       rows are dropped.
+    depends_on_shard: Per tower, whether a tensor depends on its shard.
   """
   first = specs[0]
-  if isinstance(first.predictions, dict):
-    predictions = _concat_dict('predictions', [s.predictions for s in specs],
-                               sizes)
-  else:
-    predictions = concat_rows('predictions', [s.predictions for s in specs],
-                          sizes)
+
+  def merge(name, tensors):
+    if isinstance(tensors[0], tf.Tensor) and not _depend(depends_on_shard,
+                                                         tensors):
+      return tensors[0]
+    return concat_rows(name, tensors, sizes)
+
+  predictions = _merged_predictions(specs, merge)
   export_outputs = None
   if first.export_outputs:
     _check_same_keys('export_outputs', [s.export_outputs for s in specs])
