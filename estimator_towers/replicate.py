@@ -719,7 +719,8 @@ class _TowerBuilder:
       spec, parts = tpu_spec.split(spec)
       self._tpu_parts.append(parts)
     elif not isinstance(spec, tf.estimator.EstimatorSpec):
-      raise TypeError(f'{_name(self._model_fn)} returned {type(spec).__name__}'
+      # ValueError, as tf.estimator.Estimator raises for it.
+      raise ValueError(f'{_name(self._model_fn)} returned {type(spec).__name__}'
                       '; a model_fn must return a tf.estimator.EstimatorSpec '
                       'or a TPUEstimatorSpec.')
     if self._mode == ModeKeys.TRAIN:

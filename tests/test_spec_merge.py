@@ -62,12 +62,14 @@ def test_train_spec_without_loss_is_refused():
     build_replicated(model_fn, 2)
 
 
-def test_model_fn_returning_something_else_is_a_type_error():
+def test_model_fn_returning_something_else_is_a_value_error():
+  # As tf.estimator.Estimator's own check raises it (its tests expect it).
 
   def model_fn(features, labels, mode):
     return {'loss': tf.reduce_mean(_logits(features))}
 
-  with pytest.raises(TypeError, match='must return a tf.estimator.EstimatorSpec'):
+  with pytest.raises(ValueError,
+                     match='must return a tf.estimator.EstimatorSpec'):
     build_replicated(model_fn, 2, mode=ModeKeys.EVAL)
 
 
