@@ -54,10 +54,15 @@ time `TaskGroup.sum(all)` (one packed all-reduce per dtype, as training
 does) against one `TaskGroup.sum([v])` per variable, alternating, both
 without a collective timeout and with `--pack-timeout` seconds.
 
+`--trace` also traces 5 steps of every task before the window
+(bench/step_trace.py) and prints, per task, the step's wall time, each
+device's busy time, the collectives' time and the longest op types.
+
 No thresholds: this only prints.
 """
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -75,6 +80,7 @@ sys.path.insert(0, ROOT)
 
 from trainer.cluster import private_network  # pylint: disable=wrong-import-position
 
+_TRACED_STEPS = 5
 CONFIGS = ('sync', 'async_ps', 'one', 'mwms', 'sync_1tower', 'sync_bn_global',
            'sync_bn_per_tower', 'sync_dropout_per_tower',
            'sync_dropout_one_device')
@@ -299,6 +305,13 @@ def run_task(spec):
       'task', {}).get('type', 'chief') == 'chief':
     hooks.append(make_window_hook(spec['skip'], spec['steps'],
                                   spec['result']))
+  if spec['trace']:
+    import step_trace  # pylint: disable=g-import-not-at-top
+    task = json.loads(os.environ.get('TF_CONFIG', '{}')).get('task', {})
+    hooks.append(step_trace.make_hook(
+        spec['trace_at'], _TRACED_STEPS, os.path.join(
+            spec['model_dir'],
+            f'trace-{task.get("type", "one")}-{task.get("index", 0)}.json')))
   input_fn = make_input_fn(batch)
   if name == 'one':
     estimator.train(input_fn, hooks=hooks, max_steps=_NEVER)
@@ -364,7 +377,9 @@ def run_config(name, args, work_dir):
   spec = {'config': name, 'batch': batch, 'towers': towers,
           'model_dir': model_dir, 'result': result,
           'skip': args.skip * updates_per_batch,
-          'steps': args.steps * updates_per_batch}
+          'steps': args.steps * updates_per_batch,
+          # Traced steps end before the window opens: they do not count.
+          'trace': args.trace, 'trace_at': args.skip * updates_per_batch // 2}
   children, roles = [], {}
   try:
     for job, index in tasks:
@@ -393,8 +408,15 @@ def run_config(name, args, work_dir):
     _stop(children)
   with open(result) as f:
     window = json.load(f)
-  return _summarise(window, roles, per_update,
-                    1 if name == 'async_ps' else training)
+  row = _summarise(window, roles, per_update,
+                   1 if name == 'async_ps' else training)
+  if args.trace:
+    import step_trace  # pylint: disable=g-import-not-at-top
+    row['traces'] = {
+        os.path.basename(path)[len('trace-'):-len('.json')]:
+            step_trace.summarise(path)
+        for path in sorted(glob.glob(os.path.join(model_dir, 'trace-*')))}
+  return row
 
 
 def _summarise(window, roles, per_update, tasks_per_update):
@@ -618,6 +640,8 @@ def benchmark(args):
               f'({time.monotonic() - started:.0f} s run)', flush=True)
     if results.get('one'):
       _print_table(results, args.global_batch)
+    if args.trace:
+      _print_traces(results)
     if args.packing:
       started = time.monotonic()
       packing = run_packing(args, work_dir)
@@ -628,6 +652,15 @@ def benchmark(args):
       print(f'logs kept in {work_dir}')
     else:
       shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _print_traces(results):
+  import step_trace  # pylint: disable=g-import-not-at-top
+  print(f'\nTraced steps ({_TRACED_STEPS} per task, before the window; the '
+        'last round\'s):')
+  for name, rows in results.items():
+    for task, summary in rows[-1].get('traces', {}).items():
+      print(step_trace.format_summary(f'{name} {task}', summary))
 
 
 def _names(configs):
@@ -654,6 +687,9 @@ def main(argv):
                       help='The collective timeout of the timed-out rows.')
   parser.add_argument('--timeout', type=float, default=300,
                       help='Seconds one configuration may take.')
+  parser.add_argument('--trace', action='store_true',
+                      help='Trace a few steps of every task before the '
+                      'window and print where their time went.')
   parser.add_argument('--keep-logs', action='store_true',
                       help='Keep the tasks\' model dirs and logs.')
   parser.add_argument('--task-spec', help=argparse.SUPPRESS)
