@@ -218,7 +218,7 @@ def check_loss_reads_no_write(loss: tf.Tensor, since: op_ledger.Mark,
                  else 'a variable inside a function')
       raise ValueError(
           f'The loss {loss.op.name!r} is computed after the model_fn writes '
-          f'{written} (op {op.name}, a {op.type}). Every tower computes its '
+          f'{written} (a {op.type} op, {op.name}). Every tower computes its '
           'loss each step, so the write would run once per tower and the '
           "towers' losses would read values one device never has. Compute "
           'the loss without the write (make it in the train_op, which runs '
