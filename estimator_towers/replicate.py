@@ -113,8 +113,8 @@ def replicate_model_fn(model_fn: ModelFn,
   count. In training, batch norm normalises each tower's shard with the
   whole batch's moments, as one device does (see `batch_norm`), and its
   moving mean and variance get one update per step from the global batch
-  (see moving_statistics); hooks and summaries come from tower 0, the training
-  scaffold from the last tower (its Saver sees the slots).
+  (see moving_statistics); hooks and summaries come from tower 0, the
+  scaffold from the last tower (in training, its Saver sees the slots).
 
   Args:
     model_fn: A model_fn written for one device, taking some of `features`,

@@ -93,3 +93,26 @@ def test_export_outputs_of_each_kind_are_concatenated():
   assert outputs['serving_default'].outputs['logits'].op.type == 'ConcatV2'
   assert outputs['classify'].scores.op.type == 'ConcatV2'
   assert outputs['regress'].value.op.type == 'ConcatV2'
+
+
+@pytest.mark.parametrize('mode', [ModeKeys.TRAIN, ModeKeys.EVAL,
+                                  ModeKeys.PREDICT])
+def test_the_scaffold_is_the_last_towers_in_every_mode(mode):
+  # A model_fn that keeps what it built (tf.estimator's own
+  # test_scaffold_is_used keeps its mock Saver on `self`) keeps the last
+  # call's: that scaffold must be the one that runs.
+  built = []
+
+  def model_fn(features, labels, mode):
+    logits = _logits(features)
+    built.append(tf1.train.Scaffold())
+    loss = tf.reduce_mean(logits) if mode != ModeKeys.PREDICT else None
+    train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf1.train.get_or_create_global_step()) if (
+            mode == ModeKeys.TRAIN) else None
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
+                                      predictions={'logits': logits},
+                                      scaffold=built[-1])
+
+  _, spec = build_replicated(model_fn, 2, mode=mode)
+  assert len(built) == 2 and spec.scaffold is built[-1]

@@ -1,8 +1,10 @@
 """Merging the towers' EstimatorSpecs into the one the Estimator runs.
 
 Hooks and user summaries come from tower 0, so they appear once, under the
-names one-device training gives them; so does the scaffold, except in
-training (see merge_train).
+names one-device training gives them. The scaffold is the last tower's in
+every mode: in training its Saver sees the optimizer's slots (see
+merge_train), and a model_fn that keeps what it built (`self.saver = ...`)
+keeps the last call's, the scaffold that runs.
 """
 
 from typing import Callable, Dict, List, Sequence
@@ -81,7 +83,8 @@ def merge_eval(specs, loss: tf.Tensor) -> tf.estimator.EstimatorSpec:
   for name, (value, update) in specs[0].eval_metric_ops.items():
     updates = [update] + [s.eval_metric_ops[name][1] for s in specs[1:]]
     metrics[name] = (value, tf.group(*updates))
-  return specs[0]._replace(loss=loss, eval_metric_ops=metrics)
+  return specs[0]._replace(loss=loss, eval_metric_ops=metrics,
+                           scaffold=specs[-1].scaffold)
 
 
 def concat_rows(name: str, tensors: List[tf.Tensor], sizes,
@@ -231,4 +234,5 @@ def merge_predict(specs, sizes: tf.Tensor,
         name: _merge_export_output(
             name, [s.export_outputs[name] for s in specs], sizes)
         for name in first.export_outputs}
-  return first._replace(predictions=predictions, export_outputs=export_outputs)
+  return first._replace(predictions=predictions, export_outputs=export_outputs,
+                        scaffold=specs[-1].scaffold)
