@@ -652,6 +652,7 @@ class _TowerBuilder:
             tensor, split.shard(0), self._towers.start(0),
             self._batch_norm == 'per_tower'))
     metric_adds.idle_adds_nothing(metric_ops, in_tower, active)
+    metric_adds.in_tower_order(metric_ops, in_tower)
     spec = spec._replace(predictions=spec_merge.whole_batch_predictions(
         specs, split.sizes, split.padded, depends))
     return self._finish_tpu_spec(spec, split)

@@ -14,6 +14,8 @@ import pytest
 import tensorflow as tf
 
 import estimator_towers
+from estimator_towers.graph import op_ledger
+from helpers import build_replicated
 
 tf1 = tf.compat.v1
 pytestmark = pytest.mark.training
@@ -598,3 +600,29 @@ def test_column_means_keepdims_3d_and_plus_a_constant_equal_one_device(
   for name in ('plus_one', 'keepdims', 'three_d'):
     np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5,
                                err_msg=name)
+
+
+def test_towers_add_into_a_metric_in_tower_order():
+  # In any order, float adds round differently: evaluations of one
+  # checkpoint differed in their last bits (tf.estimator's own
+  # InMemoryEvaluatorHook test compares two of them exactly).
+
+  def model_fn(features, labels, mode):
+    loss = tf.reduce_mean(tf1.layers.dense(features['x'], 1))
+    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+        'mean_x': tf1.metrics.mean(features['x'])})
+
+  graph, spec = build_replicated(model_fn, 3, mode=tf.estimator.ModeKeys.EVAL)
+  update = spec.eval_metric_ops['mean_x'][1]
+  with graph.as_default():
+    adds = [op for op in op_ledger.ancestors([update.op if hasattr(
+        update, 'op') else update]) if op.type == 'AssignAddVariableOp']
+  by_variable = {}
+  for add in adds:
+    by_variable.setdefault(add.inputs[0].op.name, []).append(add)
+  assert sorted(len(v) for v in by_variable.values()) == [3, 3]
+  for writes in by_variable.values():
+    writes.sort(key=lambda op: op.name)  # mean/..., tower_1/..., tower_2/...
+    for earlier, later in zip(writes, writes[1:]):
+      assert earlier in op_ledger.ancestors([later]), (earlier.name,
+                                                       later.name)

@@ -42,6 +42,9 @@ device's step adds:
 Adds the analysis cannot read (a vector of per-threshold counts, as
 `tf.compat.v1.metrics.auc` makes) are left as they are: they are sums of
 per-example counts.
+
+`in_tower_order` then makes the towers' adds into one state run in tower
+order, so that every evaluation rounds the same way.
 """
 
 from typing import Callable, Dict, List, Optional, Sequence
@@ -342,6 +345,39 @@ def _replace(add: tf.Operation, position: int, value: tf.Tensor,
   with add.graph.name_scope(None), add.graph.device(add.device):
     value = tf.identity(value, name=f'{add.name}/{why}')
   add._update_input(position, value)  # pylint: disable=protected-access
+
+
+def in_tower_order(metric_ops: Sequence[Dict[str, tuple]],
+                   in_tower: Sequence[Callable[[tf.Operation], bool]]) -> None:
+  """Makes each tower's adds into a metric's state wait for the previous
+  tower's.
+
+  The towers' adds into one `total` would otherwise run in whatever order
+  the executor picks, and float additions in another order round
+  differently: two evaluations of the same checkpoint differed in the last
+  bits (tensorflow/estimator's InMemoryEvaluatorHook test compares them
+  exactly). In tower order, every run adds alike, as one device does.
+
+  Args:
+    metric_ops: Each tower's `eval_metric_ops`.
+    in_tower: Per tower, whether an op was created by its model_fn call.
+  """
+  done = set()
+  for name in metric_ops[0]:
+    per_tower = [_adds(ops[name][1], in_tower[t])
+                 for t, ops in enumerate(metric_ops)]
+    if len({len(adds) for adds in per_tower}) != 1:
+      continue
+    for adds in zip(*per_tower):
+      if adds[0].name in done:
+        continue
+      done.add(adds[0].name)
+      state = {tower_effects.variable_source(a.inputs[0]).name for a in adds}
+      # An edge into a TF1 control-flow context can hang the step.
+      if len(state) == 1 and not any(
+          a._control_flow_context for a in adds):  # pylint: disable=protected-access
+        for earlier, later in zip(adds, adds[1:]):
+          later._add_control_inputs([earlier])  # pylint: disable=protected-access
 
 
 def idle_adds_nothing(metric_ops: Sequence[Dict[str, tuple]],
