@@ -453,6 +453,8 @@ class _TowerBuilder:
                               self._batch_norm == 'per_tower')
       tower_effects.check_loss_reads_no_write(
           specs[0].loss, self._towers.start(0),
+          reduction_lib.ExampleDependence(split.shard(0),
+                                          self._towers.start(0)),
           {_op_of(u).name for u in update_ops[0]} |
           (step.statistics.exact_writes if step.statistics else set()))
     if self._mode == ModeKeys.TRAIN:

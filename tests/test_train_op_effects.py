@@ -252,45 +252,72 @@ def test_optimizer_with_its_own_update_equals_one_device(tmp_path, data,
   assert_same_variables(variables_of(one), variables_of(many))
 
 
-def counted_loss_model_fn(features, labels, mode, params):
-  """A loss read back from a counter the model_fn advances in each call.
+def written_loss_model_fn(features, labels, mode, params):
+  """A loss read back from a variable the model_fn writes in each call.
 
-  tensorflow/estimator's own `test_loss_metric_is_reported` does this with
-  an example-free loss: `2 * assign_add(local_weight, 1)`, 2, 4, 6, ...
+  tensorflow/estimator's own `test_loss_metric_is_reported` does it with an
+  example-free loss: `2 * assign_add(local_weight, 1)`, 2, 4, 6, ...
   """
-  counter = tf1.get_variable(
-      'calls', [], initializer=tf1.zeros_initializer(), trainable=False,
+  kept = tf1.get_variable(
+      'kept', [], initializer=tf1.zeros_initializer(), trainable=False,
       collections=[tf1.GraphKeys.LOCAL_VARIABLES],
-      use_resource=params['resource'])
-  count = tf1.assign_add(counter, 1.0)
-  loss = 2.0 * count
+      use_resource=params.get('resource', True))
+  write = params['write']
+  if write == 'add':
+    value = tf1.assign_add(kept, 1.0)
+  elif write == 'from_the_shard':
+    value = tf1.assign(kept, tf.reduce_mean(features['x'][:, 0]))
+  elif write == 'from_itself':
+    value = tf1.assign(kept, kept * 2.0 + 1.0)
+  else:  # 'snapshot': the same value whichever tower writes it.
+    step = tf.cast(tf1.train.get_or_create_global_step(), tf.float32)
+    value = tf1.assign(kept, step + 1.0)
+  loss = 2.0 * value
   if params['with_examples']:
-    loss = _loss(features, labels) * count
+    loss = _loss(features, labels) * value
   step = tf1.train.get_or_create_global_step()
   return tf.estimator.EstimatorSpec(mode, loss=loss,
                                     train_op=tf1.assign_add(step, 1))
 
 
-@pytest.mark.parametrize('resource', [True, False])
+@pytest.mark.parametrize('write,resource', [
+    ('add', True), ('add', False), ('from_the_shard', True),
+    ('from_itself', True)])
 @pytest.mark.parametrize('with_examples', [False, True])
-def test_a_loss_read_from_a_write_of_each_call_is_refused(
-    tmp_path, data, resource, with_examples):
+def test_a_loss_read_from_a_write_each_call_repeats_is_refused(
+    tmp_path, data, write, resource, with_examples):
   # Each tower's loss would advance the counter: on 2 towers the mean loss
   # of 5 evaluation batches was 11 where one device reports 6, silently.
   x, y = data
-  params = {'resource': resource, 'with_examples': with_examples}
+  params = {'write': write, 'resource': resource,
+            'with_examples': with_examples}
   input_fn = dataset_input_fn({'x': x}, y, BATCH, repeat=False)
-  one = make_estimator(counted_loss_model_fn, tmp_path / 'one', 1, params)
+  one = make_estimator(written_loss_model_fn, tmp_path / 'one', 1, params)
   one.train(input_fn, steps=1)
-  if not with_examples:
+  if write == 'add' and not with_examples:
     assert one.evaluate(input_fn, steps=3)['loss'] == pytest.approx(4.0)
-  many = make_estimator(counted_loss_model_fn, tmp_path / 'many', 2, params)
+  many = make_estimator(written_loss_model_fn, tmp_path / 'many', 2, params)
   for run in (lambda: many.train(input_fn, steps=1),
               lambda: many.evaluate(input_fn, steps=3,
                                     checkpoint_path=one.latest_checkpoint())):
     with pytest.raises(ValueError, match=r"(?s)The loss '.*' is computed "
-                       r'after the model_fn writes calls.*once per tower'):
+                       r'after the model_fn writes kept.*once per tower'):
       run()
+
+
+def test_a_loss_read_from_a_snapshot_each_tower_repeats_equals_one_device(
+    tmp_path, data):
+  # The same value whichever tower writes it: written twice is written once.
+  x, y = data
+  params = {'write': 'snapshot', 'with_examples': True}
+  input_fn = dataset_input_fn({'x': x}, y, BATCH, repeat=False)
+  losses = []
+  for name, towers in (('one', 1), ('many', 2)):
+    estimator = make_estimator(written_loss_model_fn, tmp_path / name, towers,
+                               params)
+    estimator.train(input_fn, steps=2)
+    losses.append(estimator.evaluate(input_fn, steps=3)['loss'])
+  np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
 
 
 def update_ops_before_loss_model_fn(features, labels, mode):

@@ -64,6 +64,10 @@ _OTHER_WRITES = frozenset([
     'ResourceScatterNdSub', 'ScatterNdMax', 'ScatterNdMin',
     'ResourceScatterNdMax', 'ResourceScatterNdMin'])
 WRITES = _SHARED | _OTHER_WRITES | frozenset(_ADDS)
+# Writes that set a value: the same value written twice is written once.
+_ASSIGNS = frozenset(['Assign', 'AssignVariableOp', 'ScatterUpdate',
+                      'ResourceScatterUpdate', 'ScatterNdUpdate',
+                      'ResourceScatterNdUpdate'])
 # Stateful random ops: each task of a synchronous cluster draws its own, and
 # each tower draws its own for its shard (equivalence names them), unless
 # random_draws makes them one device's.
@@ -186,24 +190,29 @@ _FORWARDING = frozenset(['Identity', 'RefIdentity', 'Enter', 'RefEnter',
 
 
 def check_loss_reads_no_write(loss: tf.Tensor, since: op_ledger.Mark,
+                              depends_on_shard: Callable[[tf.Tensor], bool],
                               exempt: Collection[str] = ()) -> None:
-  """Refuses a tower's loss computed after a variable write of its own.
+  """Refuses a tower's loss computed after a write that repeats wrongly.
 
-  Every tower's loss is run each step, so a write the loss waits for (a
-  counter read back as `2 * assign_add(v, 1)`, a running total) runs once
-  per tower, and the towers read values one device never has: the
-  reported loss and its gradients differ from one device's, silently.
+  Every tower's loss is run each step, so a write the loss waits for runs
+  once per tower. That is harmless when the write is the same every time
+  (a snapshot of the weights under a `tf.cond`), but a counter read back
+  (`2 * assign_add(v, 1)`) or an assign from the tower's shard would give
+  the towers values one device never has: the reported loss and its
+  gradients would differ from one device's, silently.
 
   Args:
     loss: The tower's loss.
     since: A mark taken before the tower's model_fn call; the walk stays
       among the tower's own ops.
+    depends_on_shard: Tells whether a tensor depends on the tower's shard.
     exempt: Names of writes another module makes exact (the tower's
       UPDATE_OPS, the moving statistics); the walk stops there.
 
   Raises:
-    ValueError: the loss waits for (reads or is ordered after) such a
-      write.
+    ValueError: the loss waits for (reads or is ordered after) an add into
+      a variable, or an assign of a value from the shard or from the
+      variable itself.
   """
   pending, seen = [loss.op], set()
   while pending:
@@ -212,19 +221,35 @@ def check_loss_reads_no_write(loss: tf.Tensor, since: op_ledger.Mark,
         op_ledger.made_before(op, since)):
       continue
     seen.add(op.name)
-    if (op.type in _OTHER_WRITES or op.type in _ADDS or
-        (op.type in CALLS and calls_write(op))):
-      written = (variable_source(op.inputs[0]).name if op.type not in CALLS
-                 else 'a variable inside a function')
+    why = _repeats_wrongly(op, depends_on_shard) if op.type in WRITES else ''
+    if why:
       raise ValueError(
           f'The loss {loss.op.name!r} is computed after the model_fn writes '
-          f'{written} (a {op.type} op, {op.name}). Every tower computes its '
-          'loss each step, so the write would run once per tower and the '
-          "towers' losses would read values one device never has. Compute "
-          'the loss without the write (make it in the train_op, which runs '
-          'it once per step, or in an eval metric), or train on one device.')
+          f'{variable_source(op.inputs[0]).name} (a {op.type} op, {op.name}'
+          f'), {why}. Every tower computes its loss each step, so the write '
+          "would run once per tower and the towers' losses would read values "
+          'one device never has. Compute the loss without the write (make it '
+          'in the train_op, which runs it once per step, or in an eval '
+          'metric), or train on one device.')
     pending.extend(t.op for t in op.inputs)
     pending.extend(op.control_inputs)
+
+
+def _repeats_wrongly(write: tf.Operation, depends_on_shard) -> str:
+  """Why running `write` once per tower is not running it once, or ''."""
+  if write.type in _SHARED:
+    return ''  # One shared structure, run in every tower as on one device.
+  if write.type not in _ASSIGNS:
+    return 'which adds up each time it runs'
+  value = write.inputs[-1]
+  if depends_on_shard(value):
+    return "from the tower's shard of the batch"
+  written = variable_source(write.inputs[0])
+  reads = op_ledger.ancestors([value.op])
+  if any(op is not write and op.inputs and
+         variable_source(op.inputs[0]) is written for op in reads):
+    return 'from its own value'
+  return ''
 
 
 def variable_source(handle: tf.Tensor) -> tf.Operation:
