@@ -240,7 +240,7 @@ def _repeats_wrongly(write: tf.Operation, depends_on_shard) -> str:
   if write.type in _SHARED:
     return ''  # One shared structure, run in every tower as on one device.
   if write.type not in _ASSIGNS:
-    return 'which adds up each time it runs'
+    return 'which changes it again each time it runs'
   value = write.inputs[-1]
   if depends_on_shard(value):
     return "from the tower's shard of the batch"
