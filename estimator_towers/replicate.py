@@ -34,6 +34,7 @@ from estimator_towers.cluster import peer_watch
 from estimator_towers.towers import random_draws
 from estimator_towers.merge import saved_model_estimator
 from estimator_towers.towers import scoped_collections
+from estimator_towers.towers import sequence_masks
 from estimator_towers.towers import sharding
 from estimator_towers.merge import spec_merge
 from estimator_towers.towers import table_sharing
@@ -445,6 +446,8 @@ class _TowerBuilder:
     step = self._step(split, has_rows)
     specs, update_ops = self._build_towers(step, kwargs)
     self._check_tables(step.tables)
+    for i in range(len(self._devices)):
+      sequence_masks.widen(split.shard(i), self._towers.region(i))
     if self._mode in (ModeKeys.TRAIN, ModeKeys.EVAL) and (
         specs[0].loss is not None):
       # Every tower builds the same model: tower 0's loss tells.
