@@ -189,34 +189,44 @@ def test_canned_rnn_with_sequence_columns_equals_one_device(tmp_path):
                                atol=1e-6, err_msg=name)
 
 
-def _ragged_token_input_fn():
-  """Sequences of 1-3 tokens, 6 per batch, as parsing VarLen features gives
-  them: the SparseTensor is as wide as the batch's longest sequence, and
-  every shard on 2 or 3 towers but the first has a shorter longest one."""
-  lengths = [3, 3, 1, 1, 2, 1]
+def _ragged_tokens(rows):
+  """An input_fn of sequences of 1-3 tokens, `rows` per batch, as parsing
+  VarLen features gives them: the SparseTensor is as wide as the batch's
+  longest sequence, and every shard on 2 or 3 towers but the first has a
+  shorter longest one."""
+  lengths = [3, 3, 1, 1, 2, 1][:rows]
   indices = [[row, k] for row, n in enumerate(lengths) for k in range(n)]
   values = np.random.RandomState(5).randint(1, 10, len(indices))
-  tokens = tf.SparseTensor(indices, tf.constant(values, tf.int64), [6, 3])
-  labels = tf.constant([[0], [1], [1], [0], [1], [0]], tf.int64)
-  return tf.data.Dataset.from_tensors(({'tokens': tokens}, labels)).repeat()
+
+  def input_fn():
+    tokens = tf.SparseTensor(indices, tf.constant(values, tf.int64),
+                             [rows, 3])
+    labels = tf.constant([[0], [1], [1], [0], [1], [0]][:rows], tf.int64)
+    return tf.data.Dataset.from_tensors(({'tokens': tokens}, labels)).repeat()
+
+  return input_fn
 
 
-@pytest.mark.parametrize('towers', [2, 3])
+@pytest.mark.parametrize('towers,rows', [(2, 6), (3, 6), (3, 5)])
 def test_canned_rnn_on_variable_length_sequences_equals_one_device(
-    tmp_path, towers):
+    tmp_path, towers, rows):
   # Its tf.sequence_mask(lengths) was as wide as the shard's longest
   # sequence, the sequences as wide as the batch's: the RNN's loop failed
-  # ("Trying to access element 2 in a list with 2 elements").
+  # ("Trying to access element 2 in a list with 2 elements"). With 5 rows
+  # on 3 towers, the last tower's single row kept its static size while
+  # its loss, past the RNN, did not: its mean was taken for no reduction
+  # ("towers reduce differently").
   column = tf.feature_column.embedding_column(
       tf.feature_column.sequence_categorical_column_with_identity(
           'tokens', num_buckets=10), dimension=4)
   model_fn = tf.estimator.experimental.RNNClassifier(
       sequence_feature_columns=[column], units=[5], cell_type='gru').model_fn
-  one, many = _pair(tmp_path, model_fn, towers, _ragged_token_input_fn)
-  one.train(_ragged_token_input_fn, steps=STEPS)
-  many.train(_ragged_token_input_fn, steps=STEPS)
+  input_fn = _ragged_tokens(rows)
+  one, many = _pair(tmp_path, model_fn, towers, input_fn)
+  one.train(input_fn, steps=STEPS)
+  many.train(input_fn, steps=STEPS)
   assert_same_variables(variables_of(one), variables_of(many))
-  take = lambda: _ragged_token_input_fn().take(1)  # pylint: disable=unnecessary-lambda-assignment
+  take = lambda: input_fn().take(1)  # pylint: disable=unnecessary-lambda-assignment
   expected = [row['logits'] for row in one.predict(take)]
   actual = [row['logits'] for row in many.predict(take)]
   np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)

@@ -351,7 +351,7 @@ def _per_column_mean(tensor: tf.Tensor, depends) -> bool:
     return False
   values = op.inputs[0]
   return (_row_reduction_below(values, depends) is None and
-          _rows(values.shape) == getattr(depends, 'batch_size', None))
+          _may_be_the_rows(values.shape, depends))
 
 
 def _is_the_rows(denominator: tf.Tensor, depends) -> bool:
@@ -665,8 +665,7 @@ def _reduces_all(tensor: tf.Tensor, how: str, depends) -> bool:
   reduced = op.inputs[0].shape
   if reduced.rank is None:
     return True
-  return reduced.rank >= 1 and _rows(reduced) == getattr(
-      depends, 'batch_size', None)
+  return reduced.rank >= 1 and _may_be_the_rows(reduced, depends)
 
 
 def sums_the_rows(tensor: tf.Tensor, depends) -> bool:
@@ -695,7 +694,7 @@ def sums_the_rows(tensor: tf.Tensor, depends) -> bool:
   summed = op.inputs[0]
   return (axes is not None and 0 in axes and
           _row_reduction_below(summed, depends) is None and
-          _rows(summed.shape) == getattr(depends, 'batch_size', None))
+          _may_be_the_rows(summed.shape, depends))
 
 
 def _counts_examples(tensor: tf.Tensor, depends) -> bool:
@@ -714,8 +713,20 @@ def _counts_examples(tensor: tf.Tensor, depends) -> bool:
     return False
   counted = op.inputs[0].shape
   return counted.rank is None or (
-      counted.rank >= 1 and _rows(counted) == getattr(depends, 'batch_size',
-                                                      None))
+      counted.rank >= 1 and _may_be_the_rows(counted, depends))
+
+
+def _may_be_the_rows(shape: tf.TensorShape, depends) -> bool:
+  """Whether `shape`'s first dimension may be the tower's examples.
+
+  The shard's static row count when the batch size is static, or unknown:
+  a tensor whose rows are unknown (past a loop or a sparse densification,
+  also with a static batch size) is taken as the rows, as it is when the
+  batch size is unknown (a tower of 1 example on a static batch of 5 was
+  refused as "towers reduce differently").
+  """
+  rows = _rows(shape)
+  return rows is None or rows == getattr(depends, 'batch_size', None)
 
 
 def _rows(shape: tf.TensorShape):
