@@ -120,14 +120,22 @@ def test_python_and_numpy_scalars_go_whole_to_every_tower():
     assert {key: shard[key] for key in scalars} == scalars
 
 
-def test_a_list_of_python_values_beside_a_batch_is_refused():
-  # [1., 2.] may be one weight per example: given whole to each tower, a
-  # shard of 1 would broadcast against it silently.
+def test_nested_lists_of_python_values_are_split_like_arrays():
+  # tf.estimator's head tests feed labels [[b'iroh'], [b'iroh']], which the
+  # head converts to a [2, 1] string Tensor: a batch of 2.
+  labels = [[b'iroh'], [b'aang'], [b'iroh']]
   with tf.Graph().as_default():
-    with pytest.raises(TypeError, match=r"features\['w'\] is a list of "
-                       'Python values'):
-      sharding.has_batch({'x': tf.zeros([2, 1]), 'w': [1., 2.]}, None)
-    assert not sharding.has_batch({'w': [1., 2.]}, 4.0)  # No batch: as is.
+    features = sharding.with_array_rows_as_tensors(
+        {'x': np.zeros([3, 1], np.float32), 'w': [1., 2., 3.],
+         'ragged': ([1, 2], [3])})
+    labels = sharding.with_array_rows_as_tensors(labels)
+    assert isinstance(labels, tf.Tensor) and labels.shape == [3, 1]
+    assert isinstance(features['w'], tf.Tensor)
+    assert isinstance(features['ragged'][1], tf.Tensor)  # Its own array.
+    sizes = sharding.shard_sizes(tf.constant(3), 2)
+    shards = sharding.split_batch(labels, sizes, 2, pad_empty=False)
+    values = _run(shards)
+  assert [v.tolist() for v in values] == [[[b'iroh'], [b'aang']], [[b'iroh']]]
 
 
 def test_numpy_arrays_with_rows_are_split_like_tensors():

@@ -75,24 +75,6 @@ def _check_leaf(name: str, leaf: Any) -> None:
         'Tensor in the input_fn.')
 
 
-def _check_python_rows(name: str, structure: Any) -> None:
-  """Refuses a list of Python scalars: it may be one value per example."""
-  if isinstance(structure, dict):
-    for key in _sorted_keys(structure):
-      _check_python_rows(f'{name}[{key!r}]', structure[key])
-  elif isinstance(structure, (list, tuple)):
-    if structure and all(isinstance(item, _PYTHON_SCALARS)
-                         for item in structure):
-      raise TypeError(
-          f'{name} is a {type(structure).__name__} of Python values, which '
-          'may hold one value per example or several values for the whole '
-          'batch; replicate_model_fn cannot tell which. Return a Tensor of '
-          'shape [batch, ...] (or a numpy array) from the input_fn, or a '
-          'scalar per key for a value of the whole batch.')
-    for i, item in enumerate(structure):
-      _check_python_rows(f'{name}[{i}]', item)
-
-
 def is_per_batch(leaf: Any) -> bool:
   """Whether `leaf` is one value for the whole batch (a scalar Tensor, a
   Python or numpy scalar), which every tower gets as it is."""
@@ -104,15 +86,35 @@ def is_per_batch(leaf: Any) -> bool:
 
 
 def with_array_rows_as_tensors(structure: Any) -> Any:
-  """`structure` with each numpy array that has rows as a constant Tensor.
+  """`structure` with each array that has rows as a constant Tensor.
 
   An input_fn may return numpy arrays (Keras' `model_to_estimator` model_fn
-  converts them itself); an array of shape [batch, ...] is a batch like a
-  Tensor of that shape, so it is split like one.
+  converts them itself) or nested Python lists of values (`[[b'iroh'],
+  [b'iroh']]`, which a head converts); an array of shape [batch, ...] is a
+  batch like a Tensor of that shape, so it is split like one. (A vector of
+  one value per batch must be a scalar per key instead, as for Tensors.)
   """
   return map_leaves(
       lambda leaf: tf.constant(leaf) if isinstance(leaf, np.ndarray) and
-      leaf.ndim else leaf, structure)
+      leaf.ndim else leaf, _lists_as_arrays(structure))
+
+
+def _lists_as_arrays(structure: Any) -> Any:
+  """Lists and tuples of Python values (rectangular) as numpy arrays."""
+  if isinstance(structure, dict):
+    return type(structure)((key, _lists_as_arrays(value))
+                           for key, value in structure.items())
+  if not isinstance(structure, (list, tuple)) or hasattr(structure, '_fields'):
+    return structure
+  found = [leaf for _, leaf in _leaves_with_paths(list(structure))]
+  if found and all(isinstance(leaf, _PYTHON_SCALARS) for leaf in found):
+    try:
+      array = np.asarray(structure)
+    except ValueError:  # Ragged: not one array.
+      array = None
+    if array is not None and array.dtype != object:
+      return array
+  return type(structure)(_lists_as_arrays(item) for item in structure)
 
 
 def has_batch(features: Any, labels: Any) -> bool:
@@ -127,19 +129,14 @@ def has_batch(features: Any, labels: Any) -> bool:
     model_fn given Python scalars, as tf.estimator allows).
 
   Raises:
-    TypeError: a leaf is neither batched nor a scalar, or a list of Python
-      values sits beside a batch.
+    TypeError: a leaf is neither batched nor a scalar.
   """
   found = named_leaves(features, labels)
   for name, leaf in found:
     if leaf is not None:
       _check_leaf(name, leaf)
-  batched = any(leaf is not None and not is_per_batch(leaf)
-                for _, leaf in found)
-  if batched:
-    _check_python_rows('features', features)
-    _check_python_rows('labels', labels)
-  return batched
+  return any(leaf is not None and not is_per_batch(leaf)
+             for _, leaf in found)
 
 
 def batch_size_of(leaf: Any) -> tf.Tensor:
