@@ -342,7 +342,8 @@ def _check_batch_free_call(task_group, micro, config) -> None:
         'replicate_model_fn found no feature or label with a batch '
         f'dimension to split over the towers (scalars are one value per '
         f'batch), and {why}. Give the batched inputs shape [batch, ...] in '
-        'the input_fn.')
+        'the input_fn, or, for an input with no batch, train without '
+        'micro_batches, the float16 loss scale or the synchronous cluster.')
 
 
 @dataclasses.dataclass
@@ -453,13 +454,16 @@ class _TowerBuilder:
       # Every tower builds the same model: tower 0's loss tells.
       batch_mixing.check_loss(specs[0].loss, split.shard(0),
                               self._towers.start(0),
-                              self._batch_norm == 'per_tower')
+                              self._batch_norm == 'per_tower',
+                              training=self._mode == ModeKeys.TRAIN)
+      # UPDATE_OPS are made exact (moving_statistics) in TRAIN only.
       tower_effects.check_loss_reads_no_write(
           specs[0].loss, self._towers.start(0),
           reduction_lib.ExampleDependence(split.shard(0),
                                           self._towers.start(0)),
-          {_op_of(u).name for u in update_ops[0]} |
-          (step.statistics.exact_writes if step.statistics else set()))
+          ({_op_of(u).name for u in update_ops[0]} |
+           step.statistics.exact_writes)
+          if self._mode == ModeKeys.TRAIN else ())
     if self._mode == ModeKeys.TRAIN:
       moving_statistics.check_single_writers(update_ops)
       if self._micro:
@@ -477,6 +481,9 @@ class _TowerBuilder:
       return spec
     if self._mode == ModeKeys.EVAL:
       return self._merge_eval(step, specs)
+    batch_mixing.check_predictions(specs[0].predictions, split.shard(0),
+                                   self._towers.start(0),
+                                   self._batch_norm == 'per_tower')
     depends = [reduction_lib.ExampleDependence(
         split.shard(i), self._towers.start(i)) for i in range(len(specs))]
     return self._finish_tpu_spec(

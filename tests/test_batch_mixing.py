@@ -419,3 +419,40 @@ def test_per_example_selections_train_as_one_device():
   for name, value in one.items():
     np.testing.assert_allclose(many[name], value, rtol=1e-5, atol=1e-6,
                                err_msg=name)
+
+
+def _batch_norm_predictions(training):
+
+  def model_fn(features, mode):
+    normalised = tf1.layers.batch_normalization(features['x'],
+                                                training=training)
+    return tf.estimator.EstimatorSpec(mode, predictions={
+        'scores': tf1.layers.dense(normalised, 1,
+                                   kernel_initializer=seeded(1))})
+
+  return model_fn
+
+
+def test_predictions_from_the_shards_batch_statistics_are_refused():
+  # Batch norm with training=True normalised each shard with its own
+  # moments in PREDICT: predictions 1.1-1.8 off one device's, silently.
+  with pytest.raises(ValueError, match=r"(?s)The prediction 'scores' is "
+                     'computed from its batch as a whole.*training=False'):
+    build_replicated(_batch_norm_predictions(True), 2, mode=ModeKeys.PREDICT,
+                     with_labels=False)
+  build_replicated(_batch_norm_predictions(False), 2, mode=ModeKeys.PREDICT,
+                   with_labels=False)
+
+
+def test_an_eval_loss_from_batch_statistics_names_the_eval_remedy():
+  # Outside TRAIN the towers exchange no batch-norm moments: the message
+  # told EVAL to use the batch-norm layer it already used.
+  def model_fn(features, labels, mode):
+    normalised = tf1.layers.batch_normalization(features['x'], training=True)
+    logits = tf1.layers.dense(normalised, 2, kernel_initializer=seeded(1))
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    return tf.estimator.EstimatorSpec(mode, loss=loss)
+
+  with pytest.raises(ValueError, match=r'(?s)outside TRAIN.*training=False '
+                     'in EVAL and PREDICT'):
+    build_replicated(model_fn, 2, mode=ModeKeys.EVAL)

@@ -414,6 +414,41 @@ def test_predictions_free_of_the_examples_are_one_devices(tmp_path, data):
 
 
 @pytest.mark.training
+@pytest.mark.parametrize('towers', [2, 3])
+def test_predictions_shaped_by_a_static_shard_are_split(tmp_path, data,
+                                                       towers):
+  # With a static batch size, tf.fill([x.shape[0]], b) is a constant of
+  # the shard's rows: kept whole as one free of the examples, one device's
+  # 6 rows came back as 3 (2 towers) or 2 (3 towers), silently.
+  x, _ = data
+
+  def model_fn(features, mode):
+    bias = tf1.get_variable('bias', [], initializer=tf1.ones_initializer())
+    scores = tf1.layers.dense(features['x'], 1,
+                              kernel_initializer=tf1.constant_initializer(0.5))
+    loss = tf.reduce_mean(scores)
+    train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
+                                      predictions={
+        'scores': scores, 'bias': tf.fill([features['x'].shape[0]], bias)})
+
+  def input_fn():
+    return tf.data.Dataset.from_tensor_slices({'x': x[:12]}).batch(
+        6, drop_remainder=True)
+
+  batches = []
+  for count in (1, towers):
+    estimator = make_estimator(model_fn, tmp_path / str(count), count)
+    estimator.train(input_fn, steps=1)
+    batches.append(list(estimator.predict(input_fn,
+                                          yield_single_examples=False)))
+  for one, many in zip(*batches):
+    assert many['bias'].shape == one['bias'].shape == (6,)
+    np.testing.assert_allclose(many['scores'], one['scores'], rtol=1e-5)
+
+
+@pytest.mark.training
 def test_explicit_devices_pick_the_towers(tmp_path, data):
   params = {'optimizer': OPTIMIZERS['sgd']}
   one = _train(tmp_path, 'one', 1, 10, data, params)

@@ -258,17 +258,33 @@ def written_loss_model_fn(features, labels, mode, params):
   tensorflow/estimator's own `test_loss_metric_is_reported` does it with an
   example-free loss: `2 * assign_add(local_weight, 1)`, 2, 4, 6, ...
   """
-  kept = tf1.get_variable(
-      'kept', [], initializer=tf1.zeros_initializer(), trainable=False,
-      collections=[tf1.GraphKeys.LOCAL_VARIABLES],
-      use_resource=params.get('resource', True))
   write = params['write']
+  shape = [2] if write == 'slice_from_the_shard' else []
+  kept = tf1.get_variable(
+      'kept', shape, initializer=tf1.zeros_initializer(), trainable=False,
+      collections=[tf1.GraphKeys.LOCAL_VARIABLES],
+      dtype=tf.int64 if write == 'count_up_to' else tf.float32,
+      use_resource=params.get('resource', True))
   if write == 'add':
     value = tf1.assign_add(kept, 1.0)
   elif write == 'from_the_shard':
     value = tf1.assign(kept, tf.reduce_mean(features['x'][:, 0]))
   elif write == 'from_itself':
     value = tf1.assign(kept, kept * 2.0 + 1.0)
+  elif write == 'in_a_cond':
+    value = tf.cond(tf.constant(True), lambda: kept.assign_add(1.0),
+                    lambda: tf.identity(kept))
+  elif write == 'in_a_function':
+    value = tf.function(lambda: kept.assign_add(1.0))()
+  elif write == 'slice_from_the_shard':
+    value = kept[0].assign(tf.reduce_mean(features['x'][:, 0]))[0]
+  elif write == 'count_up_to':
+    value = tf.cast(tf1.count_up_to(kept, 100), tf.float32)
+  elif write == 'optimizer_kernel':
+    stepped = tf.raw_ops.ResourceApplyGradientDescent(
+        var=kept.handle, alpha=1.0, delta=-1.0)
+    with tf.control_dependencies([stepped]):
+      value = kept.read_value()
   else:  # 'snapshot': the same value whichever tower writes it.
     step = tf.cast(tf1.train.get_or_create_global_step(), tf.float32)
     value = tf1.assign(kept, step + 1.0)
@@ -282,12 +298,16 @@ def written_loss_model_fn(features, labels, mode, params):
 
 @pytest.mark.parametrize('write,resource', [
     ('add', True), ('add', False), ('from_the_shard', True),
-    ('from_itself', True)])
+    ('from_itself', True), ('in_a_cond', True), ('in_a_function', True),
+    ('slice_from_the_shard', True), ('count_up_to', True),
+    ('optimizer_kernel', True)])
 @pytest.mark.parametrize('with_examples', [False, True])
 def test_a_loss_read_from_a_write_each_call_repeats_is_refused(
     tmp_path, data, write, resource, with_examples):
   # Each tower's loss would advance the counter: on 2 towers the mean loss
-  # of 5 evaluation batches was 11 where one device reports 6, silently.
+  # of 5 evaluation batches was 11 where one device reports 6, silently
+  # (also inside a tf.cond or tf.function, by a slice's assign, count_up_to
+  # or an optimizer kernel the model_fn runs itself: 3, 6, 9 steps).
   x, y = data
   params = {'write': write, 'resource': resource,
             'with_examples': with_examples}
@@ -301,8 +321,58 @@ def test_a_loss_read_from_a_write_each_call_repeats_is_refused(
               lambda: many.evaluate(input_fn, steps=3,
                                     checkpoint_path=one.latest_checkpoint())):
     with pytest.raises(ValueError, match=r"(?s)The loss '.*' is computed "
-                       r'after the model_fn writes kept.*once per tower'):
+                       r'after the model_fn writes (kept|a variable inside a '
+                       r'function).*once per tower'):
       run()
+
+
+def counter_update_op_model_fn(features, labels, mode):
+  """A counter in UPDATE_OPS, the loss ordered after UPDATE_OPS."""
+  count = tf1.get_variable('count', [], initializer=tf1.zeros_initializer(),
+                           trainable=False)
+  tf1.add_to_collection(tf1.GraphKeys.UPDATE_OPS, count.assign_add(1.0))
+  with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+    loss = _loss(features, labels) * count.read_value()
+  train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_a_counter_in_update_ops_read_by_the_eval_loss_is_refused(
+    tmp_path, data):
+  # UPDATE_OPS are made one device's (moving_statistics) in TRAIN only: in
+  # EVAL every tower advanced the counter (loss 1.77-2.03 for 1.45).
+  x, y = data
+  input_fn = dataset_input_fn({'x': x}, y, BATCH, repeat=False)
+  one = make_estimator(counter_update_op_model_fn, tmp_path / 'one', 1)
+  one.train(input_fn, steps=1)
+  many = make_estimator(counter_update_op_model_fn, tmp_path / 'many', 2)
+  with pytest.raises(ValueError, match=r"(?s)The loss '.*' is computed after "
+                     'the model_fn writes count.*once per tower'):
+    many.evaluate(input_fn, steps=2, checkpoint_path=one.latest_checkpoint())
+
+
+def slice_assign_model_fn(features, labels, mode):
+  """A slice of a variable assigned from the shard, beside the update."""
+  kept = tf1.get_variable('kept', [2], initializer=tf1.zeros_initializer(),
+                          trainable=False, use_resource=True)
+  loss = _loss(features, labels)
+  update = tf1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  written = kept[0].assign(tf.reduce_mean(features['x'][:, 0]))
+  return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                    train_op=tf.group(update, written))
+
+
+def test_a_slice_assigned_from_the_shard_in_the_train_op_is_refused(
+    tmp_path, data):
+  # A ResourceStridedSliceAssign was no write to tower_effects: the last
+  # tower's shard wrote it (-0.031 where one device has 0.184).
+  x, y = data
+  many = make_estimator(slice_assign_model_fn, tmp_path, 2)
+  with pytest.raises(ValueError, match=r'(?s)writes variable kept .*'
+                     'ResourceStridedSliceAssign does not add up'):
+    many.train(dataset_input_fn({'x': x}, y, BATCH), steps=1)
 
 
 def test_a_loss_read_from_a_snapshot_each_tower_repeats_equals_one_device(

@@ -182,16 +182,27 @@ def whole_batch_predictions(specs, sizes, padded: bool,
   def merge(name, tensors):
     per_example = (isinstance(tensors[0], tf.Tensor) and
                    tensors[0].shape.rank != 0 and
-                   _depend(depends_on_shard, tensors))
+                   _per_example(depends_on_shard, tensors))
     return (concat_rows(name, tensors, sizes, padded) if per_example
             else tensors[0])
 
   return _merged_predictions(specs, merge)
 
 
-def _depend(depends_on_shard: Sequence[Callable], tensors) -> bool:
-  """Whether any tower's tensor depends on that tower's shard."""
-  return any(map(lambda d, t: d(t), depends_on_shard, tensors))
+def _per_example(depends_on_shard: Sequence[Callable], tensors) -> bool:
+  """Whether the towers' tensors may have one row per shard example.
+
+  Yes when one depends on its tower's shard, or when its static rows are
+  its shard's static rows: with a static batch size, `tf.fill([x.shape[0]],
+  b)` is a constant of the shard's size, built from the shard's shape while
+  the graph was built (kept whole, one device got half its rows).
+  """
+  for depends, tensor in zip(depends_on_shard, tensors):
+    rows = getattr(depends, 'batch_size', None)
+    if depends(tensor) or (rows is not None and tensor.shape.rank and
+                           tf.compat.dimension_value(tensor.shape[0]) == rows):
+      return True
+  return False
 
 
 def _merged_predictions(specs, merge: Callable):
@@ -210,7 +221,8 @@ def merge_predict(specs, sizes: tf.Tensor,
   """One PREDICT spec: predictions and export outputs back in input order.
 
   A prediction that does not depend on the towers' shards (a constant, a
-  weight) is one device's value already: tower 0's is kept, unsplit.
+  weight) and is not shaped like them is one device's value already: tower
+  0's is kept, unsplit.
 
   Args:
     specs: The towers' specs.
@@ -221,8 +233,8 @@ def merge_predict(specs, sizes: tf.Tensor,
   first = specs[0]
 
   def merge(name, tensors):
-    if isinstance(tensors[0], tf.Tensor) and not _depend(depends_on_shard,
-                                                         tensors):
+    if isinstance(tensors[0], tf.Tensor) and not _per_example(
+        depends_on_shard, tensors):
       return tensors[0]
     return concat_rows(name, tensors, sizes)
 

@@ -107,7 +107,8 @@ class _Reordered(_Mixing):
 
 
 def check_loss(loss: tf.Tensor, shard, since: op_ledger.Mark,
-               per_tower_batch_norm: bool = False) -> None:
+               per_tower_batch_norm: bool = False,
+               training: bool = True) -> None:
   """Refuses a tower's loss that mixes the examples of the tower's shard.
 
   Args:
@@ -116,6 +117,8 @@ def check_loss(loss: tf.Tensor, shard, since: op_ledger.Mark,
     since: The mark taken before the tower's model_fn call.
     per_tower_batch_norm: Whether batch_norm='per_tower' accepts each
       shard's batch-norm moments (see shard_statistics).
+    training: Whether the loss is TRAIN's, where batch-norm layers get the
+      whole batch's moments (else EVAL's: they do not).
 
   Raises:
     ValueError: an op the loss is computed from puts two of the shard's
@@ -133,12 +136,10 @@ def check_loss(loss: tf.Tensor, shard, since: op_ledger.Mark,
         'that statistic over the whole batch; each tower would compute it '
         "over its own shard (weights divided by the shard's sum, values "
         "centred or scaled by the shard's mean, max or count, a softmax "
-        'over the examples) and train another model. Reduce first and '
+        'over the examples) and compute another loss. Reduce first and '
         'divide once (tf.reduce_sum(loss * w) / tf.reduce_sum(w), '
-        'tf.reduce_mean(loss)); for batch norm use a tf.keras or '
-        'tf.compat.v1.layers batch-norm layer (replicate_model_fn '
-        "normalises it with the whole batch's moments) or "
-        "batch_norm='per_tower'; or train on one device.")
+        f'tf.reduce_mean(loss)); {_batch_norm_remedy(training)}; or run on '
+        'one device.')
   if found.kind == 'reordered':
     raise ValueError(
         f'The loss {loss.op.name!r} pairs examples of its batch by their '
@@ -168,6 +169,58 @@ def check_loss(loss: tf.Tensor, shard, since: op_ledger.Mark,
       'the rows with estimator_towers.whole_batch (see '
       'docs/writing_model_fns.md, "Losses over the whole batch"), or train '
       'on one device.')
+
+
+def _batch_norm_remedy(training: bool) -> str:
+  if training:
+    return ('for batch norm use a tf.keras or tf.compat.v1.layers batch-norm '
+            "layer (replicate_model_fn normalises it with the whole batch's "
+            "moments) or batch_norm='per_tower'")
+  return ('outside TRAIN replicate_model_fn does not exchange batch-norm '
+          'moments: call batch-norm layers with training=False in EVAL and '
+          'PREDICT (their moving statistics)')
+
+
+def _capitalized(phrase: str) -> str:
+  return phrase[:1].upper() + phrase[1:]
+
+
+def check_predictions(predictions, shard, since: op_ledger.Mark,
+                      per_tower_batch_norm: bool = False) -> None:
+  """Refuses PREDICT predictions computed with a statistic of the shard.
+
+  A batch-norm layer called with training=True normalises each tower's
+  shard with the shard's moments (predictions up to 1.8 off one device's,
+  silently); so would a softmax over the examples.
+
+  Args:
+    predictions: The tower's predictions (a Tensor or a dict of them).
+    shard: The tower's features.
+    since: The mark taken before the tower's model_fn call.
+    per_tower_batch_norm: Whether batch_norm='per_tower' accepts each
+      shard's batch-norm moments.
+
+  Raises:
+    ValueError: a prediction is computed from such a mix.
+  """
+  named = (predictions.items() if isinstance(predictions, dict)
+           else [('predictions', predictions)])
+  for name, tensor in named:
+    if not isinstance(tensor, tf.Tensor):
+      continue
+    found = mixing_op(tensor, shard, since, per_tower_batch_norm)
+    # Statistics only: a prediction of some rows or pairs of rows (BERT's
+    # first token of each example, [:, 0]) is read by row position, which
+    # a shard of one static row makes ambiguous, and concat_rows checks
+    # each tower's rows when the step runs.
+    if found is not None and found.kind == 'statistic':
+      op, what = found
+      raise ValueError(
+          f'The prediction {name!r} is computed from its batch as a whole: '
+          f'{op.type} {op.name!r} {what}. One device computes it over the '
+          'whole batch; each tower would over its own shard. '
+          f'{_capitalized(_batch_norm_remedy(False))}; otherwise predict '
+          'on one device.')
 
 
 class _Found(tuple):

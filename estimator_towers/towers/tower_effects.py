@@ -62,12 +62,18 @@ _OTHER_WRITES = frozenset([
     'ResourceScatterSub', 'ResourceScatterMul', 'ResourceScatterDiv',
     'ResourceScatterMin', 'ResourceScatterMax', 'ResourceScatterNdUpdate',
     'ResourceScatterNdSub', 'ScatterNdMax', 'ScatterNdMin',
-    'ResourceScatterNdMax', 'ResourceScatterNdMin'])
+    'ResourceScatterNdMax', 'ResourceScatterNdMin',
+    # v[i].assign(x), a counter's step.
+    'StridedSliceAssign', 'ResourceStridedSliceAssign', 'CountUpTo',
+    'ResourceCountUpTo'])
 WRITES = _SHARED | _OTHER_WRITES | frozenset(_ADDS)
 # Writes that set a value: the same value written twice is written once.
 _ASSIGNS = frozenset(['Assign', 'AssignVariableOp', 'ScatterUpdate',
                       'ResourceScatterUpdate', 'ScatterNdUpdate',
-                      'ResourceScatterNdUpdate'])
+                      'ResourceScatterNdUpdate', 'StridedSliceAssign',
+                      'ResourceStridedSliceAssign'])
+# Optimizer kernels a model_fn may run itself: each run steps again.
+_APPLIES = ('Apply', 'ResourceApply', 'SparseApply', 'ResourceSparseApply')
 # Stateful random ops: each task of a synchronous cluster draws its own, and
 # each tower draws its own for its shard (equivalence names them), unless
 # random_draws makes them one device's.
@@ -221,12 +227,14 @@ def check_loss_reads_no_write(loss: tf.Tensor, since: op_ledger.Mark,
         op_ledger.made_before(op, since)):
       continue
     seen.add(op.name)
-    why = _repeats_wrongly(op, depends_on_shard) if op.type in WRITES else ''
+    why = _repeats_wrongly(op, depends_on_shard)
     if why:
+      written = (variable_source(op.inputs[0]).name if op.type not in CALLS
+                 else 'a variable inside a function')
       raise ValueError(
           f'The loss {loss.op.name!r} is computed after the model_fn writes '
-          f'{variable_source(op.inputs[0]).name} (a {op.type} op, {op.name}'
-          f'), {why}. Every tower computes its loss each step, so the write '
+          f'{written} ({_article(op.type)} {op.type} op, {op.name}), '
+          f'{why}. Every tower computes its loss each step, so the write '
           "would run once per tower and the towers' losses would read values "
           'one device never has. Compute the loss without the write (make it '
           'in the train_op, which runs it once per step, or in an eval '
@@ -235,10 +243,23 @@ def check_loss_reads_no_write(loss: tf.Tensor, since: op_ledger.Mark,
     pending.extend(op.control_inputs)
 
 
+def _article(word: str) -> str:
+  return 'an' if word[:1].lower() in 'aeiou' else 'a'
+
+
 def _repeats_wrongly(write: tf.Operation, depends_on_shard) -> str:
   """Why running `write` once per tower is not running it once, or ''."""
-  if write.type in _SHARED:
-    return ''  # One shared structure, run in every tower as on one device.
+  if write.type in CALLS:
+    # Inside a function only the kind of write is known: a snapshot
+    # assigned there is let through, an add (a counter) is not.
+    adds = _in_functions(write.graph, _called(write.node_def), set(),
+                         lambda kind: kind in WRITES and kind not in _SHARED
+                         and kind not in _ASSIGNS)
+    return f'adding to it inside the function ({adds[0]})' if adds else ''
+  if write.type.startswith(_APPLIES):
+    return 'an optimizer step, which steps again each time it runs'
+  if write.type not in WRITES or write.type in _SHARED:
+    return ''  # A shared structure runs in every tower, as on one device.
   if write.type not in _ASSIGNS:
     return 'which changes it again each time it runs'
   value = write.inputs[-1]
