@@ -295,8 +295,6 @@ def replicate_model_fn(model_fn: ModelFn,
           _placer(0, tower_devices[0], strategy, lambda: False)):
         return tpu_spec.as_estimator_spec(
             model_fn(features=features, **kwargs))
-    features = sharding.with_array_rows_as_tensors(features)
-    labels = sharding.with_array_rows_as_tensors(labels)
     if not sharding.has_batch(features, labels):
       _check_batch_free_call(task_group, micro, config)
       # Nothing to split: every tower would compute one device's values
@@ -308,6 +306,9 @@ def replicate_model_fn(model_fn: ModelFn,
           _placer(0, tower_devices[0], strategy, lambda: False)):
         return tpu_spec.as_estimator_spec(
             model_fn(features=features, **kwargs))
+    # Beside a batch, arrays and lists of Python values are rows too.
+    features = sharding.with_array_rows_as_tensors(features)
+    labels = sharding.with_array_rows_as_tensors(labels)
     builder = _TowerBuilder(model_fn, tower_devices, strategy, task_group,
                             loss_reduction, mode,
                             loss_scaling.automatic(config),

@@ -291,3 +291,24 @@ def test_int_and_str_feature_keys_split_as_tf_estimator_allows_them():
       first, second = session.run(shards)
   np.testing.assert_array_equal(first[42], [[0, 1], [2, 3], [4, 5]])
   np.testing.assert_array_equal(second['b'], [3, 4])
+
+
+def test_lists_without_a_batch_reach_the_model_fn_as_they_are():
+  # tf.estimator's own tests compare what the model_fn received with what
+  # the input_fn returned: with no batch beside them, lists stay lists.
+  import estimator_towers  # pylint: disable=g-import-not-at-top
+  given = ({'test-features': [[1], [1]]}, {'test-labels': [[1], [1]]})
+  received = []
+
+  def model_fn(features, labels, mode):
+    received.append((features, labels))
+    step = tf.compat.v1.train.get_or_create_global_step()
+    return tf.estimator.EstimatorSpec(mode, loss=tf.constant(0.0),
+                                      train_op=step.assign_add(1))
+
+  with tf.Graph().as_default():
+    estimator_towers.replicate_model_fn(model_fn)(
+        *given, tf.estimator.ModeKeys.TRAIN,
+        config=estimator_towers.make_run_config(cpu_devices=2))
+  assert len(received) == 1
+  assert received[0][0] is given[0] and received[0][1] is given[1]

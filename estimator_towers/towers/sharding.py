@@ -67,7 +67,8 @@ def leaves(structure: Any, expand_composites: bool = False) -> List[Any]:
 
 
 def _check_leaf(name: str, leaf: Any) -> None:
-  if not isinstance(leaf, _BATCHED_TYPES) and not is_per_batch(leaf):
+  if not isinstance(leaf, (*_BATCHED_TYPES, np.ndarray)) and (
+      not is_per_batch(leaf)):
     raise TypeError(
         f'{name} is a {type(leaf).__name__}; replicate_model_fn splits only '
         'Tensors, SparseTensors, RaggedTensors and numpy arrays (in dicts, '
@@ -126,7 +127,8 @@ def has_batch(features: Any, labels: Any) -> bool:
 
   Returns:
     False when every leaf is None or one value for the whole batch (a
-    model_fn given Python scalars, as tf.estimator allows).
+    model_fn given Python scalars, or lists of them, as tf.estimator
+    allows; a numpy array with rows is a batch).
 
   Raises:
     TypeError: a leaf is neither batched nor a scalar.
