@@ -381,11 +381,9 @@ def test_predictions_not_one_row_per_example_fail_at_run_time(tmp_path, data):
                                             repeat=False)))
 
 
-@pytest.mark.training
-def test_predictions_free_of_the_examples_are_one_devices(tmp_path, data):
-  # tf.estimator's own predict tests return constants of the batch's rows
-  # and a weight: one device's value, which no tower can split.
-  x, _ = data
+def _scores_and(extra_predictions):
+  """A model_fn predicting per-example scores and `extra_predictions(x,
+  bias)` beside them."""
 
   def model_fn(features, mode):
     bias = tf1.get_variable('bias', [2, 1], initializer=tf1.ones_initializer())
@@ -394,10 +392,21 @@ def test_predictions_free_of_the_examples_are_one_devices(tmp_path, data):
     loss = tf.reduce_mean(scores)
     train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
         loss, tf1.train.get_or_create_global_step())
-    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
-                                      predictions={
-        'constant': tf.constant([[10.0], [12.0]]), 'bias': bias * 3.0,
-        'scores': scores})
+    return tf.estimator.EstimatorSpec(
+        mode, loss=loss, train_op=train_op,
+        predictions={'scores': scores,
+                     **extra_predictions(features['x'], bias)})
+
+  return model_fn
+
+
+@pytest.mark.training
+def test_predictions_free_of_the_examples_are_one_devices(tmp_path, data):
+  # tf.estimator's own predict tests return constants of the batch's rows
+  # and a weight: one device's value, which no tower can split.
+  x, _ = data
+  model_fn = _scores_and(lambda x, bias: {
+      'constant': tf.constant([[10.0], [12.0]]), 'bias': bias * 3.0})
 
   input_fn = dataset_input_fn({'x': x[:6]}, batch_size=2, repeat=False)
   rows = []
@@ -421,17 +430,8 @@ def test_predictions_shaped_by_a_static_shard_are_split(tmp_path, data,
   # the shard's rows: kept whole as one free of the examples, one device's
   # 6 rows came back as 3 (2 towers) or 2 (3 towers), silently.
   x, _ = data
-
-  def model_fn(features, mode):
-    bias = tf1.get_variable('bias', [], initializer=tf1.ones_initializer())
-    scores = tf1.layers.dense(features['x'], 1,
-                              kernel_initializer=tf1.constant_initializer(0.5))
-    loss = tf.reduce_mean(scores)
-    train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
-        loss, tf1.train.get_or_create_global_step())
-    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
-                                      predictions={
-        'scores': scores, 'bias': tf.fill([features['x'].shape[0]], bias)})
+  model_fn = _scores_and(lambda x, bias: {
+      'bias': tf.fill([x.shape[0]], bias[0, 0])})
 
   def input_fn():
     return tf.data.Dataset.from_tensor_slices({'x': x[:12]}).batch(
