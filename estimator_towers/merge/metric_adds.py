@@ -47,7 +47,7 @@ per-example counts.
 order, so that every evaluation rounds the same way.
 """
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -81,6 +81,15 @@ def count_once(metric_ops: Sequence[Dict[str, tuple]],
     ValueError: A metric adds a sum plus terms that do not depend on the
       examples, or values that mix the shard's examples.
   """
+  for name, adds in _matched_adds(metric_ops, in_tower):
+    _refuse_mixing(name, adds[0], mixing)
+    _count_once(name, list(adds), depends_on_shard, active)
+
+
+def _matched_adds(metric_ops: Sequence[Dict[str, tuple]],
+                  in_tower: Sequence[Callable[[tf.Operation], bool]]
+                  ) -> Iterator[Tuple[str, Tuple[tf.Operation, ...]]]:
+  """(metric name, the towers' k-th add of its update), once per add."""
   done = set()
   for name in metric_ops[0]:
     per_tower = [_adds(ops[name][1], in_tower[t])
@@ -91,8 +100,7 @@ def count_once(metric_ops: Sequence[Dict[str, tuple]],
       if adds[0].name in done:
         continue  # Shared by two metrics.
       done.update(add.name for add in adds)
-      _refuse_mixing(name, adds[0], mixing)
-      _count_once(name, list(adds), depends_on_shard, active)
+      yield name, adds
 
 
 def _refuse_mixing(metric: str, add: tf.Operation, mixing) -> None:
@@ -362,22 +370,13 @@ def in_tower_order(metric_ops: Sequence[Dict[str, tuple]],
     metric_ops: Each tower's `eval_metric_ops`.
     in_tower: Per tower, whether an op was created by its model_fn call.
   """
-  done = set()
-  for name in metric_ops[0]:
-    per_tower = [_adds(ops[name][1], in_tower[t])
-                 for t, ops in enumerate(metric_ops)]
-    if len({len(adds) for adds in per_tower}) != 1:
-      continue
-    for adds in zip(*per_tower):
-      if adds[0].name in done:
-        continue
-      done.add(adds[0].name)
-      state = {tower_effects.variable_source(a.inputs[0]).name for a in adds}
-      # An edge into a TF1 control-flow context can hang the step.
-      if len(state) == 1 and not any(
-          a._control_flow_context for a in adds):  # pylint: disable=protected-access
-        for earlier, later in zip(adds, adds[1:]):
-          later._add_control_inputs([earlier])  # pylint: disable=protected-access
+  for _, adds in _matched_adds(metric_ops, in_tower):
+    state = {tower_effects.variable_source(a.inputs[0]).name for a in adds}
+    # An edge into a TF1 control-flow context can hang the step.
+    if len(state) == 1 and not any(
+        a._control_flow_context for a in adds):  # pylint: disable=protected-access
+      for earlier, later in zip(adds, adds[1:]):
+        later._add_control_inputs([earlier])  # pylint: disable=protected-access
 
 
 def idle_adds_nothing(metric_ops: Sequence[Dict[str, tuple]],
