@@ -52,6 +52,7 @@ import tensorflow as tf
 
 from estimator_towers.graph import op_ledger
 from estimator_towers.towers import shard_statistics
+from estimator_towers.towers import keras_masks
 from estimator_towers.towers import sharding
 
 Axes = FrozenSet[int]
@@ -263,7 +264,8 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
   # Tensors whose values depend on the shard's (not only on its shape).
   held = set(rows)
   trail = shard_statistics.Trail(per_tower_batch_norm,
-                                 _static_rows(sharding.leaves(shard)))
+                                 _static_rows(sharding.leaves(shard)),
+                                 keras_masks.scalings(ops))
   # Positions in the shard's order (`tf.range` of its row count), which
   # rows in another order must not meet (a sorted batch weighted by rank).
   positions = set()

@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from estimator_towers.graph import op_ledger
 from estimator_towers.towers import divisor_totals
+from estimator_towers.towers import keras_masks
 from estimator_towers.towers import sharding
 
 SUM = 'sum'
@@ -243,6 +244,11 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
     else:
       terms.append(_times_a_reciprocal(op, depends, budget) or
                    (UNKNOWN, None, op.name))
+  elif op.type in _DIVIDE and keras_masks.masked_mean(op) is not None:
+    # Keras' masked mean divides by the elements but means the valid ones.
+    valid = keras_masks.masked_mean(op)
+    terms.append((RATIO, tf.identity(tf.cast(valid, tensor.dtype),
+                                     name=_WRITTEN_DIVISOR), op.name))
   elif op.type in _DIVIDE:
     numerator, denominator = op.inputs[0], op.inputs[1]
     if not depends(denominator):
@@ -1101,7 +1107,8 @@ def _spread(tensor: tf.Tensor, ratios: Dict[str, tf.Tensor], weight: tf.Tensor,
             tf.where(condition, zeros, inner))
   if tensor.name in ratios:
     reciprocal, divisor = ratios[tensor.name]
-    if op.type in _DIVIDE:
+    # Keras' masked mean divides N * size / D by size: no N to take.
+    if op.type in _DIVIDE and keras_masks.masked_mean(op) is None:
       numerator = op.inputs[0]
       return tf.cast(numerator * tf.cast(reciprocal, numerator.dtype),
                      tensor.dtype)

@@ -33,7 +33,7 @@ those losses would refuse every model using them.
 """
 
 import re
-from typing import Dict, Optional, Sequence, Tuple
+from typing import AbstractSet, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -94,12 +94,16 @@ class Trail:
     rows: The shard's static number of rows, or None: with a static batch
       size `tf.shape(x)[0]` folds into a constant, a count of the rows
       when it equals them.
+    cancelled: Names of ops that scale rows by a statistic which a later
+      division cancels (Keras' masked mean: keras_masks.scalings).
   """
 
   def __init__(self, per_tower_batch_norm: bool,
-               rows: Optional[int] = None):
+               rows: Optional[int] = None,
+               cancelled: AbstractSet[str] = frozenset()):
     self._per_tower_batch_norm = per_tower_batch_norm
     self._rows = rows
+    self._cancelled = cancelled
     # Tensor name -> (the op that made the statistic, whether it is a count
     # read from a shape, which only arithmetic keeps).
     self._statistics: Dict[str, Tuple[tf.Operation, bool]] = {}
@@ -177,7 +181,7 @@ class Trail:
         return (op, 'accumulates over the examples (each row adds the rows '
                 'before it)')
     if not any(outputs) or (self._per_tower_batch_norm and
-                            _in_batch_norm(op)):
+                            _in_batch_norm(op)) or op.name in self._cancelled:
       return None
     skipped = _NOT_VALUES.get(op.type, ())
     positions = {p % len(op.inputs) for p in skipped} if op.inputs else set()
