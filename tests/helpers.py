@@ -115,6 +115,19 @@ def checkpoint_variables(model_dir):
           for name in reader.get_variable_to_shape_map()}
 
 
+def largest_difference(expected: dict, actual: dict) -> float:
+  """The largest absolute difference between two variable dicts, inf when
+  either holds a NaN or inf (Python's max() skips a NaN it meets after a
+  number, which would let a diverged run pass a `< tol` check)."""
+  largest = 0.0
+  for name, value in expected.items():
+    value, other = np.asarray(value), np.asarray(actual[name])
+    if not (np.all(np.isfinite(value)) and np.all(np.isfinite(other))):
+      return float('inf')
+    largest = max(largest, float(np.max(np.abs(other - value), initial=0.0)))
+  return largest
+
+
 def assert_same_variables(expected, actual, rtol=1e-5, atol=1e-6):
   """Same names, same values within float32 tolerance."""
   assert sorted(expected) == sorted(actual)

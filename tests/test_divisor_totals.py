@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 import trainer
-from helpers import seeded, train_in_session
+from helpers import largest_difference, seeded, train_in_session
 
 tf1 = tf.compat.v1
 ModeKeys = tf.estimator.ModeKeys
@@ -76,7 +76,7 @@ def _exact_or_refused(loss_of, data=None, towers=2, batch=12, static=False,
                            static, kwargs)
   except (ValueError, tf.errors.InvalidArgumentError):
     return
-  difference = max(float(np.max(np.abs(towers_end[n] - one[n]))) for n in one)
+  difference = largest_difference(one, towers_end)
   assert difference < 1e-4, f'trained {difference:g} off one device silently'
 
 
@@ -167,7 +167,7 @@ def test_a_divisor_of_one_sum_used_twice_trains_as_one_device(name):
   loss_of = _normalised_by(_ONE_SUM[name])
   start, one = _train(_model_fn(loss_of), data, 1, 12, 3, None, False, {})
   _, towers = _train(_model_fn(loss_of), data, 2, 12, 3, start, False, {})
-  difference = max(float(np.max(np.abs(towers[n] - one[n]))) for n in one)
+  difference = largest_difference(one, towers)
   assert difference < 1e-4, difference
 
 
@@ -237,7 +237,7 @@ def test_object_detection_normalised_loss_trains_as_one_device():
   data = _data()
   start, one = _train(_model_fn(_ssd_loss), data, 1, 12, 3, None, False, {})
   _, towers = _train(_model_fn(_ssd_loss), data, 2, 12, 3, start, False, {})
-  assert max(float(np.max(np.abs(towers[n] - one[n]))) for n in one) < 1e-4
+  assert largest_difference(one, towers) < 1e-4
 
 
 @pytest.mark.training
@@ -246,7 +246,7 @@ def test_object_detection_loss_stated_a_mean_trains_as_one_device():
   start, one = _train(_model_fn(_ssd_loss), data, 1, 12, 3, None, False, {})
   _, towers = _train(_model_fn(_ssd_loss), data, 2, 12, 3, start, False,
                      {'loss_reduction': 'mean'})
-  assert max(float(np.max(np.abs(towers[n] - one[n]))) for n in one) < 1e-4
+  assert largest_difference(one, towers) < 1e-4
 
 
 # --------------------------------------------------------------------------

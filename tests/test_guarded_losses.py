@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import (build_replicated, half_weighted_data, loss_model_fn,
-                     train_in_session)
+from helpers import (build_replicated, half_weighted_data,
+                     largest_difference, loss_model_fn, train_in_session)
 
 tf1 = tf.compat.v1
 ModeKeys = tf.estimator.ModeKeys
@@ -59,7 +59,7 @@ def _difference(loss_of, towers=2, batch=12, data=None, static_batch=False,
                                 static_batch=static_batch)
   _, many = train_in_session(model_fn, x, y, towers, batch, 3, start=start,
                              static_batch=static_batch, **wrapper_kwargs)
-  return max(float(np.max(np.abs(many[n] - one[n]))) for n in one)
+  return largest_difference(one, many)
 
 
 def _assert_refused(loss_of, match, **kwargs):

@@ -7,25 +7,25 @@ the mask before the mean (`losses_utils.apply_valid_mask`):
   scaled = mask * (size(mask) / sum(mask))
   loss = sum(l * scaled [* sample_weight]) / size(l * scaled)
 
-Both sizes count the same elements, so the loss is sum(l * m [* w]) /
-sum(m): a ratio over the valid tokens. Read op by op, though, each row is
-multiplied by a statistic of its shard (`size / sum(mask)`), which
-batch_mixing refuses, and the divisor is the number of elements, by which
-loss_reduction would weigh the towers (off one device whenever the valid
-tokens split unevenly between the shards).
+The loss is sum(l * m [* w]) / (sum(m) * c), c = size(l * scaled) /
+size(mask): 1 for a mask shaped like the losses, the static width a
+per-example mask `[batch, 1]` is broadcast over. Read op by op, though,
+each row is multiplied by a statistic of its shard (`size / sum(mask)`),
+which batch_mixing refuses, and the divisor is the number of elements, by
+which loss_reduction would weigh the towers (off one device whenever the
+valid tokens split unevenly between the shards).
 
-`masked_mean` recognises exactly that structure and names the real divisor,
-sum(m); loss_reduction weighs the towers by it (tower t by sum(m_t) over the
-batch's, exact as for any weighted mean) and batch_mixing lets the scaling
-through (`scalings`). Anything else that multiplies rows by a statistic of
-their shard is still refused.
-
-A shard whose every token is masked makes Keras' scale 0 / 0 and the
-tower's loss NaN, which the step reports (one device, whose batch has valid
-tokens, trains); as on one device, a batch without a valid token is NaN.
+`masked_mean` recognises exactly that structure, used nowhere else in the
+loss, with a mask whose rows are the shard's, and names the real divisor;
+loss_reduction weighs the towers by it and builds each tower's term as
+`unscaled_sum` over the whole batch's divisor (a shard without a valid
+token adds 0, as its tokens do on one device, where Keras' own scale would
+be 0 / 0). batch_mixing lets the scaling through (`scalings`). Anything
+else that multiplies rows by a statistic of their shard is still refused.
 """
 
-from typing import Iterable, Optional, Set
+import dataclasses
+from typing import Iterable, List, Optional, Set
 
 import numpy as np
 import tensorflow as tf
@@ -36,18 +36,60 @@ _ALIGN = frozenset(['Identity', 'Cast', 'Squeeze', 'ExpandDims', 'Reshape'])
 _DIVIDE = frozenset(['DivNoNan', 'RealDiv', 'Div', 'TrueDiv'])
 
 
-def masked_mean(op: tf.Operation) -> Optional[tf.Tensor]:
-  """sum(mask) if `op` is the division of Keras' masked mean, else None.
+@dataclasses.dataclass
+class MaskedMean:
+  """What `masked_mean` found.
+
+  Attributes:
+    scaling: The `mask * (size / sum(mask))` Mul op.
+    mask: The mask (float, the Mul's other input).
+    valid: sum(mask), a scalar: the divisor the towers are weighed by.
+    ratio: c of the module doc (a constant): the mean divides by valid * c.
+    chain: The ops from the scaling to the product with the losses, in
+      that order (the product last).
+    summed: The ops from the product to the division (the sums, the
+      division and its count), which may read the product.
+  """
+  scaling: tf.Operation
+  mask: tf.Tensor
+  valid: tf.Tensor
+  ratio: float
+  chain: List[tf.Operation]
+  summed: List[tf.Operation]
+
+
+def masked_mean(op: tf.Operation) -> Optional[MaskedMean]:
+  """`op` as the division of Keras' masked mean, or None.
 
   Args:
     op: A division op of a loss.
 
   Returns:
-    The valid tokens' count (a scalar `tf.reduce_sum(mask)` in the graph):
-    the divisor one device's loss really has.
+    A `MaskedMean`: one device's loss divides by its `valid * ratio`.
   """
-  found = _parts(op)
-  return None if found is None else found[1]
+  if op.type not in _DIVIDE or len(op.inputs) != 2:
+    return None
+  summed = [op]
+  weighted = _summed(op.inputs[0], summed)
+  if weighted is None or weighted.op.type != 'Mul':
+    return None
+  count = _count_of(op.inputs[1], weighted, summed)
+  if count is None:
+    return None
+  for factor in weighted.op.inputs:
+    chain = [weighted.op]
+    found = _scaled_mask(_skip(factor, _ALIGN, chain))
+    if found is None:
+      found = _weighted_scaled_mask(_skip(factor, _ALIGN, chain), chain)
+    if found is None:
+      continue
+    scaling, mask, valid = found
+    ratio = _size_ratio(mask, weighted)
+    if ratio is None:
+      return None
+    return MaskedMean(scaling, mask, valid, ratio, [scaling] + chain[::-1],
+                      summed)
+  return None
 
 
 def scalings(ops: Iterable[tf.Operation]) -> Set[str]:
@@ -66,47 +108,62 @@ def scalings(ops: Iterable[tf.Operation]) -> Set[str]:
   found = set()
   for op in ops:
     if op.type in _DIVIDE:
-      parts = _parts(op)
-      if parts is not None and _only_through(parts[2], names):
-        found.add(parts[0].name)
+      mean = masked_mean(op)
+      if mean is not None and only_in_the_mean(mean, names):
+        found.add(mean.scaling.name)
   return found
 
 
-def _only_through(chain, names: Set[str]) -> bool:
-  """Whether the ops of `chain` (from the scaling up to the product with
-  the losses) feed nothing in `names` but the next op of the chain."""
-  allowed = {op.name for op in chain}
+def only_in_the_mean(mean: MaskedMean, names: Set[str]) -> bool:
+  """Whether the scaled mask, and the losses it weighs, reach the ops in
+  `names` only through the mean (nothing else reads them there)."""
+  allowed = {op.name for op in mean.chain + mean.summed}
+  reading = mean.chain + mean.summed[1:]  # Not the division: its output.
   return all(consumer.name in allowed
-             for op in chain[:-1] for output in op.outputs
+             for op in reading for output in op.outputs
              for consumer in output.consumers() if consumer.name in names)
 
 
-def _parts(op: tf.Operation):
-  """(the scaling Mul op, sum(mask), the ops from the scaling to the product
-  with the losses) of a masked mean's division, or None."""
-  if op.type not in _DIVIDE or len(op.inputs) != 2:
-    return None
-  weighted = _summed(op.inputs[0])
-  if weighted is None or weighted.op.type != 'Mul':
-    return None
-  if not _counts(op.inputs[1], weighted):
-    return None
-  for factor in weighted.op.inputs:
-    chain = [weighted.op]
-    found = _scaled_mask(_skip(factor, _ALIGN, chain))
-    if found is None:
-      found = _weighted_scaled_mask(_skip(factor, _ALIGN, chain), chain)
-    if found is not None and _same_size(found[0].outputs[0], weighted):
-      return found[0], found[1], [found[0]] + chain[::-1]
-  return None
+def unscaled_sum(mean: MaskedMean) -> tf.Tensor:
+  """sum(l * m [* w]) / c: the numerator over `valid`, rebuilt with the
+  unscaled mask.
+
+  Each op of the chain is applied again with the mask in place of the
+  scaled mask, so a shard whose mask sums to 0 gives 0, not 0 * inf.
+  """
+  current = mean.mask
+  for below, op in zip(mean.chain, mean.chain[1:]):
+    current = _applied(op, current, below)
+  total = tf.reduce_sum(current)
+  return total if mean.ratio == 1 else total / tf.constant(mean.ratio,
+                                                           total.dtype)
 
 
-def _summed(tensor: tf.Tensor) -> Optional[tf.Tensor]:
-  """What a scalar `reduce_sum` (possibly of a sum) adds up, or None."""
-  tensor = _skip(tensor, frozenset(['Identity']))
+def _applied(op: tf.Operation, current: tf.Tensor,
+             below: tf.Operation) -> tf.Tensor:
+  """`op` applied to `current` in place of its input from `below`."""
+  if op.type == 'Mul':
+    other = [t for t in op.inputs if t.op.name != below.name]
+    return current * (other[0] if other else current)
+  if op.type == 'Cast':
+    return tf.cast(current, op.outputs[0].dtype)
+  if op.type == 'Reshape':
+    return tf.reshape(current, op.inputs[1])
+  if op.type == 'ExpandDims':
+    return tf.expand_dims(current, op.inputs[1])
+  if op.type == 'Squeeze':
+    return tf.squeeze(current, axis=list(op.get_attr('squeeze_dims')) or None)
+  return tf.identity(current)
+
+
+def _summed(tensor: tf.Tensor, summed: list) -> Optional[tf.Tensor]:
+  """What a scalar `reduce_sum` (possibly of a sum) adds up, or None; the
+  Sum ops passed are added to `summed`."""
+  tensor = _skip(tensor, frozenset(['Identity']), summed)
   if tensor.op.type != 'Sum' or tensor.shape.rank != 0:
     return None
   while tensor.op.type == 'Sum' and _sums_everything(tensor.op):
+    summed.append(tensor.op)
     tensor = tensor.op.inputs[0]
   return tensor if tensor.shape.rank else None
 
@@ -122,20 +179,32 @@ def _sums_everything(op: tf.Operation) -> bool:
   return {int(a) % rank for a in np.reshape(axes, [-1])} == set(range(rank))
 
 
-def _counts(divisor: tf.Tensor, tensor: tf.Tensor) -> bool:
-  """Whether `divisor` is the number of elements of `tensor` (tf.size of
-  it, or that size folded into a constant by a static shape)."""
-  divisor = _skip(divisor, frozenset(['Identity', 'Cast']))
-  if divisor.op.type == 'Size':
-    return divisor.op.inputs[0].name == tensor.name
-  value = tf.get_static_value(divisor)
-  return (value is not None and np.size(value) == 1 and
-          tensor.shape.is_fully_defined() and
-          float(np.reshape(value, [])) == float(tensor.shape.num_elements()))
+def _count_of(divisor: tf.Tensor, tensor: tf.Tensor,
+              passed: Optional[list] = None) -> Optional[tf.Tensor]:
+  """`divisor` if it is the number of elements of `tensor` (tf.size of it,
+  or that size folded into a constant by a static shape), else None; the
+  ops on the way are added to `passed`."""
+  path: list = []
+  base = _skip(divisor, frozenset(['Identity', 'Cast']), path)
+  if base.op.type == 'Size':
+    found = base.op.inputs[0].name == tensor.name
+    path.append(base.op)
+  else:
+    value = tf.get_static_value(base)
+    found = (value is not None and np.size(value) == 1 and
+             tensor.shape.is_fully_defined() and
+             float(np.reshape(value, [])) ==
+             float(tensor.shape.num_elements()))
+  if not found:
+    return None
+  if passed is not None:
+    passed.extend(path)
+  return divisor
 
 
 def _scaled_mask(tensor: tf.Tensor):
-  """(Mul op, sum(mask)) if `tensor` is `mask * (size(mask) / sum(mask))`."""
+  """(Mul op, mask, sum(mask)) if `tensor` is `mask * (size(mask) /
+  sum(mask))`, else None."""
   op = tensor.op
   if op.type != 'Mul':
     return None
@@ -146,13 +215,14 @@ def _scaled_mask(tensor: tf.Tensor):
     total, valid = scale.op.inputs
     valid = _skip(valid, frozenset(['Identity']))
     if (valid.op.type == 'Sum' and valid.op.inputs[0].name == mask.name and
-        _sums_everything(valid.op) and _counts(total, mask)):
-      return op, valid
+        _sums_everything(valid.op) and _count_of(total, mask) is not None):
+      return op, mask, valid
   return None
 
 
 def _weighted_scaled_mask(tensor: tf.Tensor, chain: list):
-  """`_scaled_mask` under Keras' product with the sample weights."""
+  """`_scaled_mask` under Keras' product with the sample weights; the ops
+  passed are added to `chain`."""
   op = tensor.op
   if op.type != 'Mul':
     return None
@@ -165,14 +235,31 @@ def _weighted_scaled_mask(tensor: tf.Tensor, chain: list):
   return None
 
 
-def _same_size(scaled: tf.Tensor, weighted: tf.Tensor) -> bool:
-  """Whether the mask has the weighted losses' shape (the two sizes Keras
-  divides by cancel only then)."""
-  mask = scaled.op.inputs[0] if scaled.op.inputs[0].shape.rank else (
-      scaled.op.inputs[1])
-  return (mask.shape.rank is not None and
-          mask.shape.rank == weighted.shape.rank and
-          mask.shape.is_compatible_with(weighted.shape))
+def _size_ratio(mask: tf.Tensor, weighted: tf.Tensor) -> Optional[float]:
+  """size(weighted) / size(mask) when it is a constant of the shard (1, or
+  the static widths a per-example mask is broadcast over); else None.
+
+  The mask's rows must be the shard's: its first dimension is the
+  weighted losses' (both unknown, or equal), never a broadcast 1 (a mask
+  shared by every row, whose sum is no count of the shard's tokens).
+  """
+  if mask.shape.rank is None or mask.shape.rank != weighted.shape.rank or (
+      not mask.shape.rank):
+    return None
+  rows, mask_rows = weighted.shape[0], mask.shape[0]
+  if rows != mask_rows and not (rows is None and mask_rows is None):
+    return None
+  if mask_rows == 1 and rows is None:
+    return None
+  ratio = 1
+  for outer, inner in zip(weighted.shape[1:], mask.shape[1:]):
+    if inner == outer:  # Equal, or both unknown (Keras aligned them).
+      continue
+    if inner == 1 and outer is not None:
+      ratio *= outer  # A per-example mask broadcast over a static width.
+      continue
+    return None
+  return float(ratio)
 
 
 def _skip(tensor: tf.Tensor, types: frozenset,

@@ -32,6 +32,8 @@ from estimator_towers.towers import divisor_totals
 from estimator_towers.towers import keras_masks
 from estimator_towers.towers import sharding
 
+tf1 = tf.compat.v1
+
 SUM = 'sum'
 RATIO = 'ratio'
 UNKNOWN = 'unknown'
@@ -47,6 +49,10 @@ _PER_COLUMN = 'per_column'  # A term kind: see _per_column.
 _NONLINEAR = 'nonlinear'  # A term kind: a function of a reduction (sqrt).
 _STATIC_COUNT = 'static_count'  # A term kind: see _from_static_count.
 _UNREAD_GUARD = 'unread_guard'  # A term kind: see _chooses_per_shard.
+_TRAINED_DIVISOR = 'trained_divisor'  # A term kind: see _written_ratio.
+# Ops through which no gradient flows back to their inputs' variables.
+_NO_GRADIENT = frozenset(['StopGradient', 'PreventGradient', 'Shape',
+                          'ShapeN', 'Size', 'Rank'])
 # Ops whose output is no weighted sum of their scalar input's shards.
 _NONLINEAR_OPS = frozenset([
     'Sqrt', 'Rsqrt', 'Square', 'Pow', 'Log', 'Log1p', 'Exp', 'Expm1', 'Abs',
@@ -159,6 +165,14 @@ _UNSPLITTABLE_KINDS = {
         'Make the condition a function of one sum over the examples (a '
         'count, a sum of weights: tf.where(tf.reduce_sum(w) > 0, loss, 0)), '
         'or train on one device.'),
+    _TRAINED_DIVISOR: (
+        'it divides by a sum computed from trainable variables (a learned '
+        'weighting or mask): one device differentiates through that '
+        "divisor, which a tower's share of the whole batch's divisor cannot "
+        'carry',
+        'Stop the divisor\'s gradient (tf.stop_gradient(tf.reduce_sum(w)))'
+        ' if the weights are not meant to be trained through it, or train '
+        'on one device.'),
     _NONLINEAR: (
         'it applies a nonlinear function to a reduction over the examples '
         '(e.g. the square root of a mean, an RMSE): the towers\' weighted '
@@ -246,9 +260,8 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
                    (UNKNOWN, None, op.name))
   elif op.type in _DIVIDE and keras_masks.masked_mean(op) is not None:
     # Keras' masked mean divides by the elements but means the valid ones.
-    valid = keras_masks.masked_mean(op)
-    terms.append((RATIO, tf.identity(tf.cast(valid, tensor.dtype),
-                                     name=_WRITTEN_DIVISOR), op.name))
+    terms.append(_written_ratio(keras_masks.masked_mean(op).valid,
+                                tensor.dtype, op.name))
   elif op.type in _DIVIDE:
     numerator, denominator = op.inputs[0], op.inputs[1]
     if not depends(denominator):
@@ -406,9 +419,7 @@ def _per_row(numerator: tf.Tensor, denominator: tf.Tensor, depends,
   _collect_terms(numerator, depends, inner, budget)
   kinds = {kind for kind, _, _ in inner}
   if kinds == {SUM}:
-    # An identity even when no cast is needed: its name marks the divisor.
-    return (RATIO, tf.identity(tf.cast(denominator, op.outputs[0].dtype),
-                               name=_WRITTEN_DIVISOR), op.name)
+    return _written_ratio(denominator, op.outputs[0].dtype, op.name)
   if kinds & ({RATIO, 'constant'} | set(_UNSPLITTABLE_KINDS)) and (
       UNKNOWN not in kinds):
     return (_UNSPLITTABLE, None, op.name)
@@ -430,9 +441,40 @@ def _times_a_reciprocal(op: tf.Operation, depends, budget: List[int]
     inner: List[tuple] = []
     _collect_terms(summed, depends, inner, budget)
     if {kind for kind, _, _ in inner} == {SUM}:
-      divisor = scale.op.inputs[1]
-      return (RATIO, tf.identity(tf.cast(divisor, op.outputs[0].dtype),
-                                 name=_WRITTEN_DIVISOR), op.name)
+      return _written_ratio(scale.op.inputs[1], op.outputs[0].dtype, op.name)
+  return None
+
+
+def _written_ratio(divisor: tf.Tensor, dtype: tf.DType, name: str) -> tuple:
+  """The RATIO term of a divisor the model_fn wrote, or a trained-divisor
+  term when a gradient reaches a trainable variable through it."""
+  if _trained_through(divisor) is not None:
+    return (_TRAINED_DIVISOR, None, name)
+  # An identity even when no cast is needed: its name marks the divisor.
+  return (RATIO, tf.identity(tf.cast(divisor, dtype), name=_WRITTEN_DIVISOR),
+          name)
+
+
+def _trained_through(tensor: tf.Tensor) -> Optional[str]:
+  """The name of a trainable variable a gradient of `tensor` reaches, or
+  None. Integer and bool tensors (a comparison, a count) and stopped
+  gradients carry none."""
+  graph = tensor.graph
+  trainable = {}
+  for variable in graph.get_collection(tf1.GraphKeys.TRAINABLE_VARIABLES):
+    trainable[variable.op.name] = variable.name
+  stack, seen = [tensor], set()
+  while stack and len(seen) < _MAX_OPS:
+    current = stack.pop()
+    if not (current.dtype.is_floating or current.dtype == tf.resource):
+      continue
+    op = current.op
+    if op.name in seen or op.type in _NO_GRADIENT:
+      continue
+    seen.add(op.name)
+    if op.name in trainable:
+      return trainable[op.name]
+    stack.extend(op.inputs)
   return None
 
 
@@ -1008,8 +1050,11 @@ def spread_exactly(values: List[tf.Tensor], reductions: List[Reduction],
     ratios = {}
     for (_, total, _), ratio, divisor in zip(parts, reduction.ratios,
                                              reduction.divisors):
+      # Keras' masked mean divides by its count of elements with
+      # divide_no_nan, but by the valid tokens' sum plainly (0 / 0: NaN).
       reciprocal = (tf.math.reciprocal_no_nan(total)
-                    if ratio.op.type == 'DivNoNan'
+                    if ratio.op.type == 'DivNoNan' and
+                    keras_masks.masked_mean(ratio.op) is None
                     else tf.math.reciprocal(total))
       ratios[ratio.name] = (tf.where(active[t], reciprocal,
                                      tf.zeros_like(reciprocal)), divisor)
@@ -1107,8 +1152,12 @@ def _spread(tensor: tf.Tensor, ratios: Dict[str, tf.Tensor], weight: tf.Tensor,
             tf.where(condition, zeros, inner))
   if tensor.name in ratios:
     reciprocal, divisor = ratios[tensor.name]
-    # Keras' masked mean divides N * size / D by size: no N to take.
-    if op.type in _DIVIDE and keras_masks.masked_mean(op) is None:
+    masked = keras_masks.masked_mean(op)
+    if masked is not None:  # Its numerator is scaled by the shard's mask.
+      numerator = keras_masks.unscaled_sum(masked)
+      return tf.cast(numerator * tf.cast(reciprocal, numerator.dtype),
+                     tensor.dtype)
+    if op.type in _DIVIDE:
       numerator = op.inputs[0]
       return tf.cast(numerator * tf.cast(reciprocal, numerator.dtype),
                      tensor.dtype)
