@@ -159,6 +159,23 @@ def test_a_float64_sum_in_a_condition_keeps_its_precision():
 
 
 @pytest.mark.training
+@pytest.mark.parametrize('aggregation', ['global_loss', 'all_reduce'])
+def test_a_float64_weighted_mean_of_tiny_weights_equals_one_device(
+    aggregation):
+  # 0.0089: the towers' divisors were totalled in float32, where weights
+  # of 1e-60 add up to 0, and the towers were weighed equally although
+  # their shards hold 0 and 4 of a batch's 4 weighted examples.
+  def loss_of(x, y, logits):
+    w = tf.cast(_present(x), tf.float64) * 1e-60
+    per_example = tf.cast(_xent(y, logits), tf.float64)
+    return tf.reduce_sum(per_example * w) / tf.reduce_sum(w)
+
+  x, y = half_weighted_data()
+  x[np.arange(48) % 12 < 8, 4] = -1.0
+  assert _difference(loss_of, data=(x, y), aggregation=aggregation) < 1e-6
+
+
+@pytest.mark.training
 def test_regularization_on_a_batch_of_zero_weights_equals_one_device():
   # 7.7e-4, before the guards too: tf.compat.v1.losses' default reduction
   # (div_no_nan(sum, num_present)) plus an L2 regularization loss, on a

@@ -319,6 +319,20 @@ def _learned_mask_mean(x, y, logits, hidden, stopped=False, keras=False):
       tf.stop_gradient(divisor) if stopped else divisor)
 
 
+def _counted_by_the_model(x, y, logits, hidden):
+  """Divisors built from the model's outputs that carry no gradient: a
+  count of ones like the logits, of rounded and of compared scores."""
+  per_example = _per_example(y, logits)
+  scores = tf.sigmoid(logits[:, 0])
+  ones = tf.reduce_sum(tf.ones_like(logits[:, 0]))
+  rounded = tf.reduce_sum(tf.round(scores)) + 1.0
+  compared = tf.reduce_sum(tf.cast(scores > 0.5, tf.float32)) + 1.0
+  return (tf.reduce_sum(per_example) / ones +
+          tf.reduce_sum(per_example * tf.round(scores)) / rounded +
+          tf.reduce_sum(per_example * tf.cast(scores > 0.5, tf.float32)) /
+          compared)
+
+
 def _learned_mask_stopped(x, y, logits, hidden):
   return _learned_mask_mean(x, y, logits, hidden, stopped=True)
 
@@ -454,8 +468,10 @@ _EXACT = {
     'keras_masked_sequence': _keras_masked_sequence_loss,
     'keras_masked_weighted_sequence': _keras_masked_weighted_sequence_loss,
     'keras_mask_per_example': _keras_mask_per_example,
-    # The remedy the refusal of a learned divisor names.
+    # The remedy the refusal of a learned divisor names, and divisors of
+    # the model's outputs through which no gradient flows (not refused).
     'learned_mask_divisor_stopped': _learned_mask_stopped,
+    'counted_by_the_model': _counted_by_the_model,
 }
 
 

@@ -52,7 +52,8 @@ _UNREAD_GUARD = 'unread_guard'  # A term kind: see _chooses_per_shard.
 _TRAINED_DIVISOR = 'trained_divisor'  # A term kind: see _written_ratio.
 # Ops through which no gradient flows back to their inputs' variables.
 _NO_GRADIENT = frozenset(['StopGradient', 'PreventGradient', 'Shape',
-                          'ShapeN', 'Size', 'Rank'])
+                          'ShapeN', 'Size', 'Rank', 'OnesLike', 'ZerosLike',
+                          'Round', 'Rint', 'Floor', 'Ceil', 'Sign'])
 # Ops whose output is no weighted sum of their scalar input's shards.
 _NONLINEAR_OPS = frozenset([
     'Sqrt', 'Rsqrt', 'Square', 'Pow', 'Log', 'Log1p', 'Exp', 'Expm1', 'Abs',
@@ -900,17 +901,25 @@ def _ratio_weights(reductions: List[Reduction], active: tf.Tensor, total_of,
     the whole batch's, which add up to 1 only when the divisor is a sum
     (`max(S_t, 1)` of towers without positives adds 1 per tower).
   """
+  divisors = [r.divisors[term] for r in reductions]
+  # float64 divisors are totalled in float64: weights of 1e-60 add up to 0
+  # in float32, which made the weights equal (0.009 off one device).
+  wide = (tf.float64 if any(d.dtype.base_dtype == tf.float64
+                            for d in divisors) else tf.float32)
+
   def active_values(values):
-    return [tf.where(active[t], tf.cast(tf.stop_gradient(v), tf.float32), 0.0)
-            for t, v in enumerate(values)]
+    return [tf.where(active[t], tf.cast(tf.stop_gradient(v), wide),
+                     tf.zeros([], wide)) for t, v in enumerate(values)]
 
   def summed(counts):
     total = tf.add_n(counts)
     return total if total_of is None else total_of(total)
 
-  divisors = [r.divisors[term] for r in reductions]
+  def narrow(values):
+    return [tf.cast(v, tf.float32) for v in values]
+
   counts = active_values(divisors)
-  live = [tf.cast(active[t], tf.float32) for t in range(len(divisors))]
+  live = [tf.cast(active[t], wide) for t in range(len(divisors))]
   # One sum (one collective in a cluster) for the divisors and the towers.
   total, towers = tf.unstack(summed([tf.stack([count, alive])
                                      for count, alive in zip(counts, live)]))
@@ -927,12 +936,11 @@ def _ratio_weights(reductions: List[Reduction], active: tf.Tensor, total_of,
     found = [_divisor_parts(d, depends) for d, depends in zip(divisors,
                                                              depends_on)]
   if any(f is None for f in found):
-    return weights, total, weights
+    return narrow(weights), total, narrow(weights)
   divisor = tf.cast(
-      found[0].rebuild(summed(active_values([f.sum for f in found]))),
-      tf.float32)
-  return weights, divisor, [tf.math.divide_no_nan(count, divisor)
-                            for count in counts]
+      found[0].rebuild(summed(active_values([f.sum for f in found]))), wide)
+  return narrow(weights), divisor, narrow(
+      [tf.math.divide_no_nan(count, divisor) for count in counts])
 
 
 def _divisor_parts(divisor: tf.Tensor, depends
@@ -1050,11 +1058,7 @@ def spread_exactly(values: List[tf.Tensor], reductions: List[Reduction],
     ratios = {}
     for (_, total, _), ratio, divisor in zip(parts, reduction.ratios,
                                              reduction.divisors):
-      # Keras' masked mean divides by its count of elements with
-      # divide_no_nan, but by the valid tokens' sum plainly (0 / 0: NaN).
-      reciprocal = (tf.math.reciprocal_no_nan(total)
-                    if ratio.op.type == 'DivNoNan' and
-                    keras_masks.masked_mean(ratio.op) is None
+      reciprocal = (_reciprocal(ratio, total) if ratio.op.type == 'DivNoNan'
                     else tf.math.reciprocal(total))
       ratios[ratio.name] = (tf.where(active[t], reciprocal,
                                      tf.zeros_like(reciprocal)), divisor)
@@ -1064,6 +1068,16 @@ def spread_exactly(values: List[tf.Tensor], reductions: List[Reduction],
       return None
     spread.append(rebuilt)
   return spread
+
+
+def _reciprocal(ratio: tf.Tensor, total: tf.Tensor) -> tf.Tensor:
+  """1 / the whole batch's divisor of `ratio`, 0 for a total of 0, but for
+  Keras' masked mean: it divides by its elements with divide_no_nan, but
+  by the valid tokens' sum plainly (a batch without one is NaN, as one
+  device's)."""
+  if keras_masks.masked_mean(ratio.op) is not None:
+    return tf.math.reciprocal(total)
+  return tf.math.reciprocal_no_nan(total)
 
 
 def proportional_weights(values: List[tf.Tensor],
@@ -1386,7 +1400,7 @@ class TowerWeights:
       # would still send its unselected branch's zero gradient through
       # N / D, so the reciprocal of the total is 0 instead.
       ratios = {ratio.name: (tf.where(self._sizes[t] > 0,
-                                      tf.math.reciprocal_no_nan(total), 0.0),
+                                      _reciprocal(ratio, total), 0.0),
                              divisor)
                 for ratio, divisor, total in zip(
                     reduction.ratios, reduction.divisors,
