@@ -51,8 +51,8 @@ import numpy as np
 import tensorflow as tf
 
 from estimator_towers.graph import op_ledger
-from estimator_towers.towers import shard_statistics
 from estimator_towers.towers import keras_masks
+from estimator_towers.towers import shard_statistics
 from estimator_towers.towers import sharding
 
 Axes = FrozenSet[int]

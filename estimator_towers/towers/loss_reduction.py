@@ -259,10 +259,9 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
     else:
       terms.append(_times_a_reciprocal(op, depends, budget) or
                    (UNKNOWN, None, op.name))
-  elif op.type in _DIVIDE and keras_masks.masked_mean(op) is not None:
+  elif op.type in _DIVIDE and (masked := keras_masks.masked_mean(op)):
     # Keras' masked mean divides by the elements but means the valid ones.
-    terms.append(_written_ratio(keras_masks.masked_mean(op).valid,
-                                tensor.dtype, op.name))
+    terms.append(_written_ratio(masked.valid, tensor.dtype, op.name))
   elif op.type in _DIVIDE:
     numerator, denominator = op.inputs[0], op.inputs[1]
     if not depends(denominator):
@@ -1166,13 +1165,11 @@ def _spread(tensor: tf.Tensor, ratios: Dict[str, tf.Tensor], weight: tf.Tensor,
             tf.where(condition, zeros, inner))
   if tensor.name in ratios:
     reciprocal, divisor = ratios[tensor.name]
-    masked = keras_masks.masked_mean(op)
-    if masked is not None:  # Its numerator is scaled by the shard's mask.
-      numerator = keras_masks.unscaled_sum(masked)
-      return tf.cast(numerator * tf.cast(reciprocal, numerator.dtype),
-                     tensor.dtype)
     if op.type in _DIVIDE:
-      numerator = op.inputs[0]
+      # Keras' masked mean's own numerator is scaled by the shard's mask.
+      masked = keras_masks.masked_mean(op)
+      numerator = (op.inputs[0] if masked is None else
+                   keras_masks.unscaled_sum(masked))
       return tf.cast(numerator * tf.cast(reciprocal, numerator.dtype),
                      tensor.dtype)
     # A mean: its count times 1 / the whole batch's.
