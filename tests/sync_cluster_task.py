@@ -18,7 +18,9 @@ trains `dropout_model_fn` with random_ops='one_device' and tf_random_seed 7.
 trains the model with momentum (which updates only the embedding rows a
 sparse gradient names) on one pass over TOTAL rows in global batches of
 BATCH, keeping its part with `estimator_towers.task_slice`. A last batch
-of fewer rows than tasks leaves the worker nothing.
+of fewer rows than tasks leaves the worker nothing. `micro-task` and
+`masked-task` train `micro_batch_model_fn` (micro_batches=2) and
+`masked_model_fn` as `task` trains its model.
 """
 
 import os
@@ -36,7 +38,8 @@ VOCAB = 7
 
 
 def model_fn(features, labels, mode, optimizer=None, projection=None,
-             manual_step=False, dropout=0.0, batch_norm=True, guarded=False):
+             manual_step=False, dropout=0.0, batch_norm=True, guarded=False,
+             masked=False):
   """Embedding (sparse gradients), dense layer, batch norm and Adam.
 
   With `projection` (an initializer), the features first go through a
@@ -48,7 +51,9 @@ def model_fn(features, labels, mode, optimizer=None, projection=None,
   no batch norm (micro-batches refuse it in training). With `guarded`, the
   loss is a weighted mean inside tf.where(present > 0, ...) (the
   `_safe_div` of tf.contrib.losses), whose condition must be the global
-  batch's on every task.
+  batch's on every task. With `masked`, a Keras masked mean is added: the
+  ids (0 is padding) predicted back from Embedding(mask_zero=True), whose
+  divisor is the batch's valid ids (each task holds another number).
   """
   x = features['x']
   if projection is not None:
@@ -72,6 +77,14 @@ def model_fn(features, labels, mode, optimizer=None, projection=None,
     loss = tf.where(present > 0, tf.reduce_sum(
         tf.square(labels - predictions) * weights) / tf.where(
             present > 0, present, 1.0), 0.0)
+  if masked:
+    embedded = tf.keras.layers.Embedding(
+        VOCAB, 3, mask_zero=True,
+        embeddings_initializer=tf1.random_normal_initializer())(
+            features['ids'])
+    logits = tf.keras.layers.Dense(VOCAB)(embedded)
+    loss += tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
+        features['ids'], logits)
   if mode != tf.estimator.ModeKeys.TRAIN:
     return tf.estimator.EstimatorSpec(mode, loss=loss)
   step = tf1.train.get_global_step()
@@ -126,6 +139,11 @@ def dropout_model_fn(features, labels, mode):
   return model_fn(features, labels, mode, dropout=0.5)
 
 
+def masked_model_fn(features, labels, mode):
+  """model_fn plus a Keras masked mean over the ids."""
+  return model_fn(features, labels, mode, masked=True)
+
+
 def micro_batch_model_fn(features, labels, mode):
   """model_fn without batch norm, for micro_batches=2."""
   return model_fn(features, labels, mode, batch_norm=False)
@@ -176,7 +194,7 @@ class _SaveFinalVariables(tf1.train.SessionRunHook):
     np.savez(self._path, **{v.op.name: x for v, x in zip(variables, values)})
 
 
-def run_task(argv, sliced=False, dropout=False, micro=False):
+def run_task(argv, sliced=False, dropout=False, micro=False, masked=False):
   model_dir, steps, rows = argv[0], int(argv[1]), [int(r) for r in argv[2:]]
   # Dropout: one device's masks need the graph seed (the one of
   # helpers.make_estimator).
@@ -184,7 +202,8 @@ def run_task(argv, sliced=False, dropout=False, micro=False):
       model_dir=model_dir, cpu_devices=2,
       tf_random_seed=7 if dropout else None)
   model = (momentum_model_fn if sliced else dropout_model_fn if dropout
-           else micro_batch_model_fn if micro else projected_model_fn)
+           else micro_batch_model_fn if micro else masked_model_fn if masked
+           else projected_model_fn)
   estimator = tf.estimator.Estimator(
       estimator_towers.replicate_model_fn(
           model, aggregation='all_reduce', sync_timeout_secs=60,
@@ -235,4 +254,5 @@ if __name__ == '__main__':
   exit_without_teardown(lambda: run_task(
       sys.argv[2:], sliced=sys.argv[1] == 'sliced-task',
       dropout=sys.argv[1] == 'dropout-task',
-      micro=sys.argv[1] == 'micro-task'))
+      micro=sys.argv[1] == 'micro-task',
+      masked=sys.argv[1] == 'masked-task'))

@@ -164,6 +164,14 @@ def _assert_pair_trains_as(tmp_path, model_fn, mode, **one_process):
 
 
 @pytest.mark.cluster
+def test_a_keras_masked_mean_trains_a_cluster_as_one_process(tmp_path):
+  # The valid ids differ between the tasks' shares: each task's towers are
+  # weighed by their valid ids over the tasks' total.
+  _assert_pair_trains_as(tmp_path, sync_cluster_task.masked_model_fn,
+                         'masked-pair', towers=4, aggregation='all_reduce')
+
+
+@pytest.mark.cluster
 def test_micro_batches_train_a_cluster_as_one_process(tmp_path):
   # micro_batches=2 on each task's 2 towers: chief 2+1+1+1 rows, worker
   # 1+1+1+1, one all-reduce over the tasks per step.
