@@ -73,8 +73,7 @@ def masked_mean(op: tf.Operation) -> Optional[MaskedMean]:
   weighted = _summed(op.inputs[0], summed)
   if weighted is None or weighted.op.type != 'Mul':
     return None
-  count = _count_of(op.inputs[1], weighted, summed)
-  if count is None:
+  if _count_of(op.inputs[1], weighted, summed) is None:
     return None
   for factor in weighted.op.inputs:
     chain = [weighted.op]
@@ -246,10 +245,7 @@ def _size_ratio(mask: tf.Tensor, weighted: tf.Tensor) -> Optional[float]:
   if mask.shape.rank is None or mask.shape.rank != weighted.shape.rank or (
       not mask.shape.rank):
     return None
-  rows, mask_rows = weighted.shape[0], mask.shape[0]
-  if rows != mask_rows and not (rows is None and mask_rows is None):
-    return None
-  if mask_rows == 1 and rows is None:
+  if mask.shape[0] != weighted.shape[0]:  # A static 1 is not unknown rows.
     return None
   ratio = 1
   for outer, inner in zip(weighted.shape[1:], mask.shape[1:]):
