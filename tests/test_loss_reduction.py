@@ -154,6 +154,12 @@ def test_analyze_reads_the_reduction(build, expected):
   assert found.kind == expected, found.detail
 
 
+def _from_a_function(value):
+  """A constant a graph function returns (tf.get_static_value cannot fold
+  it)."""
+  return tf.function(lambda: tf.constant(value), autograph=False)()
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize('build,expected', [
     (lambda x: tf.reduce_sum(x), loss_reduction.SUM),
@@ -185,6 +191,10 @@ def test_analyze_reads_the_reduction(build, expected):
     (lambda x: tf.reduce_sum(x) / 24.0, loss_reduction.UNKNOWN),
     (lambda x: tf.reduce_sum(x) / tf.cast(tf.size(x), tf.float32),
      loss_reduction.RATIO),
+    # The same constant from a graph function (PartitionedCall): its value
+    # needs the graph's function library.
+    (lambda x: tf.reduce_sum(x) / _from_a_function(24.0),
+     loss_reduction.UNKNOWN),
 ])
 def test_analyze_with_a_static_batch_size(build, expected):
   with tf.Graph().as_default():

@@ -672,28 +672,44 @@ def _static_value(tensor: tf.Tensor):
   value = tf.get_static_value(tensor)
   if value is not None:
     return value
-  pending, seen = [tensor.op], set()
+  pending, ops = [tensor.op], {}
   while pending:
     op = pending.pop()
-    if op.name in seen:
+    if op.name in ops:
       continue
-    seen.add(op.name)
-    if (len(seen) > _MAX_OPS or op.type in _STATEFUL_OR_FED or
+    ops[op.name] = op
+    if (len(ops) > _MAX_OPS or op.type in _STATEFUL_OR_FED or
         op.op_def.is_stateful):
       return None
     pending.extend(t.op for t in op.inputs)
     pending.extend(op.control_inputs)
-  # Only the tensor's own ops, without devices: the model graph may pin ops
-  # to devices a scratch session lacks (other tasks of a cluster).
-  graph_def = tf.compat.v1.graph_util.extract_sub_graph(
-      tensor.graph.as_graph_def(add_shapes=False), [tensor.op.name])
-  for node in graph_def.node:
+  # Only the tensor's own ops, copied one by one (serializing the whole
+  # model graph per call cost seconds on big graphs), without devices: the
+  # model graph may pin ops to devices a scratch session lacks (other tasks
+  # of a cluster).
+  graph_def = tf.compat.v1.GraphDef()
+  graph_def.versions.CopyFrom(tensor.graph.graph_def_versions)
+  for op in ops.values():
+    node = graph_def.node.add()
+    node.CopyFrom(op.node_def)
     node.device = ''
+  if any(map(_calls_a_function, ops.values())):
+    graph_def.library.CopyFrom(tensor.graph.as_graph_def().library)
   with tf.Graph().as_default() as scratch:
     (copy,) = tf.graph_util.import_graph_def(
         graph_def, return_elements=[tensor.name], name='')
   with tf.compat.v1.Session(graph=scratch) as session:
     return session.run(copy)
+
+
+def _calls_a_function(op: tf.Operation) -> bool:
+  """Whether `op` needs its graph's function library to run (a function
+  called by name, or an attribute naming one: PartitionedCall, If)."""
+  # pylint: disable=protected-access
+  if op.graph._is_function(op.type):
+    return True
+  return any(value.HasField('func') or value.list.func
+             for value in op.node_def.attr.values())
 
 
 def _reduces_all(tensor: tf.Tensor, how: str, depends) -> bool:
