@@ -205,15 +205,29 @@ class _Patches(patching.Patcher):
 
 def _api_modules_holding(function) -> List[Any]:
   """The public API modules whose `gradients` is `function`."""
-  found = []
-  for name, module in list(sys.modules.items()):
-    if module is None or not (
-        name == 'tensorflow' or name.startswith(('tensorflow._api.',
-                                                  'tensorflow.compat'))):
-      continue
-    if getattr(module, 'gradients', None) is function:
-      found.append(module)
-  return found
+  return [module for module in _api_modules()
+          if getattr(module, 'gradients', None) is function]
+
+
+_API_MODULES = {'key': None, 'modules': []}
+
+
+def _api_modules() -> List[Any]:
+  """TensorFlow's public API modules loaded so far.
+
+  Scanning sys.modules (thousands of entries) took 10 ms per model_fn
+  call; the scan is redone only when a module was imported or removed
+  since (sys.modules keeps insertion order: its size and last name change).
+  """
+  key = (len(sys.modules), next(reversed(sys.modules), None))
+  if key != _API_MODULES['key']:
+    _API_MODULES['modules'] = [
+        module for name, module in list(sys.modules.items())
+        if module is not None and (
+            name == 'tensorflow' or name.startswith(('tensorflow._api.',
+                                                     'tensorflow.compat')))]
+    _API_MODULES['key'] = key
+  return _API_MODULES['modules']
 
 
 def _subclasses(base: type) -> Iterator[type]:
