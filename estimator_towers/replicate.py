@@ -769,9 +769,38 @@ def _placer(tower: int, tower_device: str,
       return op.device
     if op.type in _VARIABLE_OPS:
       return strategy.variable_device(op, tower, applying())
+    if isinstance(op.graph, tf.__internal__.FuncGraph):
+      # A branch of tf.cond (or a loop body) is inlined onto the device of
+      # its caller: a read of a variable left unplaced in it lands on the
+      # tower's device, which, a branch deeper, cannot be colocated with the
+      # variable unless the session allows soft placement.
+      device = _read_device(op)
+      if device:
+        return device
     return '' if applying() else tower_device
 
   return place
+
+
+def _read_device(op: tf.Operation) -> str:
+  """The device of the variable whose handle `op` takes, if known.
+
+  Inside a function graph the handle is a placeholder standing for the
+  outer graph's tensor it captured (one per level of nesting).
+  """
+  for tensor in op.inputs:
+    if tensor.dtype != tf.resource:
+      continue
+    while (isinstance(tensor.graph, tf.__internal__.FuncGraph) and
+           tensor.op.type == 'Placeholder'):
+      outer = {id(inner): captured
+               for captured, inner in tensor.graph.captures}
+      if id(tensor) not in outer:
+        break
+      tensor = outer[id(tensor)]
+    if tensor.op.type in _VARIABLE_OPS:
+      return tensor.op.device
+  return ''
 
 
 @contextlib.contextmanager

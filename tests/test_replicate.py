@@ -693,3 +693,43 @@ def test_a_partial_model_fn_binds_its_params(tmp_path, data):
   estimator = tf.estimator.Estimator(replicated, config=config)
   estimator.train(dataset_input_fn(*data), steps=2)
   assert estimator.get_variable_value('global_step') == 2
+
+
+def _nested_cond_summary_model_fn(features, labels, mode, params):
+  """classifier_model_fn with LinearClassifierV2's summary of the fraction
+  of zero weights: a variable read inside a tf.cond nested in another
+  (tf.math.zero_fraction holds a third)."""
+  spec = classifier_model_fn(features, labels, mode, params)
+  kernel = tf1.trainable_variables()[0]
+  fraction = tf1.cond(
+      tf.constant(True),
+      lambda: tf1.cond(tf.constant(True),
+                       lambda: tf.math.zero_fraction(kernel),
+                       lambda: tf.constant(0.0)),
+      lambda: tf.constant(0.0))
+  tf1.summary.scalar('fraction_of_zero_weights', fraction)
+  return spec
+
+
+@pytest.mark.training
+@pytest.mark.parametrize('aggregation', ['global_loss', 'all_reduce'])
+def test_a_variable_read_in_nested_conds_trains_without_soft_placement(
+    tmp_path, data, aggregation):
+  # The read inside tower 1's branches was placed on tower 1's device by
+  # the function inlining, away from its variable: without soft placement
+  # the session refused to start ("Cannot colocate nodes").
+  x, y = data
+  variables = []
+  for towers in (1, 2):
+    config = trainer.make_run_config(
+        str(tmp_path / str(towers)), cpu_devices=towers,
+        allow_soft_placement=False, tf_random_seed=7,
+        checkpoint_save_graph_def=False)
+    model_fn = _nested_cond_summary_model_fn
+    if towers > 1:
+      model_fn = trainer.replicate_model_fn(model_fn, aggregation=aggregation)
+    estimator = tf.estimator.Estimator(
+        model_fn, config=config, params={'optimizer': OPTIMIZERS['sgd']})
+    estimator.train(dataset_input_fn({'x': x}, y, 12), steps=STEPS)
+    variables.append(variables_of(estimator))
+  assert_same_variables(*variables)
