@@ -230,6 +230,11 @@ def test_killed_worker_is_restarted_and_rejoins(tmp_path):
   assert 'worker:0 exited with signal SIGKILL; restarting it' in err
   assert _state(job)['worker:0']['restarts'] == 1
   assert _reached(job, 3000)
+  # Rejoined: the restarted worker trained steps of its own.
+  log = open(job / 'logs' / 'worker-0.log', errors='replace').read()
+  trained = re.findall(r'trained (\d+) steps',
+                       log[log.rindex('(restart 1)'):])
+  assert trained and int(trained[0]) > 0, _log_tail(job, 'worker-0')
   _assert_all_stopped(job)
 
 
