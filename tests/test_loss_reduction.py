@@ -204,6 +204,19 @@ def test_analyze_with_a_static_batch_size(build, expected):
   assert found.kind == expected, found.detail
 
 
+@pytest.mark.fast
+def test_a_count_from_a_function_on_a_towers_device_is_read():
+  # The function's ops keep tower 1's device, which the scratch session
+  # that evaluates the count lacks (it crashed the build).
+  with tf.Graph().as_default():
+    x = tf1.placeholder(tf.float32, [8, 3])
+    with tf1.get_default_graph().device(lambda op: '/cpu:1'):  # A tower's.
+      loss = tf.reduce_sum(x) / _from_a_function(24.0)
+    found = loss_reduction.analyze(
+        loss, loss_reduction.ExampleDependence(x, since=op_ledger.GRAPH_START))
+  assert found.kind == loss_reduction.UNKNOWN, found.detail
+
+
 def _guarded_sum(x):
   present = tf.reduce_sum(tf.cast(tf.not_equal(x[:, 0], 0.0), tf.float32))
   return tf.where(present > 0, tf.reduce_sum(tf.square(x)), 0.0)

@@ -685,8 +685,8 @@ def _static_value(tensor: tf.Tensor):
     pending.extend(op.control_inputs)
   # Only the tensor's own ops, copied one by one (serializing the whole
   # model graph per call cost seconds on big graphs), without devices: the
-  # model graph may pin ops to devices a scratch session lacks (other tasks
-  # of a cluster).
+  # model graph may pin ops to devices a scratch session lacks (other towers
+  # or tasks of a cluster); soft placement covers the functions' ops.
   graph_def = tf.compat.v1.GraphDef()
   graph_def.versions.CopyFrom(tensor.graph.graph_def_versions)
   for op in ops.values():
@@ -698,7 +698,8 @@ def _static_value(tensor: tf.Tensor):
   with tf.Graph().as_default() as scratch:
     (copy,) = tf.graph_util.import_graph_def(
         graph_def, return_elements=[tensor.name], name='')
-  with tf.compat.v1.Session(graph=scratch) as session:
+  config = tf.compat.v1.ConfigProto(allow_soft_placement=True)
+  with tf.compat.v1.Session(graph=scratch, config=config) as session:
     return session.run(copy)
 
 
