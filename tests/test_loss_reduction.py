@@ -399,6 +399,41 @@ def _static_batch_variables(loss_of, towers, start=None, steps=3,
       return first, session.run(variables)
 
 
+def _colocated_mse(predictions, labels):
+  with tf1.colocate_with(predictions):
+    return tf1.losses.mean_squared_error(labels, predictions)
+
+
+# Constant weights broadcast over a static batch's rows: tf.compat.v1.losses
+# divide by the count of nonzero weights, which the static shapes fold to
+# each tower's own (3 of a 3-row shard's 6 elements on 2 towers). Taken for
+# a fixed scaling, the towers' losses were added: N times one device's step.
+_BROADCAST_WEIGHTS = {
+    'nonzero': lambda p, l, x: tf1.losses.mean_squared_error(
+        l, p, weights=[[1.0, 0.0]]),
+    'mean': lambda p, l, x: tf1.losses.mean_squared_error(
+        l, p, weights=[[1.0, 0.0]], reduction=tf1.losses.Reduction.MEAN),
+    'absolute': lambda p, l, x: tf1.losses.absolute_difference(
+        l, p, weights=[[0.0, 2.0]]),
+    # The count's ops are colocated with ops outside it, which the copy that
+    # evaluates it must drop (the build failed on them).
+    'colocated': lambda p, l, x: _colocated_mse(p, l),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('towers', [2, 3])
+@pytest.mark.parametrize('case', sorted(_BROADCAST_WEIGHTS))
+def test_constant_weights_over_a_static_batch_equal_one_device(case, towers):
+  loss_of = _BROADCAST_WEIGHTS[case]
+  start, _ = _static_batch_variables(loss_of, 1, steps=0)
+  _, one = _static_batch_variables(loss_of, 1, start)
+  _, many = _static_batch_variables(loss_of, towers, start)
+  for name, value in one.items():
+    np.testing.assert_allclose(many[name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+
+
 # Constant divisors equal to what a tower's shard (3 of a static batch of 6,
 # on 2 towers) sums: its count or a scaling, which only the user knows.
 _CONSTANT_DIVISORS = {

@@ -276,7 +276,8 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
             'a tower sums, either their count written as a number (x.shape'
             '[0]: a mean) or a fixed scaling that equals it (a global batch '
             'size: a sum)')))
-      elif _is_the_rows(denominator, depends):
+      elif _is_the_rows(denominator, depends) or _folded_row_sum(
+          denominator, depends):
         terms.append(_per_row(numerator, denominator, depends, budget, op))
       elif _from_static_count(denominator, numerator, depends):
         terms.append((_STATIC_COUNT, None, op.name))
@@ -505,6 +506,24 @@ def _counts_the_summed(numerator: tf.Tensor, denominator: tf.Tensor,
   return 'count' if _from_shapes(denominator) else 'ambiguous'
 
 
+def _folded_row_sum(denominator: tf.Tensor, depends) -> bool:
+  """Whether a constant divisor is a sum over the shard's rows that a static
+  batch size folded: `tf.compat.v1.losses`' count of present weights with
+  constant weights broadcast over the rows (`weights=[[1., 0.]]`: 3 of a
+  shard's 6 elements). Each tower's is its own rows' count, so the towers'
+  divisors add up to one device's; as a scaling (a fixed divisor) the towers'
+  losses were added: N times one device's step, silently."""
+  op = _skip_pass_through(denominator).op
+  if op.type != 'Sum' or denominator.shape.rank != 0:
+    return False
+  rows = getattr(depends, 'batch_size', None)
+  summed = op.inputs[0]
+  return (rows is not None and summed.shape.rank is not None and
+          summed.shape.rank >= 1 and _rows(summed.shape) == rows and
+          _reduced_axes(op) == list(range(summed.shape.rank)) and
+          _from_shapes(summed))
+
+
 def _from_static_count(denominator: tf.Tensor, numerator: tf.Tensor,
                        depends) -> bool:
   """Whether a constant divisor is computed from the shard's static row
@@ -693,6 +712,8 @@ def _static_value(tensor: tf.Tensor):
     node = graph_def.node.add()
     node.CopyFrom(op.node_def)
     node.device = ''
+    if '_class' in node.attr:  # Colocation with ops left out of the copy.
+      del node.attr['_class']
   if any(map(_calls_a_function, ops.values())):
     graph_def.library.CopyFrom(tensor.graph.as_graph_def().library)
   with tf.Graph().as_default() as scratch:
