@@ -729,3 +729,39 @@ def test_unmarked_files_skip_the_graph_rewrites(tmp_path):
   # without Grappler's rewrites (tests/README.md, "Where the time goes").
   options = helpers.run_config(tmp_path, 2).session_config.graph_options
   assert options.rewrite_options.disable_meta_optimizer
+
+
+def _branch_variable_model_fn(features, labels, mode):
+  """A scale created inside a tf.cond branch (layers built lazily in a
+  conditional path do so)."""
+  hidden = tf1.layers.dense(features['x'], 4, activation=tf.nn.tanh,
+                            kernel_initializer=helpers.seeded(1))
+
+  def scaled():
+    scale = tf1.get_variable('branch_scale', [4],
+                             initializer=tf1.random_uniform_initializer(
+                                 0.5, 1.5, seed=3))
+    return hidden * scale
+
+  hidden = tf1.cond(tf1.placeholder_with_default(True, []), scaled,
+                    lambda: hidden)
+  logits = tf1.layers.dense(hidden, 2, kernel_initializer=helpers.seeded(2))
+  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf1.train.GradientDescentOptimizer(0.5).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.training
+@pytest.mark.parametrize('aggregation', AGGREGATIONS)
+def test_a_variable_created_in_a_branch_trains_as_one_device(data,
+                                                            aggregation):
+  # all_reduce's copy of it was made from a tensor built in the branch,
+  # which TensorFlow cannot lift out of it: its own error, no refusal.
+  x, y = data
+  start, _ = train_in_session(_branch_variable_model_fn, x, y, 1, BATCH, 0)
+  _, one = train_in_session(_branch_variable_model_fn, x, y, 1, BATCH, 3,
+                            start=start)
+  _, many = train_in_session(_branch_variable_model_fn, x, y, 2, BATCH, 3,
+                             start=start, aggregation=aggregation)
+  assert_same_variables(one, {name: many[name] for name in one})

@@ -161,8 +161,11 @@ class Replicas:
         None, ignore_existing=True):
       # Zeros until local_init_op sets it from the primary (see sync_op).
       # The constraint too: optimizers project each variable they update.
+      # A callable: a variable made inside a tf.cond branch is lifted out
+      # of it, which a tensor made in the branch cannot be.
+      shape, dtype = primary.shape, primary.dtype.base_dtype
       copy = tf1.Variable(
-          tf.zeros(primary.shape, primary.dtype.base_dtype), name=name,
+          lambda: tf.zeros(shape, dtype), name=name,
           trainable=True, use_resource=True,
           collections=[tf1.GraphKeys.LOCAL_VARIABLES],
           constraint=getattr(primary, 'constraint', None))
