@@ -578,15 +578,20 @@ def test_batch_norm_trains_alike_under_every_strategy(tmp_path, data):
   assert 'batch_normalization/moving_mean' in runs['all_reduce']
 
 
+def _sgd_spec(mode, labels, logits):
+  """TRAIN spec: cross entropy minimized by SGD."""
+  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf1.train.GradientDescentOptimizer(0.5).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
 def _constrained_model_fn(features, labels, mode):
   """A Keras kernel constraint, which the optimizer applies after updating."""
   logits = tf.keras.layers.Dense(
       2, kernel_initializer=tf1.glorot_uniform_initializer(seed=9),
       kernel_constraint=tf.keras.constraints.MaxNorm(0.3))(features['x'])
-  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
-  train_op = tf1.train.GradientDescentOptimizer(0.5).minimize(
-      loss, tf1.train.get_or_create_global_step())
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+  return _sgd_spec(mode, labels, logits)
 
 
 @pytest.mark.training
@@ -746,10 +751,7 @@ def _branch_variable_model_fn(features, labels, mode):
   hidden = tf1.cond(tf1.placeholder_with_default(True, []), scaled,
                     lambda: hidden)
   logits = tf1.layers.dense(hidden, 2, kernel_initializer=helpers.seeded(2))
-  loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
-  train_op = tf1.train.GradientDescentOptimizer(0.5).minimize(
-      loss, tf1.train.get_or_create_global_step())
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+  return _sgd_spec(mode, labels, logits)
 
 
 @pytest.mark.training
