@@ -217,9 +217,11 @@ def _api_modules() -> List[Any]:
 
   Scanning sys.modules (thousands of entries) took 10 ms per model_fn
   call; the scan is redone only when a module was imported or removed
-  since (sys.modules keeps insertion order: its size and last name change).
+  since (sys.modules keeps insertion order: its size, or its last entry,
+  changes).
   """
-  key = (len(sys.modules), next(reversed(sys.modules), None))
+  last = next(reversed(sys.modules), None)
+  key = (len(sys.modules), last, id(sys.modules.get(last)))
   if key != _API_MODULES['key']:
     _API_MODULES['modules'] = [
         module for name, module in list(sys.modules.items())
