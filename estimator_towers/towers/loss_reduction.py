@@ -319,9 +319,15 @@ def _guard(tensor: tf.Tensor, depends) -> Optional[Guard]:
     if not _is_zero(op.inputs[zero]):
       continue
     if not depends(condition):
-      if _static_shapes(condition, depends):
-        return None  # `tf.shape(x)[0] == 12` folded to the tower's size.
-      return Guard(tensor.name, kept, None)
+      if not _static_shapes(condition, depends):
+        return Guard(tensor.name, kept, None)
+      # A count over the rows that a static batch folded (`num_present > 0`
+      # of tf.compat.v1.losses.mean_pairwise_squared_error without weights)
+      # adds up over the towers as the sum it is; `tf.shape(x)[0] == 12`
+      # holds the tower's size, no such sum.
+      found = divisor_totals.parts(
+          condition, _varies(depends), lambda t: _folded_row_sum(t, depends))
+      return None if found is None else Guard(tensor.name, kept, found)
     found = divisor_totals.parts(condition, _varies(depends),
                                  lambda t: _is_plain_sum(t, depends))
     return None if found is None else Guard(tensor.name, kept, found)
