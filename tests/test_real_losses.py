@@ -512,13 +512,41 @@ def test_a_shard_without_a_valid_token_adds_nothing_as_on_one_device(
   assert largest_difference(one, many) < 1e-5
 
 
+def _learned_mask_in_a_function(x, y, logits, hidden):
+  """_learned_mask_mean's divisor summed by a graph function."""
+  del x, y, logits
+  weights = tf.sigmoid(tf1.layers.dense(hidden, 1,
+                                        kernel_initializer=seeded(5)))
+  summed = tf.function(tf.reduce_sum, autograph=False)(weights)
+  return tf.reduce_sum(weights * tf.square(hidden)) / summed
+
+
+def _count_in_a_function(x, y, logits, hidden):
+  """A mean whose count a graph function takes of the losses (tf.size)."""
+  del x, y, logits
+  losses = tf.reduce_sum(tf.square(hidden), 1)
+  count = tf.function(lambda t: tf.cast(tf.size(t), t.dtype),
+                      autograph=False)(losses)
+  return tf.reduce_sum(losses) / count
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize('aggregation', ['global_loss', 'all_reduce'])
-@pytest.mark.parametrize('loss_of', [_learned_mask_mean, _keras_learned_mask])
+@pytest.mark.parametrize('loss_of', [_learned_mask_mean, _keras_learned_mask,
+                                     _learned_mask_in_a_function])
 def test_a_divisor_trained_through_is_refused(loss_of, aggregation):
   with pytest.raises(ValueError, match='computed from trainable variables'):
     build_replicated(_model_fn(loss_of), 2, static_batch=False,
                      aggregation=aggregation)
+
+
+@pytest.mark.fast
+def test_a_count_taken_in_a_function_is_not_called_trained():
+  # The walk went through the function's call into the losses and named
+  # their weights; inside, tf.size carries no gradient. It stays refused
+  # (the wrapper cannot read the count as a sum), for that reason.
+  with pytest.raises(ValueError, match='neither a sum over the examples'):
+    build_replicated(_model_fn(_count_in_a_function), 2, static_batch=False)
 
 
 @pytest.mark.training

@@ -470,19 +470,46 @@ def _trained_through(tensor: tf.Tensor) -> Optional[str]:
   trainable = {}
   for variable in graph.get_collection(tf1.GraphKeys.TRAINABLE_VARIABLES):
     trainable[variable.op.name] = variable.name
-  stack, seen = [tensor], set()
+  # Each entry: a tensor, and how a function body's inputs map to the
+  # tensors its call took (a function's ops are walked through, so that a
+  # count taken inside one carries no gradient, as outside).
+  stack, seen = [(tensor, {})], set()
   while stack and len(seen) < _MAX_OPS:
-    current = stack.pop()
+    current, bound = stack.pop()
     if not (current.dtype.is_floating or current.dtype == tf.resource):
       continue
     op = current.op
-    if op.name in seen or op.type in _NO_GRADIENT:
+    if id(current) in bound:
+      stack.append(bound[id(current)])
       continue
-    seen.add(op.name)
-    if op.name in trainable:
+    key = (id(op.graph), op.name)
+    if key in seen or op.type in _NO_GRADIENT:
+      continue
+    seen.add(key)
+    if op.name in trainable and op.graph is graph:
       return trainable[op.name]
-    stack.extend(op.inputs)
+    body = _called_graph(op)
+    if body is not None:
+      inner = {id(arg): (outer, bound) for arg, outer in zip(body.inputs,
+                                                              op.inputs)}
+      stack.append((body.outputs[current.value_index], inner))
+    else:
+      stack.extend((t, bound) for t in op.inputs)
   return None
+
+
+def _called_graph(op: tf.Operation):
+  """The body of the graph function `op` calls (PartitionedCall), or None
+  (also for a function whose outputs do not match the call's)."""
+  if op.type not in ('PartitionedCall', 'StatefulPartitionedCall'):
+    return None
+  # pylint: disable=protected-access
+  function = op.graph._get_function(op.get_attr('f').name)
+  body = getattr(function, 'graph', None)
+  if body is None or len(body.outputs) != len(op.outputs) or (
+      len(body.inputs) != len(op.inputs)):
+    return None
+  return body
 
 
 def _counts_the_summed(numerator: tf.Tensor, denominator: tf.Tensor,
