@@ -434,6 +434,47 @@ def test_constant_weights_over_a_static_batch_equal_one_device(case, towers):
                                err_msg=name)
 
 
+def _rows(x):
+  return tf.shape(x)[0]
+
+
+# Folded from the static batch, summed over the rows, but not the same for
+# every row: each tower's is no share of one device's (the first three
+# trained 0.004-0.08 off one device once such sums were read as counts),
+# nor is a count plus a constant (0.037 off, older).
+_NOT_A_ROW_COUNT = {
+    'rows_by_rows': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) /
+                    tf.reduce_sum(tf.ones([_rows(x), _rows(x)])),
+    'range_over_rows': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) /
+                       tf.reduce_sum(tf.cast(tf.range(_rows(x)), tf.float32)
+                                     + 2.0),
+    'ones_by_rows': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) /
+                    tf.reduce_sum(tf.ones(tf.shape(x)) /
+                                  tf.cast(_rows(x), tf.float32)),
+    'count_plus_one': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) / (
+        tf.reduce_sum(tf.ones(tf.shape(p))) + 1.0),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('case', sorted(_NOT_A_ROW_COUNT))
+def test_a_folded_divisor_other_than_a_count_of_rows_is_refused(case):
+  with pytest.raises(ValueError, match="static size that is not its count"):
+    _static_batch_variables(_NOT_A_ROW_COUNT[case], 2, steps=0)
+
+
+@pytest.mark.fast
+def test_a_guard_on_a_folded_sum_other_than_a_count_is_refused():
+  # One device's batch of 6 holds 36 >= 20, each tower's 9: the towers'
+  # total (18) would choose the other branch.
+  def loss_of(p, l, x):
+    cells = tf.reduce_sum(tf.ones([_rows(x), _rows(x)]))
+    return tf.where(cells >= 20.0, tf.reduce_sum(tf.square(p - l)), 0.0)
+
+  with pytest.raises(ValueError, match='no function of one sum'):
+    _static_batch_variables(loss_of, 2, steps=0)
+
+
 # Constant divisors equal to what a tower's shard (3 of a static batch of 6,
 # on 2 towers) sums: its count or a scaling, which only the user knows.
 _CONSTANT_DIVISORS = {

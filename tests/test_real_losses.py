@@ -530,10 +530,33 @@ def _count_in_a_function(x, y, logits, hidden):
   return tf.reduce_sum(losses) / count
 
 
+def _learned_second_output(x, y, logits, hidden):
+  """A function returning a count and a learned sum; the divisor adds the
+  learned one first (the walk had marked the call seen by the count)."""
+  del y, logits
+  scale = tf1.get_variable('scale', [4, 1], initializer=seeded(9))
+  both = tf.function(lambda t: (tf.reduce_sum(tf.ones_like(t[:, 0])),
+                                tf.reduce_sum(tf.sigmoid(t @ scale))),
+                     autograph=False)
+  count, learned = both(x[:, :4])
+  return tf.reduce_sum(tf.square(hidden)) / (learned + count)
+
+
+def _one_function_twice(x, y, logits, hidden):
+  """One function body called on the examples, then on trained hidden
+  units (the walk had visited the body through the first call only)."""
+  del y, logits
+  total = tf.function(lambda t: tf.reduce_sum(tf.sigmoid(t)),
+                      autograph=False)
+  return tf.reduce_sum(tf.square(hidden)) / (total(x) + total(hidden))
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize('aggregation', ['global_loss', 'all_reduce'])
 @pytest.mark.parametrize('loss_of', [_learned_mask_mean, _keras_learned_mask,
-                                     _learned_mask_in_a_function])
+                                     _learned_mask_in_a_function,
+                                     _learned_second_output,
+                                     _one_function_twice])
 def test_a_divisor_trained_through_is_refused(loss_of, aggregation):
   with pytest.raises(ValueError, match='computed from trainable variables'):
     build_replicated(_model_fn(loss_of), 2, static_batch=False,
@@ -735,21 +758,34 @@ def test_slim_losses_train_as_one_device(name):
 
 @pytest.mark.training
 @pytest.mark.parametrize('towers', [2, 3])
-@pytest.mark.parametrize('name', ['tf_mean_pairwise_squared_error',
-                                  'slim_mean_pairwise_squared_error'])
-def test_guarded_losses_counting_a_static_batch_train_as_one_device(name,
-                                                                     towers):
+def test_a_guard_counting_a_static_batch_trains_as_one_device(towers):
   # With a static batch and no weights, the count the guard reads folds to
   # a constant of the tower's rows while building (18 = 6 x 3 on 2 towers;
-  # one device's is 36): a sum over the rows all the same, which the towers
-  # total to rebuild one device's condition. It was refused before.
+  # one device's is 36): a sum over the rows of the same value in every
+  # row, which the towers total to rebuild one device's condition. It was
+  # refused before.
   x, y = half_weighted_data()
-  model_fn = _model_fn(_GUARDED[name], learning_rate=0.01)
+  model_fn = _model_fn(_GUARDED['tf_mean_pairwise_squared_error'],
+                       learning_rate=0.01)
   start, one = train_in_session(model_fn, x, y, 1, 12, 3, static_batch=True)
   _, many = train_in_session(model_fn, x, y, towers, 12, 3, start=start,
                              static_batch=True)
   difference = largest_difference(one, many)
   assert difference < 1e-5, difference
+
+
+@pytest.mark.training
+def test_slims_guard_counting_a_static_batch_is_refused():
+  # tf-slim fills each row with size / rows, folded: the same value in
+  # every row in fact, but a value computed from the rows' count is not
+  # read as one (a guard on such a count would not add up over towers).
+  # Known gap: one device trains it; pass weights, or a batch of unknown
+  # size.
+  x, y = half_weighted_data()
+  model_fn = _model_fn(_GUARDED['slim_mean_pairwise_squared_error'],
+                       learning_rate=0.01)
+  with pytest.raises(ValueError, match='no function of one sum'):
+    train_in_session(model_fn, x, y, 2, 12, 1, static_batch=True)
 
 
 @pytest.mark.training

@@ -71,6 +71,10 @@ _ELEMENTWISE = frozenset([
 # Where tf.size / tf.shape fold a static shape into a constant.
 _SHAPE_FOLDS = frozenset(['size_internal', 'shape_internal'])
 _SHAPE_ELEMENT = frozenset(['StridedSlice', 'GatherV2', 'Gather'])
+# Comparisons: element-wise too (tf.compat.v1.losses' present weights).
+_COMPARISONS = frozenset(['Equal', 'NotEqual', 'Greater', 'GreaterEqual',
+                          'Less', 'LessEqual', 'LogicalAnd', 'LogicalOr',
+                          'LogicalNot'])
 _MAX_OPS = 2000  # Bound on the walk: losses are small subgraphs at the top.
 # The name of the cast of a divisor the model_fn wrote (a sum of weights, a
 # count, max(positives, 1)), which `_ratio_weights` must read to trust;
@@ -157,8 +161,9 @@ _UNSPLITTABLE_KINDS = {
         'is not its count (tf.shape(x)[0] + 1 with a static batch size): '
         "each tower's shard has a size of its own",
         'Divide by the count itself (tf.reduce_mean), by a sum over the '
-        'examples plus a constant (tf.reduce_sum(tf.ones_like(x)) + 1), or '
-        'train on one device.'),
+        'examples plus a constant (tf.reduce_sum(tf.ones_like(x)) + 1) with '
+        'a batch size known only at run time (no drop_remainder), or train '
+        'on one device.'),
     _UNREAD_GUARD: (
         'it chooses with a scalar tf.where by a condition on the examples '
         'that is no function of one sum over them (two sums, a max, a '
@@ -482,13 +487,15 @@ def _trained_through(tensor: tf.Tensor) -> Optional[str]:
     if id(current) in bound:
       stack.append(bound[id(current)])
       continue
-    key = (id(op.graph), op.name)
+    body = _called_graph(op)
+    # A call's outputs are walked one by one, and a body once per call.
+    key = (id(op.graph), op.name, id(bound),
+           None if body is None else current.value_index)
     if key in seen or op.type in _NO_GRADIENT:
       continue
     seen.add(key)
     if op.name in trainable and op.graph is graph:
       return trainable[op.name]
-    body = _called_graph(op)
     if body is not None:
       inner = {id(arg): (outer, bound) for arg, outer in zip(body.inputs,
                                                               op.inputs)}
@@ -554,7 +561,41 @@ def _folded_row_sum(denominator: tf.Tensor, depends) -> bool:
   return (rows is not None and summed.shape.rank is not None and
           summed.shape.rank >= 1 and _rows(summed.shape) == rows and
           _reduced_axes(op) == list(range(summed.shape.rank)) and
-          _from_shapes(summed))
+          _from_shapes(summed) and _same_for_every_row(summed))
+
+
+def _same_for_every_row(tensor: tf.Tensor) -> bool:
+  """Whether every row of `tensor` holds the same values, whatever the
+  number of rows: element-wise ops of constants the model_fn wrote and of
+  fills (`ones_like`) shaped like a whole tensor, by its folded shape. A
+  fill shaped from the rows' count (`tf.ones([n, n])`), a range over the
+  rows or a value divided by them holds other values when the rows change:
+  its sum over towers is no one device's. (A fill like a [rows, rows]
+  tensor is not told apart from one like a [rows, k] tensor.)"""
+  pending, seen = [tensor.op], set()
+  while pending:
+    op = pending.pop()
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    if len(seen) > _MAX_OPS:
+      return False
+    if op.type == 'Const':
+      if folded_shape(op):
+        return False  # A size or shape as a value.
+    elif op.type in ('Fill', 'BroadcastTo'):
+      shape = op.inputs[1 if op.type == 'BroadcastTo' else 0]
+      if not (shape.op.type == 'Const' and folded_shape(shape.op)):
+        return False  # [rows, rows] built from the rows' count.
+      pending.append(op.inputs[0 if op.type == 'BroadcastTo' else 1].op)
+    elif (op.type in _ELEMENTWISE or op.type in _PASS_THROUGH or
+          op.type in _COMPARISONS):
+      pending.extend(t.op for t in op.inputs)
+    elif op.type == 'Sum' and 0 not in (_reduced_axes(op) or [0]):
+      pending.append(op.inputs[0].op)  # Within each row (per example).
+    else:
+      return False
+  return True
 
 
 def _from_static_count(denominator: tf.Tensor, numerator: tf.Tensor,
@@ -571,8 +612,8 @@ def _from_static_count(denominator: tf.Tensor, numerator: tf.Tensor,
     if tensor.op.name in seen:
       continue
     seen.add(tensor.op.name)
-    if _is_the_rows(tensor, depends):
-      return True
+    if _is_the_rows(tensor, depends) or _folded_row_sum(tensor, depends):
+      return True  # (A count plus or times a constant: its own per tower.)
     op = tensor.op
     if op.type == 'Const' and summed is not None and any(
         frame.name == 'size_internal' for frame in op.traceback):
