@@ -438,10 +438,11 @@ def _rows(x):
   return tf.shape(x)[0]
 
 
-# Folded from the static batch, summed over the rows, but not the same for
-# every row: each tower's is no share of one device's (the first three
-# trained 0.004-0.08 off one device once such sums were read as counts),
-# nor is a count plus a constant (0.037 off, older).
+# Folded from the static batch but not a count of the shard's elements:
+# each tower's is no share of one device's (the first three trained
+# 0.004-0.08 off one device once such sums were read as counts), nor is a
+# count plus a constant (0.037 off, older), nor a value of the rows that
+# equals the count at the shard's size only (older).
 _NOT_A_ROW_COUNT = {
     'rows_by_rows': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) /
                     tf.reduce_sum(tf.ones([_rows(x), _rows(x)])),
@@ -453,6 +454,14 @@ _NOT_A_ROW_COUNT = {
                                   tf.cast(_rows(x), tf.float32)),
     'count_plus_one': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) / (
         tf.reduce_sum(tf.ones(tf.shape(p))) + 1.0),
+    # Equal to the 6 elements of a 3-row shard, not to one device's 12:
+    # these were taken for the count.
+    'range_equal_to_the_count': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) / tf.reduce_sum(
+            tf.cast(tf.range(_rows(x)), tf.float32) + 1.0),
+    'rows_squared_equal_to_the_count': lambda p, l, x: tf.reduce_sum(
+        tf.square(p[:, :1] - l[:, :1])) / tf.cast(
+            _rows(x) * _rows(x) // 3, tf.float32),
 }
 
 

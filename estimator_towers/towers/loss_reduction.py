@@ -543,7 +543,36 @@ def _counts_the_summed(numerator: tf.Tensor, denominator: tf.Tensor,
   if value is None or np.size(value) != 1 or (
       float(np.reshape(value, [])) != float(summed.num_elements())):
     return None
-  return 'count' if _from_shapes(denominator) else 'ambiguous'
+  if not _from_shapes(denominator):
+    return 'ambiguous'
+  # Equal here, but a count only if it grows with the rows as they do
+  # (sum(range(n) + 1) is 6 for 3 rows of 2, 21 for one device's 6).
+  return 'count' if _row_degree(denominator, depends) == 1 else None
+
+
+def _row_degree(tensor: tf.Tensor, depends) -> Optional[int]:
+  """The power of the shard's row count in a value folded from static
+  shapes (1 for a count of its elements: tf.size, tf.shape(x)[0] times
+  other dimensions, a sum of ones over the rows), or None when it is no
+  product of such terms."""
+  op = _skip_pass_through(tensor).op
+  if op.type == 'Const':
+    if not folded_shape(op):
+      return 0  # A constant the model_fn wrote.
+    return 1 if np.size(tf.get_static_value(op.outputs[0])) == 1 else None
+  if op.type in _SHAPE_ELEMENT and folded_shape(op.inputs[0].op):
+    index = _folded_element_index(op)
+    return None if index is None else int(index == 0)
+  if op.type == 'Prod' and folded_shape(op.inputs[0].op):
+    return 1 if _reduced_axes(op) == [0] else None
+  if op.type == 'Sum':
+    return 1 if _folded_row_sum(op.outputs[0], depends) else None
+  if op.type in ('Mul', 'RealDiv', 'Div', 'TrueDiv'):
+    left, right = (_row_degree(t, depends) for t in op.inputs)
+    if left is None or right is None:
+      return None
+    return left + right if op.type == 'Mul' else left - right
+  return None
 
 
 def _folded_row_sum(denominator: tf.Tensor, depends) -> bool:
