@@ -27,6 +27,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers.graph import functions
 from estimator_towers.graph import op_ledger
 from estimator_towers.towers import divisor_totals
 from estimator_towers.towers import keras_masks
@@ -487,7 +488,7 @@ def _trained_through(tensor: tf.Tensor) -> Optional[str]:
     if id(current) in bound:
       stack.append(bound[id(current)])
       continue
-    body = _called_graph(op)
+    body = functions.called_body(op)
     # A call's outputs are walked one by one, and a body once per call.
     key = (id(op.graph), op.name, id(bound),
            None if body is None else current.value_index)
@@ -503,20 +504,6 @@ def _trained_through(tensor: tf.Tensor) -> Optional[str]:
     else:
       stack.extend((t, bound) for t in op.inputs)
   return None
-
-
-def _called_graph(op: tf.Operation):
-  """The body of the graph function `op` calls (PartitionedCall), or None
-  (also for a function whose outputs do not match the call's)."""
-  if op.type not in ('PartitionedCall', 'StatefulPartitionedCall'):
-    return None
-  # pylint: disable=protected-access
-  function = op.graph._get_function(op.get_attr('f').name)
-  body = getattr(function, 'graph', None)
-  if body is None or len(body.outputs) != len(op.outputs) or (
-      len(body.inputs) != len(op.inputs)):
-    return None
-  return body
 
 
 def _counts_the_summed(numerator: tf.Tensor, denominator: tf.Tensor,
@@ -817,7 +804,7 @@ def _static_value(tensor: tf.Tensor):
     node.device = ''
     if '_class' in node.attr:  # Colocation with ops left out of the copy.
       del node.attr['_class']
-  if any(map(_calls_a_function, ops.values())):
+  if any(map(functions.runs_functions, ops.values())):
     graph_def.library.CopyFrom(tensor.graph.as_graph_def().library)
   with tf.Graph().as_default() as scratch:
     (copy,) = tf.graph_util.import_graph_def(
@@ -825,16 +812,6 @@ def _static_value(tensor: tf.Tensor):
   config = tf.compat.v1.ConfigProto(allow_soft_placement=True)
   with tf.compat.v1.Session(graph=scratch, config=config) as session:
     return session.run(copy)
-
-
-def _calls_a_function(op: tf.Operation) -> bool:
-  """Whether `op` needs its graph's function library to run (a function
-  called by name, or an attribute naming one: PartitionedCall, If)."""
-  # pylint: disable=protected-access
-  if op.graph._is_function(op.type):
-    return True
-  return any(value.HasField('func') or value.list.func
-             for value in op.node_def.attr.values())
 
 
 def _reduces_all(tensor: tf.Tensor, how: str, depends) -> bool:

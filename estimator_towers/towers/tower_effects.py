@@ -35,6 +35,7 @@ from typing import Callable, Collection, Iterable, List, Optional, Set
 import tensorflow as tf
 
 from estimator_towers.towers import loss_reduction
+from estimator_towers.graph import functions
 from estimator_towers.graph import op_ledger
 
 _CHECKS = frozenset(['Assert', 'Print', 'PrintV2'])
@@ -252,7 +253,7 @@ def _repeats_wrongly(write: tf.Operation, depends_on_shard) -> str:
   if write.type in CALLS:
     # Inside a function only the kind of write is known: a snapshot
     # assigned there is let through, an add (a counter) is not.
-    adds = _in_functions(write.graph, _called(write.node_def), set(),
+    adds = _in_functions(write.graph, functions.called(write.node_def), set(),
                          lambda kind: kind in WRITES and kind not in _SHARED
                          and kind not in _ASSIGNS)
     return f'adding to it inside the function ({adds[0]})' if adds else ''
@@ -307,7 +308,7 @@ def _check_adds_up(op: tf.Operation, depends_on_shard) -> None:
 def calls_write(op: tf.Operation) -> bool:
   """Whether a function-calling op (`If`, `While`, a `tf.function` call)
   writes a variable inside its functions."""
-  return bool(_writes_in_functions(op.graph, _called(op.node_def), set()))
+  return bool(_writes_in_functions(op.graph, functions.called(op.node_def), set()))
 
 
 def written_inputs(op: tf.Operation) -> Set[int]:
@@ -317,7 +318,7 @@ def written_inputs(op: tf.Operation) -> Set[int]:
   the snapshot is written. A nested call (a `tf.cond` in a `tf.function`)
   writes what its own functions write, followed through its inputs.
   """
-  return _written_positions(op.graph, op.type, _called(op.node_def),
+  return _written_positions(op.graph, op.type, functions.called(op.node_def),
                             frozenset())
 
 
@@ -327,7 +328,7 @@ def _written_positions(graph: tf.Graph, kind: str, names: Iterable[str],
   offset = 1 if kind in ('If', 'StatelessIf', 'Case', 'StatelessCase') else 0
   written = set()
   for name in names:
-    function = _function(graph, name)
+    function = functions.function(graph, name)
     if function is None or name in seen:
       continue
     definition = function.definition
@@ -336,10 +337,10 @@ def _written_positions(graph: tf.Graph, kind: str, names: Iterable[str],
     for node in definition.node_def:
       if node.op in WRITES and node.op not in _SHARED and node.input:
         targets = [node.input[0]]
-      elif _called(node)[1:] or _function(graph, node.op) is not None:
+      elif functions.called(node)[1:] or functions.function(graph, node.op) is not None:
         inputs = [i for i in node.input if not i.startswith('^')]
         targets = [inputs[position] for position in _written_positions(
-            graph, node.op, _called(node), seen | {name})
+            graph, node.op, functions.called(node), seen | {name})
                    if position < len(inputs)]
       else:
         continue
@@ -348,11 +349,6 @@ def _written_positions(graph: tf.Graph, kind: str, names: Iterable[str],
         if arg in args:
           written.add(offset + args.index(arg))
   return written
-
-
-def _function(graph: tf.Graph, name: str):
-  """The graph function `name`, or None."""
-  return graph._get_function(name)  # pylint: disable=protected-access
 
 
 def _argument_of(reference: str, nodes) -> str:
@@ -366,7 +362,7 @@ def _argument_of(reference: str, nodes) -> str:
 def _check_no_writes_inside(op: tf.Operation,
                             exempt: Collection[str]) -> None:
   """Refuses a function run on the shard that writes variables."""
-  writes = set(_writes_in_functions(op.graph, _called(op.node_def), set()))
+  writes = set(_writes_in_functions(op.graph, functions.called(op.node_def), set()))
   writes -= set(exempt)
   if writes:
     raise ValueError(
@@ -376,14 +372,6 @@ def _check_no_writes_inside(op: tf.Operation,
         "from that tower's shard, instead of once from the whole batch as "
         'on one device. Move a write that adds a per-example sum or count '
         f'out of the conditional or tf.function. {_ADVICE}')
-
-
-def _called(node_def) -> List[str]:
-  """Names of the functions a NodeDef runs (its function attributes)."""
-  names = [node_def.op]
-  for value in node_def.attr.values():
-    names.extend(f.name for f in [value.func, *value.list.func] if f.name)
-  return names
 
 
 def _writes_in_functions(graph: tf.Graph, names: Iterable[str],
@@ -397,7 +385,7 @@ def draws_in_functions(op: tf.Operation) -> List[str]:
   """The stateful random ops inside the functions a function-calling op
   (`If`, `While`, a `tf.function` call) runs, nested included, as
   'function/node' names."""
-  return _in_functions(op.graph, _called(op.node_def), set(),
+  return _in_functions(op.graph, functions.called(op.node_def), set(),
                        lambda kind: kind in RANDOM)
 
 
@@ -407,14 +395,14 @@ def _in_functions(graph: tf.Graph, names: Iterable[str], seen: set,
   included."""
   found = []
   for name in names:
-    function = _function(graph, name)
+    function = functions.function(graph, name)
     if name in seen or function is None:
       continue
     seen.add(name)
     for node in function.definition.node_def:
       if wanted(node.op):
         found.append(f'{name}/{node.name}')
-      found.extend(_in_functions(graph, _called(node), seen, wanted))
+      found.extend(_in_functions(graph, functions.called(node), seen, wanted))
   return found
 
 
