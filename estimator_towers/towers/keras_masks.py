@@ -30,10 +30,12 @@ from typing import Iterable, List, Optional, Set
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers.graph import reductions
+
 # Ops Keras puts between the scaled mask and the product with the losses
 # (casts, squeeze_or_expand_dimensions).
 _ALIGN = frozenset(['Identity', 'Cast', 'Squeeze', 'ExpandDims', 'Reshape'])
-_DIVIDE = frozenset(['DivNoNan', 'RealDiv', 'Div', 'TrueDiv'])
+_DIVIDE = reductions.DIVIDE
 
 
 @dataclasses.dataclass
@@ -161,21 +163,10 @@ def _summed(tensor: tf.Tensor, summed: list) -> Optional[tf.Tensor]:
   tensor = _skip(tensor, frozenset(['Identity']), summed)
   if tensor.op.type != 'Sum' or tensor.shape.rank != 0:
     return None
-  while tensor.op.type == 'Sum' and _sums_everything(tensor.op):
+  while tensor.op.type == 'Sum' and reductions.sums_everything(tensor.op):
     summed.append(tensor.op)
     tensor = tensor.op.inputs[0]
   return tensor if tensor.shape.rank else None
-
-
-def _sums_everything(op: tf.Operation) -> bool:
-  """Whether a Sum op reduces every axis of its input."""
-  rank = op.inputs[0].shape.rank
-  if rank == 0:
-    return True
-  axes = tf.get_static_value(op.inputs[1])
-  if rank is None or axes is None:
-    return False
-  return {int(a) % rank for a in np.reshape(axes, [-1])} == set(range(rank))
 
 
 def _count_of(divisor: tf.Tensor, tensor: tf.Tensor,
@@ -214,7 +205,8 @@ def _scaled_mask(tensor: tf.Tensor):
     total, valid = scale.op.inputs
     valid = _skip(valid, frozenset(['Identity']))
     if (valid.op.type == 'Sum' and valid.op.inputs[0].name == mask.name and
-        _sums_everything(valid.op) and _count_of(total, mask) is not None):
+        reductions.sums_everything(valid.op) and
+        _count_of(total, mask) is not None):
       return op, mask, valid
   return None
 

@@ -22,13 +22,14 @@ is reported as unknown: `TowerWeights` then needs to be told.
 """
 
 import dataclasses
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, FrozenSet, Iterator, List, Optional
 
 import numpy as np
 import tensorflow as tf
 
 from estimator_towers.graph import functions
 from estimator_towers.graph import op_ledger
+from estimator_towers.graph import reductions
 from estimator_towers.towers import divisor_totals
 from estimator_towers.towers import keras_masks
 from estimator_towers.towers import sharding
@@ -44,7 +45,7 @@ _PASS_THROUGH = frozenset(['Identity', 'Cast', 'StopGradient', 'Squeeze',
                            'EnsureShape', 'Neg'])  # Neg: a scaling by -1.
 _ADD = frozenset(['Add', 'AddV2', 'AddN', 'Sub'])
 _SCALE = frozenset(['Mul'])
-_DIVIDE = frozenset(['RealDiv', 'Div', 'DivNoNan', 'TrueDiv'])
+_DIVIDE = reductions.DIVIDE
 _UNSPLITTABLE = 'unsplittable'  # A term kind: see _per_row.
 _PER_COLUMN = 'per_column'  # A term kind: see _per_column.
 _NONLINEAR = 'nonlinear'  # A term kind: a function of a reduction (sqrt).
@@ -379,7 +380,7 @@ def _per_column_mean(tensor: tf.Tensor, depends) -> bool:
   """Whether `tensor` is `tf.reduce_mean(x, 0)` of per-example rows `x`,
   columns kept (a metric's per-class mean of probabilities)."""
   op = tensor.op
-  if op.type != 'Mean' or not tensor.shape.rank or _reduced_axes(op) != [0]:
+  if op.type != 'Mean' or not tensor.shape.rank or _reduced_axes(op) != {0}:
     return False
   values = op.inputs[0]
   return (_row_reduction_below(values, depends) is None and
@@ -551,7 +552,7 @@ def _row_degree(tensor: tf.Tensor, depends) -> Optional[int]:
     index = _folded_element_index(op)
     return None if index is None else int(index == 0)
   if op.type == 'Prod' and folded_shape(op.inputs[0].op):
-    return 1 if _reduced_axes(op) == [0] else None
+    return 1 if _reduced_axes(op) == {0} else None
   if op.type == 'Sum':
     return 1 if _folded_row_sum(op.outputs[0], depends) else None
   if op.type in ('Mul', 'RealDiv', 'Div', 'TrueDiv'):
@@ -576,7 +577,7 @@ def _folded_row_sum(denominator: tf.Tensor, depends) -> bool:
   summed = op.inputs[0]
   return (rows is not None and summed.shape.rank is not None and
           summed.shape.rank >= 1 and _rows(summed.shape) == rows and
-          _reduced_axes(op) == list(range(summed.shape.rank)) and
+          _reduced_axes(op) == set(range(summed.shape.rank)) and
           _from_shapes(summed) and _same_for_every_row(summed))
 
 
@@ -607,7 +608,7 @@ def _same_for_every_row(tensor: tf.Tensor) -> bool:
     elif (op.type in _ELEMENTWISE or op.type in _PASS_THROUGH or
           op.type in _COMPARISONS):
       pending.extend(t.op for t in op.inputs)
-    elif op.type == 'Sum' and 0 not in (_reduced_axes(op) or [0]):
+    elif op.type == 'Sum' and 0 not in (_reduced_axes(op) or {0}):
       pending.append(op.inputs[0].op)  # Within each row (per example).
     else:
       return False
@@ -673,13 +674,10 @@ def _from_shapes(tensor: tf.Tensor, rows_only: bool = False) -> bool:
   return False
 
 
-def _reduced_axes(op: tf.Operation) -> Optional[List[int]]:
-  """The non-negative axes a reduction op reduces, None if unknown."""
-  rank = op.inputs[0].shape.rank
-  axes = _static_value(op.inputs[1]) if len(op.inputs) > 1 else None
-  if rank is None or axes is None:
-    return None
-  return sorted({int(a) % rank for a in np.ravel(axes)}) if rank else []
+def _reduced_axes(op: tf.Operation) -> Optional[FrozenSet[int]]:
+  """The axes a reduction op reduces, read through folded shapes; None if
+  unknown."""
+  return reductions.reduced_axes(op, _static_value)
 
 
 def _row_reduction_below(tensor: tf.Tensor, depends) -> Optional[tf.Operation]:
@@ -764,7 +762,7 @@ def _per_column(tensor: tf.Tensor, depends) -> tuple:
   if op.type == 'Mean':
     count = tf.size(summed)
   else:  # What the inner mean divides every column by.
-    count = tf.reduce_prod(tf.gather(tf.shape(summed), axes))
+    count = tf.reduce_prod(tf.gather(tf.shape(summed), sorted(axes)))
   return (RATIO, tf.cast(count, tensor.dtype), op.name)
 
 

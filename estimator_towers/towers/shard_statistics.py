@@ -38,6 +38,7 @@ from typing import AbstractSet, Dict, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers.graph import reductions
 from estimator_towers.towers import loss_reduction
 
 # What batch_mixing calls `Axes`: the row axes of a tensor.
@@ -248,7 +249,7 @@ class Trail:
       return None
     if op.type not in _REDUCTIONS or not inputs[0]:
       return None
-    reduced = _reduced_axes(op)
+    reduced = reductions.reduced_axes(op)
     if reduced is None or not reduced & set(inputs[0]):
       return None
     return (op, not held[0])
@@ -296,17 +297,6 @@ def channel_axis(op: tf.Operation) -> int:
   """The channel axis of a fused batch norm's input (NHWC or NCHW)."""
   rank = op.inputs[0].shape.rank or 4
   return 1 if op.get_attr('data_format') in (b'NCHW', b'NCDHW') else rank - 1
-
-
-def _reduced_axes(op: tf.Operation):
-  """The axes a reduction op reduces, as a set; None if unknown."""
-  rank = op.inputs[0].shape.rank
-  if rank == 0:
-    return set()
-  axes = tf.get_static_value(op.inputs[1]) if rank else None
-  if axes is None:
-    return None
-  return {int(a) % rank for a in np.reshape(axes, [-1])}
 
 
 def _in_batch_norm(op: tf.Operation) -> bool:
