@@ -9,6 +9,7 @@ variables whose names are those of the unwrapped model_fn.
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 from typing import Any, Callable, List, Mapping, Optional, Sequence
 
@@ -367,6 +368,11 @@ class _Split:
     """The tower's features and labels."""
     return self.features[tower], self.labels[tower]
 
+  @functools.cached_property
+  def rows(self) -> spec_merge.RowOrder:
+    """Puts the towers' outputs in input order (one for the whole merge)."""
+    return spec_merge.RowOrder(self.sizes, self.padded)
+
 
 @dataclasses.dataclass
 class _Step:
@@ -488,7 +494,7 @@ class _TowerBuilder:
     depends = [reduction_lib.ExampleDependence(
         split.shard(i), self._towers.start(i)) for i in range(len(specs))]
     return self._finish_tpu_spec(
-        spec_merge.merge_predict(specs, split.sizes, depends), split)
+        spec_merge.merge_predict(specs, split.rows, depends), split)
 
   # --------------------------------------------------------------------------
   # Phases.
@@ -618,7 +624,7 @@ class _TowerBuilder:
     spec = spec_merge.merge_train(
         specs, step.weights.merged_loss([s.loss for s in specs]), effects)
     spec = spec._replace(predictions=spec_merge.whole_batch_predictions(
-        specs, split.sizes, True, [reduction_lib.ExampleDependence(
+        specs, split.rows, [reduction_lib.ExampleDependence(
             split.shard(i), self._towers.start(i), one_update_ops)
                                    for i in range(len(specs))]))
     return self._finish_tpu_spec(spec, split)
@@ -667,7 +673,7 @@ class _TowerBuilder:
     metric_adds.idle_adds_nothing(metric_ops, in_tower, active)
     metric_adds.in_tower_order(metric_ops, in_tower)
     spec = spec._replace(predictions=spec_merge.whole_batch_predictions(
-        specs, split.sizes, split.padded, depends))
+        specs, split.rows, depends))
     return self._finish_tpu_spec(spec, split)
 
   # --------------------------------------------------------------------------
@@ -684,8 +690,8 @@ class _TowerBuilder:
           'model.')
     return tpu_spec.finish(
         spec, self._tpu_parts,
-        lambda name, tensors: spec_merge.concat_rows(
-            name, tensors, split.sizes, split.padded, kind='TPUEstimatorSpec'),
+        lambda name, tensors: split.rows.concat(
+            name, tensors, kind='TPUEstimatorSpec'),
         [sharding.static_rows(shard) for shard in split.features])
 
   def _drawn(self, graph, tower: op_ledger.Region, one_update_ops):

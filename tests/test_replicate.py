@@ -376,7 +376,10 @@ def test_predictions_not_one_row_per_example_fail_at_run_time(tmp_path, data):
         mode, predictions={'mean': tf.reduce_mean(logits, 0, keepdims=True)})
 
   estimator = make_estimator(model_fn, tmp_path, 2)
-  with pytest.raises(tf.errors.InvalidArgumentError, match='one row per'):
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match=r"(?s)predictions\['mean'\] does not have one row "
+                     r'per example.*Rows per tower:.*\[1 1\].*examples fed '
+                     r'per tower:.*\[5 5\]'):
     list(estimator.predict(dataset_input_fn({'x': x}, batch_size=10,
                                             repeat=False)))
 

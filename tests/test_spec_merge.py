@@ -88,11 +88,14 @@ def test_export_outputs_of_each_kind_are_concatenated():
 
   _, spec = build_replicated(model_fn, 3, mode=ModeKeys.PREDICT,
                              with_labels=False, replicate_serving=True)
-  assert spec.predictions.op.type == 'ConcatV2'
   outputs = spec.export_outputs
-  assert outputs['serving_default'].outputs['logits'].op.type == 'ConcatV2'
-  assert outputs['classify'].scores.op.type == 'ConcatV2'
-  assert outputs['regress'].value.op.type == 'ConcatV2'
+  for merged in (spec.predictions, outputs['classify'].scores,
+                 outputs['regress'].value):
+    # The towers' rows concatenated, an idle tower's padding row dropped.
+    assert merged.op.type == 'GatherV2', merged
+    assert merged.op.inputs[0].op.type == 'ConcatV2', merged
+  # An output that repeats a prediction is put in order once.
+  assert outputs['serving_default'].outputs['logits'] is spec.predictions
 
 
 @pytest.mark.parametrize('mode', [ModeKeys.TRAIN, ModeKeys.EVAL,

@@ -87,49 +87,88 @@ def merge_eval(specs, loss: tf.Tensor) -> tf.estimator.EstimatorSpec:
                            scaffold=specs[-1].scaffold)
 
 
-def concat_rows(name: str, tensors: List[tf.Tensor], sizes,
-                padded: bool = True, kind: str = 'Prediction') -> tf.Tensor:
-  """Towers' outputs in input order, each cut to the tower's real examples.
+class RowOrder:
+  """Puts the towers' per-example outputs back in input order.
+
+  One per merge: the vectors it needs (the rows each tower was fed, where
+  the real ones sit) are built once, and towers' tensors already put in
+  order (export outputs repeat predictions) are reused, so a head's many
+  predictions cost a few ops each.
 
   Args:
-    name: The tensors' name, for errors, e.g. "predictions['logits']".
-    tensors: One per tower, with one row per example of its shard.
-    sizes: Each tower's number of real examples.
+    sizes: Each tower's number of real examples (an int32 vector).
     padded: Whether an idle tower got one padding example (TRAIN, PREDICT)
       or an empty shard (EVAL).
-    kind: What the tensors are, for errors.
-
-  Returns:
-    The towers' real rows, concatenated.
   """
-  name = f'{kind} {name}'
-  if tensors[0].shape.rank == 0:
-    raise ValueError(
-        f'{name} is a scalar; it needs the batch as its '
-        'first dimension so that the towers\' outputs can be put back in '
-        'input order.')
-  rows = []
-  for i, tensor in enumerate(tensors):
-    # An idle tower got one padding example, unless shards are unpadded.
-    fed = tf.maximum(sizes[i], 1) if padded else sizes[i]
-    check = tf.debugging.assert_equal(
-        tf.shape(tensor, out_type=tf.int32)[0], fed, message=(
-            f'{name} of tower {i} does not have one row per '
-            'example of its shard. It '
-            'must keep the batch as its first dimension: one row '
-            'per input example.'))
+
+  def __init__(self, sizes: tf.Tensor, padded: bool = True):
+    self._sizes, self._padded = sizes, padded
+    self._fed = self._real_rows = None
+    self._done = {}
+
+  def concat(self, name: str, tensors: Sequence[tf.Tensor],
+             kind: str = 'Prediction') -> tf.Tensor:
+    """The towers' real rows of one output, concatenated in input order.
+
+    Args:
+      name: The tensors' name, for errors, e.g. "predictions['logits']".
+      tensors: One per tower, with one row per example of its shard.
+      kind: What the tensors are, for errors.
+
+    Returns:
+      The towers' real rows, concatenated.
+
+    Raises:
+      ValueError: The tensors are scalars (no rows to put in order).
+    """
+    name = f'{kind} {name}'
+    if tensors[0].shape.rank == 0:
+      raise ValueError(
+          f'{name} is a scalar; it needs the batch as its '
+          'first dimension so that the towers\' outputs can be put back in '
+          'input order.')
+    key = tuple(t.ref() for t in tensors)
+    if key not in self._done:
+      self._done[key] = self._concat(name, tensors)
+    return self._done[key]
+
+  def _concat(self, name: str, tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+    fed, real_rows = self._vectors()
+    rows = tf.stack([tf.shape(t, out_type=tf.int32)[0] for t in tensors])
+    # One check for every tower: an output with one row per shard example
+    # in each tower is the one that can be put back in input order.
+    check = tf.debugging.Assert(tf.reduce_all(tf.equal(rows, fed)), [
+        f'{name} does not have one row per example of each tower\'s shard. '
+        'It must keep the batch as its first dimension: one row per input '
+        'example. Rows per tower:', rows, 'examples fed per tower:', fed])
     with tf.control_dependencies([check]):
-      rows.append(tf.identity(tensor[:sizes[i]]))
-  return tf.concat(rows, axis=0)
+      ordered = tf.concat(tensors, axis=0)
+      return ordered if real_rows is None else tf.gather(ordered, real_rows)
+
+  def _vectors(self):
+    """The rows each tower was fed, and the real rows' positions in the
+    towers' concatenated rows (None when every row is real)."""
+    if self._fed is None:
+      # Shared by every output: made outside any caller's control context.
+      with tf.control_dependencies(None), tf.name_scope('row_order'):
+        if self._padded:
+          # An idle tower got one padding example, dropped here.
+          self._fed = tf.maximum(self._sizes, 1)
+          starts = tf.cumsum(self._fed, exclusive=True)
+          self._real_rows = tf.ragged.range(
+              starts, starts + self._sizes).flat_values
+        else:
+          self._fed = self._sizes
+    return self._fed, self._real_rows
 
 
-def _concat_dict(what: str, dicts: Sequence[Dict], sizes) -> Dict:
+def _concat_dict(what: str, dicts: Sequence[Dict], rows: RowOrder) -> Dict:
   _check_same_keys(what, dicts)
-  return {k: concat_rows(f'{what}[{k!r}]', [d[k] for d in dicts], sizes)
+  return {k: rows.concat(f'{what}[{k!r}]', [d[k] for d in dicts])
           for k in dicts[0]}
 
 
-def _merge_export_output(name: str, outputs: Sequence, sizes):
+def _merge_export_output(name: str, outputs: Sequence, rows: RowOrder):
   kind = type(outputs[0])
   for i, out in enumerate(outputs[1:], start=1):
     if type(out) is not kind:
@@ -137,25 +176,24 @@ def _merge_export_output(name: str, outputs: Sequence, sizes):
                        f'gives {kind.__name__}, tower {i} {type(out).__name__}.')
   if kind is _export.PredictOutput:
     return kind(_concat_dict(f'export_outputs[{name!r}]',
-                             [o.outputs for o in outputs], sizes))
+                             [o.outputs for o in outputs], rows))
   if kind is _export.RegressionOutput:
-    return kind(concat_rows(f'export_outputs[{name!r}]',
-                            [o.value for o in outputs], sizes))
+    return kind(rows.concat(f'export_outputs[{name!r}]',
+                            [o.value for o in outputs]))
   if kind is _export.ClassificationOutput:
     scores = classes = None
     if outputs[0].scores is not None:
-      scores = concat_rows(f'{name} scores', [o.scores for o in outputs],
-                           sizes)
+      scores = rows.concat(f'{name} scores', [o.scores for o in outputs])
     if outputs[0].classes is not None:
-      classes = concat_rows(f'{name} classes', [o.classes for o in outputs],
-                            sizes)
+      classes = rows.concat(f'{name} classes',
+                            [o.classes for o in outputs])
     return kind(scores=scores, classes=classes)
   raise TypeError(
       f'export_outputs[{name!r}] is a {kind.__name__}; replicate_model_fn '
       'merges PredictOutput, ClassificationOutput and RegressionOutput.')
 
 
-def whole_batch_predictions(specs, sizes, padded: bool,
+def whole_batch_predictions(specs, rows: RowOrder,
                             depends_on_shard: Sequence[Callable]):
   """The towers' predictions in input order, for EVAL and TRAIN specs.
 
@@ -166,9 +204,7 @@ def whole_batch_predictions(specs, sizes, padded: bool,
 
   Args:
     specs: The towers' specs.
-    sizes: Each tower's number of real examples.
-    padded: Whether an idle tower got a padding example (TRAIN) or an empty
-      shard (EVAL).
+    rows: Puts the towers' rows in input order.
     depends_on_shard: Per tower, whether a tensor depends on its shard.
 
   Returns:
@@ -183,8 +219,7 @@ def whole_batch_predictions(specs, sizes, padded: bool,
     per_example = (isinstance(tensors[0], tf.Tensor) and
                    tensors[0].shape.rank != 0 and
                    _per_example(depends_on_shard, tensors))
-    return (concat_rows(name, tensors, sizes, padded) if per_example
-            else tensors[0])
+    return rows.concat(name, tensors) if per_example else tensors[0]
 
   return _merged_predictions(specs, merge)
 
@@ -215,7 +250,7 @@ def _merged_predictions(specs, merge: Callable):
   return merge('predictions', [s.predictions for s in specs])
 
 
-def merge_predict(specs, sizes: tf.Tensor,
+def merge_predict(specs, rows: RowOrder,
                   depends_on_shard: Sequence[Callable]
                   ) -> tf.estimator.EstimatorSpec:
   """One PREDICT spec: predictions and export outputs back in input order.
@@ -226,8 +261,8 @@ def merge_predict(specs, sizes: tf.Tensor,
 
   Args:
     specs: The towers' specs.
-    sizes: Each tower's number of real examples; an idle tower's padding
-      rows are dropped.
+    rows: Puts the towers' rows in input order (an idle tower's padding
+      rows dropped).
     depends_on_shard: Per tower, whether a tensor depends on its shard.
   """
   first = specs[0]
@@ -236,7 +271,7 @@ def merge_predict(specs, sizes: tf.Tensor,
     if isinstance(tensors[0], tf.Tensor) and not _per_example(
         depends_on_shard, tensors):
       return tensors[0]
-    return concat_rows(name, tensors, sizes)
+    return rows.concat(name, tensors)
 
   predictions = _merged_predictions(specs, merge)
   export_outputs = None
@@ -244,7 +279,7 @@ def merge_predict(specs, sizes: tf.Tensor,
     _check_same_keys('export_outputs', [s.export_outputs for s in specs])
     export_outputs = {
         name: _merge_export_output(
-            name, [s.export_outputs[name] for s in specs], sizes)
+            name, [s.export_outputs[name] for s in specs], rows)
         for name in first.export_outputs}
   return first._replace(predictions=predictions, export_outputs=export_outputs,
                         scaffold=specs[-1].scaffold)
