@@ -251,6 +251,11 @@ def replicate_model_fn(model_fn: ModelFn,
 
   def replicated_model_fn(features, labels=None, mode=None, params=None,
                           config=None):
+    if (config is None and isinstance(params, tf.estimator.RunConfig) and
+        'params' not in accepted):
+      # Called positionally by the presented signature, (features, labels,
+      # mode, config): the fourth argument is the config, not params.
+      params, config = None, params
     tower_devices = _tower_devices(devices, config)
     if mode == ModeKeys.TRAIN:
       aggregation_lib.check_tasks(aggregation, config)

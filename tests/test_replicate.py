@@ -16,9 +16,9 @@ import pytest
 import tensorflow as tf
 
 import trainer
-from helpers import (OPTIMIZERS, assert_same_variables, build_replicated,
-                     classifier_model_fn, dataset_input_fn, make_estimator,
-                     normalising_model_fn, variables_of)
+from helpers import (NUM_FEATURES, OPTIMIZERS, assert_same_variables,
+                     build_replicated, classifier_model_fn, dataset_input_fn,
+                     make_estimator, normalising_model_fn, variables_of)
 
 tf1 = tf.compat.v1
 STEPS = 3
@@ -696,6 +696,31 @@ def test_a_partial_model_fn_binds_its_params(tmp_path, data):
   estimator = tf.estimator.Estimator(replicated, config=config)
   estimator.train(dataset_input_fn(*data), steps=2)
   assert estimator.get_variable_value('global_step') == 2
+
+
+@pytest.mark.fast
+def test_a_positional_call_by_the_presented_signature_builds_towers():
+  # (features, labels, mode, config): a model_fn without params is
+  # presented so; its fourth positional argument is the config. Taken for
+  # params, the config was dropped and one device was built, silently.
+  def model_fn(features, labels, mode, config):
+    del config
+    return classifier_model_fn(features, labels, mode,
+                               {'optimizer': OPTIMIZERS['sgd']})
+
+  replicated = trainer.replicate_model_fn(model_fn)
+  assert list(inspect.signature(replicated).parameters) == [
+      'features', 'labels', 'mode', 'config']
+  graph = tf.Graph()
+  with graph.as_default():
+    data = tf.data.Dataset.from_tensors(
+        ({'x': np.zeros((6, NUM_FEATURES), np.float32)},
+         np.zeros((6,), np.int32))).repeat()
+    features, labels = tf1.data.make_one_shot_iterator(data).get_next()
+    replicated(features, labels, tf.estimator.ModeKeys.TRAIN,
+               trainer.make_run_config(cpu_devices=2))
+  assert {'/device:CPU:0', '/device:CPU:1'} <= {
+      op.device for op in graph.get_operations()}
 
 
 def _nested_cond_summary_model_fn(features, labels, mode, params):
