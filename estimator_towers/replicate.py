@@ -29,6 +29,7 @@ from estimator_towers.towers import moving_statistics
 from estimator_towers.towers import regularization_losses
 from estimator_towers.cluster import one_machine
 from estimator_towers.update import one_update
+from estimator_towers.graph import folded_shapes
 from estimator_towers.graph import op_ledger
 from estimator_towers.towers import optimizer_iterations
 from estimator_towers.cluster import peer_watch
@@ -571,7 +572,7 @@ class _TowerBuilder:
     specs, update_ops = [], []
     with step.update.routing(), (
         optimizer_iterations.same_iterations_accepted()), (
-            self._draws.seeds()):
+            self._draws.seeds()), folded_shapes.recording():
       for i in range(len(self._devices)):
         with self._towers.tower(i) as region, self._draws.tower(
             i, step.split.shard(i), region.start):

@@ -462,14 +462,57 @@ _NOT_A_ROW_COUNT = {
     'rows_squared_equal_to_the_count': lambda p, l, x: tf.reduce_sum(
         tf.square(p[:, :1] - l[:, :1])) / tf.cast(
             _rows(x) * _rows(x) // 3, tf.float32),
+    # The size of another tensor of the batch (5 per row, not the 2 summed)
+    # or of pairs of examples ([rows, rows]), folded while building: each
+    # was taken for a fixed scaling, the towers' losses added (0.1-0.27 off
+    # one device, silently). With the rows known only at run time the first
+    # is read as the sum over the rows it is.
+    'size_of_the_features': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) / tf.cast(tf.size(x), tf.float32),
+    'size_of_pairs': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) /
+                     tf.cast(tf.size(tf.matmul(x, x, transpose_b=True)),
+                             tf.float32),
+    'ones_like_pairs': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) /
+                       tf.reduce_sum(tf.ones_like(
+                           tf.matmul(x, x, transpose_b=True))),
+    'outer_ones': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) /
+                  tf.reduce_sum(tf.ones_like(p[:, 0])[:, None] *
+                                tf.ones_like(p[:, 0])[None, :]),
 }
 
 
 @pytest.mark.fast
 @pytest.mark.parametrize('case', sorted(_NOT_A_ROW_COUNT))
 def test_a_folded_divisor_other_than_a_count_of_rows_is_refused(case):
-  with pytest.raises(ValueError, match="static size that is not its count"):
+  with pytest.raises(ValueError,
+                     match="static size that is not the count of the elem"):
     _static_batch_variables(_NOT_A_ROW_COUNT[case], 2, steps=0)
+
+
+# Folded from a static shape, but the same for every shard: fixed scalings,
+# the towers' losses added as one device's terms are.
+_FIXED_SIZES = {
+    'size_of_a_weight': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) /
+                        tf.cast(tf.size(tf1.trainable_variables()[0]),
+                                tf.float32),
+    'width_of_the_features': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) / tf.cast(tf.shape(x)[1], tf.float32),
+    'ones_like_a_weight': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) /
+                          tf.reduce_sum(tf.ones_like(
+                              tf1.trainable_variables()[0])),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('case', sorted(_FIXED_SIZES))
+def test_a_folded_size_of_what_is_no_shard_scales_as_one_device(case):
+  loss_of = _FIXED_SIZES[case]
+  start, _ = _static_batch_variables(loss_of, 1, steps=0)
+  _, one = _static_batch_variables(loss_of, 1, start)
+  _, many = _static_batch_variables(loss_of, 2, start)
+  for name, value in one.items():
+    np.testing.assert_allclose(many[name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
 
 
 @pytest.mark.fast

@@ -27,6 +27,7 @@ from typing import Callable, Dict, FrozenSet, Iterator, List, Optional
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers.graph import folded_shapes
 from estimator_towers.graph import functions
 from estimator_towers.graph import op_ledger
 from estimator_towers.graph import reductions
@@ -71,7 +72,7 @@ _ELEMENTWISE = frozenset([
     'AddN', 'SquaredDifference', 'Select', 'SelectV2', 'Pow', 'Maximum',
     'Minimum']) | _NONLINEAR_OPS
 # Where tf.size / tf.shape fold a static shape into a constant.
-_SHAPE_FOLDS = frozenset(['size_internal', 'shape_internal'])
+_SHAPE_FOLDS = frozenset(folded_shapes.FOLDING_FUNCTIONS)
 _SHAPE_ELEMENT = frozenset(['StridedSlice', 'GatherV2', 'Gather'])
 # Comparisons: element-wise too (tf.compat.v1.losses' present weights).
 _COMPARISONS = frozenset(['Equal', 'NotEqual', 'Greater', 'GreaterEqual',
@@ -160,12 +161,15 @@ _UNSPLITTABLE_KINDS = {
         'on one device.'),
     _STATIC_COUNT: (
         "it divides by a value computed from the shard's static size that "
-        'is not its count (tf.shape(x)[0] + 1 with a static batch size): '
-        "each tower's shard has a size of its own",
-        'Divide by the count itself (tf.reduce_mean), by a sum over the '
-        'examples plus a constant (tf.reduce_sum(tf.ones_like(x)) + 1) with '
-        'a batch size known only at run time (no drop_remainder), or train '
-        'on one device.'),
+        'is not the count of the elements it sums (tf.shape(x)[0] + 1, '
+        'tf.size of another tensor of the batch, or of a [batch, batch] '
+        "one, with a static batch size): each tower's shard has a size of "
+        'its own',
+        'Divide by the count itself (tf.reduce_mean), or batch with a size '
+        'known only at run time (no drop_remainder), where such a divisor is '
+        'read as the sum over the examples it is (tf.size(x) of a [batch, '
+        'k] tensor, tf.reduce_sum(tf.ones_like(x)) + 1), or train on one '
+        'device.'),
     _UNREAD_GUARD: (
         'it chooses with a scalar tf.where by a condition on the examples '
         'that is no function of one sum over them (two sums, a max, a '
@@ -547,10 +551,19 @@ def _row_degree(tensor: tf.Tensor, depends) -> Optional[int]:
   if op.type == 'Const':
     if not folded_shape(op):
       return 0  # A constant the model_fn wrote.
-    return 1 if np.size(tf.get_static_value(op.outputs[0])) == 1 else None
+    if np.size(tf.get_static_value(op.outputs[0])) != 1:
+      return None
+    return _folded_rows_power(op, depends)  # A size.
   if op.type in _SHAPE_ELEMENT and folded_shape(op.inputs[0].op):
     index = _folded_element_index(op)
-    return None if index is None else int(index == 0)
+    if index is None:
+      return None
+    power = _folded_rows_power(op.inputs[0].op, depends)
+    if power == 0:
+      return 0  # The shape of a tensor other than the shard's.
+    if power is None and index:
+      return None  # Another dimension as long as the rows.
+    return int(index == 0)
   if op.type == 'Prod' and folded_shape(op.inputs[0].op):
     return 1 if _reduced_axes(op) == {0} else None
   if op.type == 'Sum':
@@ -561,6 +574,48 @@ def _row_degree(tensor: tf.Tensor, depends) -> Optional[int]:
       return None
     return left + right if op.type == 'Mul' else left - right
   return None
+
+
+def _folded_rows_power(constant: tf.Operation, depends) -> Optional[int]:
+  """The power of the shard's rows in the size of the tensor a folded
+  shape constant was read from: 1 for a tensor with the rows first and no
+  other dimension of their length, 0 for one that does not depend on the
+  shard (a weight), None when it cannot be told ([rows, rows]: pairs of
+  examples, or a width that equals the rows). A constant folded outside
+  the towers' build (no recorded source) counts as a count's, 1."""
+  source = folded_shapes.source(constant)
+  if source is None:
+    return 1
+  if not depends(source):
+    return 0
+  rows = getattr(depends, 'batch_size', None)
+  dims = source.shape.as_list() if source.shape.rank else []
+  if rows is None or not dims or dims[0] != rows:
+    return None
+  if rows in dims[1:] and _pairs_of_examples(source, depends):
+    return None  # [rows, rows]: its size grows as the rows squared.
+  return 1
+
+
+def _pairs_of_examples(tensor: tf.Tensor, depends) -> bool:
+  """Whether `tensor` holds pairs of the shard's examples (two row axes: a
+  matmul of the shard by itself, an outer product); True when that cannot
+  be read (no shard to read it from)."""
+  # Imported here: batch_mixing reads shard statistics, which read losses.
+  from estimator_towers.towers import batch_mixing  # pylint: disable=g-import-not-at-top
+  shard, since = getattr(depends, 'shard', None), getattr(depends, 'since',
+                                                          None)
+  if shard is None or since is None:
+    return True
+  found = batch_mixing.mixing_op(tensor, shard, since)
+  return found is not None and found.kind == 'pairs'
+
+
+def _from_the_shard(constant: tf.Operation, depends) -> bool:
+  """Whether a folded shape constant was read from a tensor that depends
+  on the tower's shard."""
+  source = folded_shapes.source(constant)
+  return source is not None and depends(source)
 
 
 def _folded_row_sum(denominator: tf.Tensor, depends) -> bool:
@@ -578,17 +633,18 @@ def _folded_row_sum(denominator: tf.Tensor, depends) -> bool:
   return (rows is not None and summed.shape.rank is not None and
           summed.shape.rank >= 1 and _rows(summed.shape) == rows and
           _reduced_axes(op) == set(range(summed.shape.rank)) and
-          _from_shapes(summed) and _same_for_every_row(summed))
+          _from_shapes(summed) and _same_for_every_row(summed, depends))
 
 
-def _same_for_every_row(tensor: tf.Tensor) -> bool:
+def _same_for_every_row(tensor: tf.Tensor, depends) -> bool:
   """Whether every row of `tensor` holds the same values, whatever the
   number of rows: element-wise ops of constants the model_fn wrote and of
-  fills (`ones_like`) shaped like a whole tensor, by its folded shape. A
-  fill shaped from the rows' count (`tf.ones([n, n])`), a range over the
-  rows or a value divided by them holds other values when the rows change:
-  its sum over towers is no one device's. (A fill like a [rows, rows]
-  tensor is not told apart from one like a [rows, k] tensor.)"""
+  fills (`ones_like`) shaped like a whole tensor of the shard with the rows
+  first, by its folded shape. A fill shaped from the rows' count
+  (`tf.ones([n, n])`), like a [rows, rows] tensor (pairs of examples) or
+  like a weight, a range over the rows or a value divided by them holds
+  other values when the rows change: its sum over towers is no one
+  device's."""
   pending, seen = [tensor.op], set()
   while pending:
     op = pending.pop()
@@ -600,10 +656,14 @@ def _same_for_every_row(tensor: tf.Tensor) -> bool:
     if op.type == 'Const':
       if folded_shape(op):
         return False  # A size or shape as a value.
+      if folded_shapes.kind(op) == folded_shapes.FILL and (
+          _folded_rows_power(op, depends) is None):
+        return False  # ones_like of pairs of examples.
     elif op.type in ('Fill', 'BroadcastTo'):
       shape = op.inputs[1 if op.type == 'BroadcastTo' else 0]
-      if not (shape.op.type == 'Const' and folded_shape(shape.op)):
-        return False  # [rows, rows] built from the rows' count.
+      if not (shape.op.type == 'Const' and folded_shape(shape.op) and
+              _folded_rows_power(shape.op, depends) is not None):
+        return False  # [n, n] from the rows' count, or pairs of examples.
       pending.append(op.inputs[0 if op.type == 'BroadcastTo' else 1].op)
     elif (op.type in _ELEMENTWISE or op.type in _PASS_THROUGH or
           op.type in _COMPARISONS):
@@ -632,14 +692,28 @@ def _from_static_count(denominator: tf.Tensor, numerator: tf.Tensor,
     if _is_the_rows(tensor, depends) or _folded_row_sum(tensor, depends):
       return True  # (A count plus or times a constant: its own per tower.)
     op = tensor.op
-    if op.type == 'Const' and summed is not None and any(
-        frame.name == 'size_internal' for frame in op.traceback):
+    if op.type == 'Const' and _folded_size(op):
       value = _static_value(tensor)
-      if value is not None and np.size(value) == 1 and (
+      if summed is not None and value is not None and np.size(value) == 1 and (
           int(np.reshape(value, [])) == summed):
         return True
+      if _from_the_shard(op, depends):
+        return True  # tf.size of another tensor of the shard ([rows, k]).
+    if op.type in ('Fill', 'BroadcastTo'):
+      shape = op.inputs[1 if op.type == 'BroadcastTo' else 0].op
+      if folded_shape(shape) and _from_the_shard(shape, depends):
+        return True  # ones_like of a tensor of the shard, summed.
+    if folded_shapes.kind(op) == folded_shapes.FILL and _from_the_shard(
+        op, depends):
+      return True  # A small ones_like of a tensor of the shard.
     pending.extend(op.inputs)
   return False
+
+
+def _folded_size(op: tf.Operation) -> bool:
+  """Whether `op` is a constant tf.size folded from a static shape."""
+  return op.type == 'Const' and any(
+      frame.name == 'size_internal' for frame in op.traceback)
 
 
 def folded_shape(op: tf.Operation) -> bool:
@@ -650,8 +724,9 @@ def folded_shape(op: tf.Operation) -> bool:
   equal the shard's count. Only where the constant was created tells them
   apart.
   """
-  return op.type == 'Const' and any(
-      frame.name in _SHAPE_FOLDS for frame in op.traceback)
+  return op.type == 'Const' and (
+      folded_shapes.kind(op) in (folded_shapes.SIZE, folded_shapes.SHAPE) or
+      any(frame.name in _SHAPE_FOLDS for frame in op.traceback))
 
 
 def _from_shapes(tensor: tf.Tensor, rows_only: bool = False) -> bool:
@@ -938,6 +1013,7 @@ class ExampleDependence:
     # time (the usual case; static when the input's batch size is).
     self.batch_size = (_rows(dense[0].shape) if dense and dense[0].shape.rank
                        else None)
+    self.shard, self.since = shard, since
     self._since = since
     self._memo: Dict[str, bool] = {name: False for name in whole_batch}
 

@@ -1,0 +1,101 @@
+"""What a constant folded from a static shape was folded from.
+
+With a static batch size, `tf.size(x)`, `tf.shape(x)`, `tf.ones_like(x)` and
+`tf.zeros_like(x)` read no op of `x`: TensorFlow folds `x`'s static shape
+into a constant (a size, a shape, or a small tensor of ones) while the graph
+is built. A loss divided by such a constant looks like a fixed scaling, yet
+when `x` is computed from the tower's shard the constant counts the shard's
+elements, and each tower's differs from one device's. Only where the
+constant came from tells the two apart.
+
+`recording()` patches TensorFlow's folding functions while the towers are
+built (for the build's graph and thread only, see patching.py) and
+remembers, for each constant they fold, the tensor it was folded from and
+what it holds; `source(op)` and `kind(op)` answer afterwards.
+"""
+
+import contextlib
+import functools
+from typing import Iterator, Optional
+import weakref
+
+import tensorflow as tf
+from tensorflow.python.ops import array_ops  # pylint: disable=g-direct-tensorflow-import
+
+from estimator_towers.graph import patching
+
+# The functions of array_ops that fold a static shape into a constant
+# (tf.size, tf.shape), and what their constant holds.
+FOLDING_FUNCTIONS = ('size_internal', 'shape_internal')
+_KINDS = {'size_internal': 'size', 'shape_internal': 'shape'}
+SIZE, SHAPE, FILL = 'size', 'shape', 'fill'
+# ones_like / zeros_like: a constant tensor (or a Fill of a constant shape)
+# shaped like their input, when its shape is static.
+_LIKE = 'array_like_impl'
+
+# graph -> {constant op name: (the tensor it was folded from, its kind)}.
+_sources: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[None]:
+  """Records the source of every shape constant folded inside the context.
+
+  Yields:
+    Nothing.
+  """
+  with patching.Patcher() as patcher:
+    for name in FOLDING_FUNCTIONS:
+      original = getattr(array_ops, name)
+      patcher.set(array_ops, name, patcher.guard(
+          _recorder(original, _KINDS[name]), original))
+    original = getattr(array_ops, _LIKE)
+    patcher.set(array_ops, _LIKE, patcher.guard(_like_recorder(original),
+                                                original))
+    yield
+
+
+def _record(constant: tf.Operation, source, kind: str) -> None:
+  if (isinstance(source, tf.Tensor) and not tf.executing_eagerly() and
+      constant.type == 'Const'):
+    _sources.setdefault(constant.graph, {})[constant.name] = (source, kind)
+
+
+def _recorder(original, kind: str):
+
+  @functools.wraps(original)
+  def folding(input, *args, **kwargs):  # pylint: disable=redefined-builtin
+    result = original(input, *args, **kwargs)
+    if isinstance(result, tf.Tensor):
+      _record(result.op, input, kind)
+    return result
+
+  return folding
+
+
+def _like_recorder(original):
+
+  @functools.wraps(original)
+  def like(array_fn, array_like_fn, tensor, *args, **kwargs):
+    result = original(array_fn, array_like_fn, tensor, *args, **kwargs)
+    if isinstance(result, tf.Tensor):
+      if result.op.type == 'Fill':  # Too big for a constant: its shape.
+        _record(result.op.inputs[0].op, tensor, SHAPE)
+      else:
+        _record(result.op, tensor, FILL)
+    return result
+
+  return like
+
+
+def source(op: tf.Operation) -> Optional[tf.Tensor]:
+  """The tensor whose static shape `op` (a constant) was folded from while
+  `recording`, or None."""
+  return _sources.get(op.graph, {}).get(op.name, (None, None))[0]
+
+
+def kind(op: tf.Operation) -> Optional[str]:
+  """What a recorded constant holds: SIZE (tf.size), SHAPE (tf.shape, or a
+  big ones_like's shape) or FILL (a small ones_like / zeros_like); None if
+  not recorded."""
+  return _sources.get(op.graph, {}).get(op.name, (None, None))[1]

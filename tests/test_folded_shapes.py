@@ -1,0 +1,50 @@
+"""Constants folded from static shapes remember the tensor they came from."""
+
+import pytest
+import tensorflow as tf
+
+from estimator_towers.graph import folded_shapes
+
+pytestmark = pytest.mark.fast
+
+
+def test_sizes_shapes_and_small_fills_name_their_source():
+  with tf.Graph().as_default():
+    x = tf.zeros([6, 3]) + 1.0
+    with folded_shapes.recording():
+      size, shape = tf.size(x), tf.shape(x)
+      ones, zeros = tf.ones_like(x), tf.zeros_like(x)
+    for constant, kind in ((size, folded_shapes.SIZE),
+                           (shape, folded_shapes.SHAPE),
+                           (ones, folded_shapes.FILL),
+                           (zeros, folded_shapes.FILL)):
+      assert constant.op.type == 'Const'
+      assert folded_shapes.source(constant.op) is x
+      assert folded_shapes.kind(constant.op) == kind
+
+
+def test_a_big_fill_names_the_source_of_its_shape():
+  with tf.Graph().as_default():
+    x = tf.zeros([100, 100]) + 1.0
+    with folded_shapes.recording():
+      ones = tf.ones_like(x)
+    assert ones.op.type == 'Fill'
+    shape = ones.op.inputs[0].op
+    assert folded_shapes.source(shape) is x
+    assert folded_shapes.kind(shape) == folded_shapes.SHAPE
+
+
+def test_nothing_is_recorded_outside_the_context_or_for_run_time_shapes():
+  with tf.Graph().as_default():
+    x = tf.zeros([6, 3]) + 1.0
+    before = tf.size(x)
+    with folded_shapes.recording():
+      unknown = tf.compat.v1.placeholder(tf.float32, [None, 3])
+      dynamic = tf.size(unknown)
+      with tf.Graph().as_default():  # Another graph: not the build's.
+        other = tf.size(tf.zeros([2]) + 1.0)
+    after = tf.size(x)
+    assert dynamic.op.type == 'Size'
+    for op in (before.op, dynamic.op, other.op, after.op):
+      assert folded_shapes.source(op) is None
+      assert folded_shapes.kind(op) is None
