@@ -4,6 +4,7 @@ import pytest
 import tensorflow as tf
 
 import trainer
+from estimator_towers.merge import spec_merge
 from helpers import build_replicated
 
 pytestmark = pytest.mark.fast
@@ -78,8 +79,10 @@ def test_export_outputs_of_each_kind_are_concatenated():
 
   def model_fn(features, mode):
     logits = _logits(features)
+    vocabulary = tf.constant(['a', 'b', 'c', 'd', 'e'])
     outputs = {
-        'serving_default': export.PredictOutput({'logits': logits}),
+        'serving_default': export.PredictOutput({'logits': logits,
+                                                 'vocabulary': vocabulary}),
         'classify': export.ClassificationOutput(scores=tf.nn.softmax(logits)),
         'regress': export.RegressionOutput(logits[:, 0]),
     }
@@ -96,6 +99,24 @@ def test_export_outputs_of_each_kind_are_concatenated():
     assert merged.op.inputs[0].op.type == 'ConcatV2', merged
   # An output that repeats a prediction is put in order once.
   assert outputs['serving_default'].outputs['logits'] is spec.predictions
+  # One free of the examples is one device's, as such a prediction is (it
+  # was concatenated, or failed the row check).
+  vocabulary = outputs['serving_default'].outputs['vocabulary']
+  assert vocabulary.op.type == 'Const', vocabulary
+
+
+def test_the_row_check_shows_every_towers_rows():
+  # Tower 3 of 4 short by one row: the message shows all four counts (the
+  # default summary of 3 entries hid the fourth).
+  with tf.Graph().as_default():
+    rows = spec_merge.RowOrder(tf.constant([2, 2, 2, 2]))
+    merged = rows.concat('predictions', [tf.zeros([n, 1]) for n in
+                                         (2, 2, 2, 1)])
+    with tf1.Session() as session:
+      with pytest.raises(tf.errors.InvalidArgumentError,
+                         match=r'Rows per tower:\] \[2 2 2 1\] '
+                         r'\[examples fed per tower:\] \[2 2 2 2\]'):
+        session.run(merged)
 
 
 @pytest.mark.parametrize('mode', [ModeKeys.TRAIN, ModeKeys.EVAL,

@@ -140,7 +140,8 @@ class RowOrder:
     check = tf.debugging.Assert(tf.reduce_all(tf.equal(rows, fed)), [
         f'{name} does not have one row per example of each tower\'s shard. '
         'It must keep the batch as its first dimension: one row per input '
-        'example. Rows per tower:', rows, 'examples fed per tower:', fed])
+        'example. Rows per tower:', rows, 'examples fed per tower:', fed],
+                                summarize=len(tensors))
     with tf.control_dependencies([check]):
       ordered = tf.concat(tensors, axis=0)
       return ordered if real_rows is None else tf.gather(ordered, real_rows)
@@ -162,31 +163,32 @@ class RowOrder:
     return self._fed, self._real_rows
 
 
-def _concat_dict(what: str, dicts: Sequence[Dict], rows: RowOrder) -> Dict:
+def _merge_dict(what: str, dicts: Sequence[Dict], merge: Callable) -> Dict:
   _check_same_keys(what, dicts)
-  return {k: rows.concat(f'{what}[{k!r}]', [d[k] for d in dicts])
-          for k in dicts[0]}
+  return {k: merge(f'{what}[{k!r}]', [d[k] for d in dicts]) for k in dicts[0]}
 
 
-def _merge_export_output(name: str, outputs: Sequence, rows: RowOrder):
+def _merge_export_output(name: str, outputs: Sequence, merge: Callable):
+  """One export output from the towers'; `merge(name, tensors)` merges
+  each of its tensors as the predictions' are (a tensor free of the
+  examples, a vocabulary, stays tower 0's)."""
   kind = type(outputs[0])
   for i, out in enumerate(outputs[1:], start=1):
     if type(out) is not kind:
       raise ValueError(f'Towers disagree on export_outputs[{name!r}]: tower 0 '
                        f'gives {kind.__name__}, tower {i} {type(out).__name__}.')
   if kind is _export.PredictOutput:
-    return kind(_concat_dict(f'export_outputs[{name!r}]',
-                             [o.outputs for o in outputs], rows))
+    return kind(_merge_dict(f'export_outputs[{name!r}]',
+                            [o.outputs for o in outputs], merge))
   if kind is _export.RegressionOutput:
-    return kind(rows.concat(f'export_outputs[{name!r}]',
-                            [o.value for o in outputs]))
+    return kind(merge(f'export_outputs[{name!r}]',
+                      [o.value for o in outputs]))
   if kind is _export.ClassificationOutput:
     scores = classes = None
     if outputs[0].scores is not None:
-      scores = rows.concat(f'{name} scores', [o.scores for o in outputs])
+      scores = merge(f'{name} scores', [o.scores for o in outputs])
     if outputs[0].classes is not None:
-      classes = rows.concat(f'{name} classes',
-                            [o.classes for o in outputs])
+      classes = merge(f'{name} classes', [o.classes for o in outputs])
     return kind(scores=scores, classes=classes)
   raise TypeError(
       f'export_outputs[{name!r}] is a {kind.__name__}; replicate_model_fn '
@@ -279,7 +281,7 @@ def merge_predict(specs, rows: RowOrder,
     _check_same_keys('export_outputs', [s.export_outputs for s in specs])
     export_outputs = {
         name: _merge_export_output(
-            name, [s.export_outputs[name] for s in specs], rows)
+            name, [s.export_outputs[name] for s in specs], merge)
         for name in first.export_outputs}
   return first._replace(predictions=predictions, export_outputs=export_outputs,
                         scaffold=specs[-1].scaffold)
