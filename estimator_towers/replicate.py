@@ -250,13 +250,15 @@ def replicate_model_fn(model_fn: ModelFn,
                      'model_fn takes features (and some of labels, mode, '
                      'params, config), as tf.estimator.Estimator requires.')
 
-  def replicated_model_fn(features, labels=None, mode=None, params=None,
-                          config=None):
-    if (config is None and isinstance(params, tf.estimator.RunConfig) and
-        'params' not in accepted):
-      # Called positionally by the presented signature, (features, labels,
-      # mode, config): the fourth argument is the config, not params.
-      params, config = None, params
+  presented = _presented_signature(model_fn)
+
+  def replicated_model_fn(*args, **kwargs):
+    # Estimator passes keywords; a caller reading the presented signature
+    # (features, mode, config) passes them in its order.
+    return towered_model_fn(**_bound(presented, args, kwargs))
+
+  def towered_model_fn(features, labels=None, mode=None, params=None,
+                       config=None):
     tower_devices = _tower_devices(devices, config)
     if mode == ModeKeys.TRAIN:
       aggregation_lib.check_tasks(aggregation, config)
@@ -329,8 +331,31 @@ def replicate_model_fn(model_fn: ModelFn,
           *spec.training_hooks))
     return spec
 
-  replicated_model_fn.__signature__ = _presented_signature(model_fn)
+  replicated_model_fn.__signature__ = presented
   return replicated_model_fn
+
+
+_ARGUMENTS = inspect.Signature([
+    inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                      default=None if name != 'features' else
+                      inspect.Parameter.empty)
+    for name in ('features', 'labels', 'mode', 'params', 'config')])
+
+
+def _bound(presented: inspect.Signature, args, kwargs) -> dict:
+  """A call's arguments by name: by the presented signature when they fit
+  it, else in Estimator's full order (features, labels, mode, params,
+  config), as callers passing all five positionally do.
+
+  Raises:
+    TypeError: They fit neither.
+  """
+  try:
+    arguments = presented.bind(*args, **kwargs).arguments
+  except TypeError:
+    arguments = _ARGUMENTS.bind(*args, **kwargs).arguments
+  return {name: value for name, value in arguments.items()
+          if name in _ARGUMENTS.parameters}
 
 
 def _check_batch_free_call(task_group, micro, config) -> None:
