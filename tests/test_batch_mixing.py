@@ -444,6 +444,26 @@ def test_predictions_from_the_shards_batch_statistics_are_refused():
                    with_labels=False)
 
 
+_POSITIONS = {
+    'range': lambda h: tf.range(tf.shape(h)[0]),
+    'shifted': lambda h: tf.cast(tf.range(tf.shape(h)[0]), tf.float32) + 1.0,
+}
+
+
+@pytest.mark.parametrize('case', sorted(_POSITIONS))
+def test_a_prediction_of_each_examples_position_is_refused(case):
+  # tf.range over the batch's rows: each tower numbered its own shard from
+  # 0 ([0 1 0 1] on 2 towers, one device [0 1 2 3]), silently.
+  def model_fn(features, mode):
+    h = tf1.layers.dense(features['x'], 1, kernel_initializer=seeded(1))
+    return tf.estimator.EstimatorSpec(mode, predictions={
+        'h': h, 'position': _POSITIONS[case](h)})
+
+  with pytest.raises(ValueError, match=r"The prediction 'position' numbers "
+                     'the examples of its batch by their position'):
+    build_replicated(model_fn, 2, mode=ModeKeys.PREDICT, with_labels=False)
+
+
 def test_an_eval_loss_from_batch_statistics_names_the_eval_remedy():
   # Outside TRAIN the towers exchange no batch-norm moments: the message
   # told EVAL to use the batch-norm layer it already used.

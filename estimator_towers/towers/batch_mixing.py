@@ -209,10 +209,17 @@ def check_predictions(predictions, shard, since: op_ledger.Mark,
   for name, tensor in named:
     if not isinstance(tensor, tf.Tensor):
       continue
-    found = mixing_op(tensor, shard, since, per_tower_batch_norm)
+    found = mixing_op(tensor, shard, since, per_tower_batch_norm,
+                      report_positions=True)
+    if found is not None and found.kind == 'positions':
+      op, what = found
+      raise ValueError(
+          f'The prediction {name!r} {what} ({op.type} {op.name!r}): each '
+          'tower numbers its own shard from 0, one device the whole batch. '
+          'Pass the position in as a feature, or predict on one device.')
     # Statistics only: a prediction of some rows or pairs of rows (BERT's
     # first token of each example, [:, 0]) is read by row position, which
-    # a shard of one static row makes ambiguous, and concat_rows checks
+    # a shard of one static row makes ambiguous, and the row check sees
     # each tower's rows when the step runs.
     if found is not None and found.kind == 'statistic':
       op, what = found
@@ -226,8 +233,9 @@ def check_predictions(predictions, shard, since: op_ledger.Mark,
 
 class _Found(tuple):
   """(op, phrase): what `mixing_op` found; its `kind` is 'pairs' (two row
-  axes in one tensor), 'subset' (some rows kept by position) or
-  'reordered' (rows in another order met rows in order)."""
+  axes in one tensor), 'subset' (some rows kept by position), 'reordered'
+  (rows in another order met rows in order), 'statistic' or 'positions'
+  (numbers the rows by position)."""
 
   def __new__(cls, op, what, kind='pairs'):
     found = super().__new__(cls, (op, what))
@@ -236,7 +244,8 @@ class _Found(tuple):
 
 
 def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
-              per_tower_batch_norm: bool = False):
+              per_tower_batch_norm: bool = False,
+              report_positions: bool = False):
   """The first op `tensor` is computed from that mixes the shard's examples.
 
   Args:
@@ -244,6 +253,8 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
     shard: The tower's features and labels.
     since: The mark taken before the tower's model_fn call.
     per_tower_batch_norm: See `check_loss`.
+    report_positions: Also report a `tensor` that numbers the shard's rows by
+      their position (kind 'positions'): each tower numbers its own from 0.
 
   Returns:
     (op, phrase saying how it mixes), or None; its `kind` says how
@@ -269,6 +280,7 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
   # Positions in the shard's order (`tf.range` of its row count), which
   # rows in another order must not meet (a sorted batch weighted by rank).
   positions = set()
+  numbered: Dict[str, tf.Operation] = {}  # Position tensor -> its Range.
   for op in op_ledger.by_creation(ops):
     if op.type not in _SHAPE_READS and any(t.name in held
                                            for t in op.inputs):
@@ -277,6 +289,9 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
     inputs_held = [t.name in held for t in op.inputs]
     if _numbers_positions(op, trail, positions):
       positions.update(t.name for t in op.outputs)
+      first = next((numbered[t.name] for t in op.inputs
+                    if t.name in numbered), op)
+      numbered.update((t.name, first) for t in op.outputs)
     if not any(inputs):
       trail.follow(op, inputs, [_NONE] * len(op.outputs), inputs_held)
       continue
@@ -300,7 +315,12 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
         if order is not None:
           orders[output.name] = order
   mixed = trail.mixed(tensor)
-  return None if mixed is None else _Found(*mixed, kind='statistic')
+  if mixed is not None:
+    return _Found(*mixed, kind='statistic')
+  if report_positions and tensor.name in numbered:
+    return _Found(numbered[tensor.name], 'numbers the examples of its '
+                  'batch by their position', kind='positions')
+  return None
 
 
 def _static_rows(leaves) -> Optional[int]:
