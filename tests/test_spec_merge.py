@@ -140,3 +140,18 @@ def test_the_scaffold_is_the_last_towers_in_every_mode(mode):
 
   _, spec = build_replicated(model_fn, 2, mode=mode)
   assert len(built) == 2 and spec.scaffold is built[-1]
+
+
+def test_a_scalar_of_unknown_rank_fails_the_named_row_check():
+  # A py_function's output has no static rank; a scalar at run time failed
+  # at an anonymous strided slice ("slice index 0 of dimension 0 out of
+  # bounds"), naming no prediction.
+  with tf.Graph().as_default():
+    rows = spec_merge.RowOrder(tf.constant([2, 2]))
+    scalars = [tf.py_function(lambda: 1.0, [], tf.float32) for _ in (0, 1)]
+    merged = rows.concat("predictions['total']", scalars)
+    with tf1.Session() as session:
+      with pytest.raises(tf.errors.InvalidArgumentError,
+                         match=r"total.*does not have one row per example"
+                         r'.*Rows per tower:\] \[0 0\]'):
+        session.run(merged)

@@ -134,7 +134,7 @@ class RowOrder:
 
   def _concat(self, name: str, tensors: Sequence[tf.Tensor]) -> tf.Tensor:
     fed, real_rows = self._vectors()
-    rows = tf.stack([tf.shape(t, out_type=tf.int32)[0] for t in tensors])
+    rows = tf.stack([_rows(t) for t in tensors])
     # One check for every tower: an output with one row per shard example
     # in each tower is the one that can be put back in input order.
     check = tf.debugging.Assert(tf.reduce_all(tf.equal(rows, fed)), [
@@ -161,6 +161,16 @@ class RowOrder:
         else:
           self._fed = self._sizes
     return self._fed, self._real_rows
+
+
+def _rows(tensor: tf.Tensor) -> tf.Tensor:
+  """The rows of `tensor` at run time; 0 for a scalar of unknown static
+  rank, which the row check then names (indexing its shape failed without
+  naming it)."""
+  shape = tf.shape(tensor, out_type=tf.int32)
+  if tensor.shape.rank is None:
+    shape = tf.concat([shape, [0]], axis=0)
+  return shape[0]
 
 
 def _merge_dict(what: str, dicts: Sequence[Dict], merge: Callable) -> Dict:
