@@ -578,11 +578,11 @@ def _row_degree(tensor: tf.Tensor, depends) -> Optional[int]:
 
 def _folded_rows_power(constant: tf.Operation, depends) -> Optional[int]:
   """The power of the shard's rows in the size of the tensor a folded
-  shape constant was read from: 1 for a tensor with the rows first and no
-  other dimension of their length, 0 for one that does not depend on the
-  shard (a weight), None when it cannot be told ([rows, rows]: pairs of
-  examples, or a width that equals the rows). A constant folded outside
-  the towers' build (no recorded source) counts as a count's, 1."""
+  shape constant was read from: 1 for a tensor of the shard with the rows
+  first (a width equal to the rows included, unless the tensor holds pairs
+  of examples), 0 for one that does not depend on the shard (a weight),
+  None otherwise ([rows, rows] pairs, rows not first). A constant folded
+  outside the towers' build (no recorded source) counts as a count's, 1."""
   source = folded_shapes.source(constant)
   if source is None:
     return 1
@@ -660,9 +660,9 @@ def _same_for_every_row(tensor: tf.Tensor, depends) -> bool:
           _folded_rows_power(op, depends) is None):
         return False  # ones_like of pairs of examples.
     elif op.type in ('Fill', 'BroadcastTo'):
-      shape = op.inputs[1 if op.type == 'BroadcastTo' else 0]
-      if not (shape.op.type == 'Const' and folded_shape(shape.op) and
-              _folded_rows_power(shape.op, depends) is not None):
+      shape = _fill_shape(op)
+      if not (folded_shape(shape) and
+              _folded_rows_power(shape, depends) is not None):
         return False  # [n, n] from the rows' count, or pairs of examples.
       pending.append(op.inputs[0 if op.type == 'BroadcastTo' else 1].op)
     elif (op.type in _ELEMENTWISE or op.type in _PASS_THROUGH or
@@ -699,10 +699,9 @@ def _from_static_count(denominator: tf.Tensor, numerator: tf.Tensor,
         return True
       if _from_the_shard(op, depends):
         return True  # tf.size of another tensor of the shard ([rows, k]).
-    if op.type in ('Fill', 'BroadcastTo'):
-      shape = op.inputs[1 if op.type == 'BroadcastTo' else 0].op
-      if folded_shape(shape) and _from_the_shard(shape, depends):
-        return True  # ones_like of a tensor of the shard, summed.
+    if op.type in ('Fill', 'BroadcastTo') and folded_shape(
+        _fill_shape(op)) and _from_the_shard(_fill_shape(op), depends):
+      return True  # ones_like of a tensor of the shard, summed.
     if folded_shapes.kind(op) == folded_shapes.FILL and _from_the_shard(
         op, depends):
       return True  # A small ones_like of a tensor of the shard.
@@ -712,8 +711,14 @@ def _from_static_count(denominator: tf.Tensor, numerator: tf.Tensor,
 
 def _folded_size(op: tf.Operation) -> bool:
   """Whether `op` is a constant tf.size folded from a static shape."""
-  return op.type == 'Const' and any(
-      frame.name == 'size_internal' for frame in op.traceback)
+  return op.type == 'Const' and (
+      folded_shapes.kind(op) == folded_shapes.SIZE or
+      any(frame.name == 'size_internal' for frame in op.traceback))
+
+
+def _fill_shape(op: tf.Operation) -> tf.Operation:
+  """The op giving the shape of a Fill or BroadcastTo."""
+  return op.inputs[1 if op.type == 'BroadcastTo' else 0].op
 
 
 def folded_shape(op: tf.Operation) -> bool:
@@ -1014,7 +1019,6 @@ class ExampleDependence:
     self.batch_size = (_rows(dense[0].shape) if dense and dense[0].shape.rank
                        else None)
     self.shard, self.since = shard, since
-    self._since = since
     self._memo: Dict[str, bool] = {name: False for name in whole_batch}
 
   def __call__(self, tensor: tf.Tensor) -> bool:
@@ -1026,7 +1030,7 @@ class ExampleDependence:
         continue
       if op.name in self._shard_ops:
         self._memo[op.name] = True
-      elif op_ledger.made_before(op, self._since):
+      elif op_ledger.made_before(op, self.since):
         self._memo[op.name] = False
       elif expanded:
         # An input still unresolved here closes a loop: it adds nothing new.
