@@ -1,5 +1,8 @@
 """Constants folded from static shapes remember the tensor they came from."""
 
+import gc
+import weakref
+
 import pytest
 import tensorflow as tf
 
@@ -48,3 +51,16 @@ def test_nothing_is_recorded_outside_the_context_or_for_run_time_shapes():
     for op in (before.op, dynamic.op, other.op, after.op):
       assert folded_shapes.source(op) is None
       assert folded_shapes.kind(op) is None
+
+
+def test_a_graph_with_records_is_freed():
+  # A record holding its source tensor kept the graph (the record's key)
+  # alive for the rest of the process.
+  graph = tf.Graph()
+  with graph.as_default():
+    with folded_shapes.recording():
+      tf.size(tf.zeros([6, 3]) + 1.0)
+  freed = weakref.ref(graph)
+  del graph
+  gc.collect()
+  assert freed() is None

@@ -24,16 +24,18 @@ from tensorflow.python.ops import array_ops  # pylint: disable=g-direct-tensorfl
 
 from estimator_towers.graph import patching
 
+SIZE, SHAPE, FILL = 'size', 'shape', 'fill'
 # The functions of array_ops that fold a static shape into a constant
 # (tf.size, tf.shape), and what their constant holds.
-FOLDING_FUNCTIONS = ('size_internal', 'shape_internal')
-_KINDS = {'size_internal': 'size', 'shape_internal': 'shape'}
-SIZE, SHAPE, FILL = 'size', 'shape', 'fill'
+_KINDS = {'size_internal': SIZE, 'shape_internal': SHAPE}
+FOLDING_FUNCTIONS = tuple(_KINDS)
 # ones_like / zeros_like: a constant tensor (or a Fill of a constant shape)
 # shaped like their input, when its shape is static.
 _LIKE = 'array_like_impl'
 
-# graph -> {constant op name: (the tensor it was folded from, its kind)}.
+# graph -> {constant op name: (a weak reference to the source's graph, the
+# source's name, the kind)}. Weak both ways: a graph is freed with its
+# records (a record holding the tensor would keep its graph alive).
 _sources: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
 
 
@@ -58,7 +60,8 @@ def recording() -> Iterator[None]:
 def _record(constant: tf.Operation, source, kind: str) -> None:
   if (isinstance(source, tf.Tensor) and not tf.executing_eagerly() and
       constant.type == 'Const'):
-    _sources.setdefault(constant.graph, {})[constant.name] = (source, kind)
+    _sources.setdefault(constant.graph, {})[constant.name] = (
+        weakref.ref(source.graph), source.name, kind)
 
 
 def _recorder(original, kind: str):
@@ -91,11 +94,14 @@ def _like_recorder(original):
 def source(op: tf.Operation) -> Optional[tf.Tensor]:
   """The tensor whose static shape `op` (a constant) was folded from while
   `recording`, or None."""
-  return _sources.get(op.graph, {}).get(op.name, (None, None))[0]
+  record = _sources.get(op.graph, {}).get(op.name)
+  graph = record[0]() if record else None
+  return None if graph is None else graph.get_tensor_by_name(record[1])
 
 
 def kind(op: tf.Operation) -> Optional[str]:
   """What a recorded constant holds: SIZE (tf.size), SHAPE (tf.shape, or a
   big ones_like's shape) or FILL (a small ones_like / zeros_like); None if
   not recorded."""
-  return _sources.get(op.graph, {}).get(op.name, (None, None))[1]
+  record = _sources.get(op.graph, {}).get(op.name)
+  return record[2] if record else None
