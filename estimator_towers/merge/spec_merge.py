@@ -7,7 +7,7 @@ merge_train), and a model_fn that keeps what it built (`self.saver = ...`)
 keeps the last call's, the scaffold that runs.
 """
 
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, Sequence
 
 import tensorflow as tf
 
