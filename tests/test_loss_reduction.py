@@ -500,6 +500,11 @@ _FIXED_SIZES = {
     'ones_like_a_weight': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) /
                           tf.reduce_sum(tf.ones_like(
                               tf1.trainable_variables()[0])),
+    # The first dimension of a tensor free of the examples, as long as a
+    # 2-tower shard (3 rows): it was taken for the shard's row count.
+    'rows_of_a_table': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) /
+                       tf.cast(tf.shape(tf.ones([3, 7]) * 2.0)[0],
+                               tf.float32),
 }
 
 

@@ -411,6 +411,8 @@ def _is_the_rows(denominator: tf.Tensor, depends) -> bool:
     # Another dimension that happens to equal the rows (a width of 3 on
     # shards of 3 rows): a fixed scaling, as one device's is.
     return False
+  if _folded_rows_power(shape.op, depends) == 0:
+    return False  # The rows of a tensor free of the examples (a table).
   value = _static_value(denominator)
   return value is not None and np.size(value) == 1 and (
       float(np.reshape(value, [])) == float(rows))
