@@ -478,6 +478,27 @@ _NOT_A_ROW_COUNT = {
     'outer_ones': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) /
                   tf.reduce_sum(tf.ones_like(p[:, 0])[:, None] *
                                 tf.ones_like(p[:, 0])[None, :]),
+    # A folded count written other than as a divisor (adversary round 26):
+    # each was taken for a fixed scaling, silently.
+    'times_a_reciprocal_size': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) * (1.0 / tf.cast(tf.size(p - l), tf.float32)),
+    'sum_of_values_over_their_size': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l) / tf.cast(tf.size(p - l), tf.float32)),
+    'mean_times_the_rows': lambda p, l, x: tf.reduce_mean(
+        tf.square(p - l)) * tf.cast(_rows(x), tf.float32),
+    'times_two_over_the_rows': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) * (2.0 / tf.cast(_rows(x), tf.float32)),
+    'rows_by_unstack': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) /
+                       tf.cast(tf.unstack(tf.shape(x))[0], tf.float32),
+    'rows_of_a_transpose': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) /
+                           tf.cast(tf.shape(tf.transpose(p - l))[1],
+                                   tf.float32),
+    'v1_weights_over_the_size': lambda p, l, x: tf1.losses.
+                                compute_weighted_loss(
+                                    tf.square(p - l),
+                                    weights=tf.ones_like(p - l) / tf.cast(
+                                        tf.size(p - l), tf.float32),
+                                    reduction=tf1.losses.Reduction.SUM),
 }
 
 
@@ -505,7 +526,52 @@ _FIXED_SIZES = {
     'rows_of_a_table': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) /
                        tf.cast(tf.shape(tf.ones([3, 7]) * 2.0)[0],
                                tf.float32),
+    # Statistics of the shard (3 per-feature means), as long as its rows:
+    # the same length on one device (adversary round 26: taken for the rows
+    # or for the count, silently).
+    'length_of_a_statistic': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) / tf.cast(tf.shape(tf.reduce_mean(x[:, :3], 0))[0],
+                                    tf.float32),
+    'size_of_a_statistic': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)[:, :1]) / tf.cast(tf.size(tf.reduce_mean(
+            x[:, :3], 0)), tf.float32),
+    'first_axis_of_a_transposed_statistic': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) / tf.cast(tf.shape(tf.transpose(x[:, :3]))[0],
+                                    tf.float32),
 }
+
+
+# The shard's row count read from tensors shaped by the batch but free of
+# its values: a mean over the rows, as on one device (briefly taken for a
+# table's length during this round).
+_ROW_COUNTS = {
+    'rows_of_ones_like': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) /
+                         tf.cast(tf.shape(tf.ones_like(x))[0], tf.float32),
+    'rows_of_a_range': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) /
+                       tf.cast(tf.shape(tf.range(_rows(x)))[0], tf.float32),
+    'rows_of_a_mask': lambda p, l, x: tf.reduce_sum(
+        tf.reduce_sum(tf.square(p - l), 1) * tf.ones([_rows(x)])) / tf.cast(
+            tf.shape(tf.ones([_rows(x)]))[0], tf.float32),
+    # Weights of ones shaped like the labels: [2, 2] on 3 towers' 2-row
+    # shards, whose width is as long as the rows (briefly refused).
+    'v1_weights_shaped_like_the_labels': lambda p, l, x: tf1.losses.
+                                         mean_squared_error(
+                                             l, p, weights=tf.ones(
+                                                 tf.shape(l))),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('towers', [2, 3])
+@pytest.mark.parametrize('case', sorted(_ROW_COUNTS))
+def test_the_rows_of_a_tensor_shaped_by_the_batch_count_them(case, towers):
+  loss_of = _ROW_COUNTS[case]
+  start, _ = _static_batch_variables(loss_of, 1, steps=0)
+  _, one = _static_batch_variables(loss_of, 1, start)
+  _, many = _static_batch_variables(loss_of, towers, start)
+  for name, value in one.items():
+    np.testing.assert_allclose(many[name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
 
 
 @pytest.mark.fast

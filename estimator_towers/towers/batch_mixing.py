@@ -243,9 +243,23 @@ class _Found(tuple):
     return found
 
 
+def row_axes(tensor: tf.Tensor, shard,
+             since: op_ledger.Mark) -> Optional[Axes]:
+  """The axes of `tensor` that run over the shard's rows (empty for a
+  statistic of the shard, {0} for a per-example tensor), or None when the
+  walk cannot tell (it met pairs of rows, or a mix, on the way)."""
+  found: Dict[str, Axes] = {}
+  mixed = mixing_op(tensor, shard, since, rows_of=found)
+  # A statistic met on the way leaves the rows' axes read to the end.
+  if mixed is not None and mixed.kind != 'statistic':
+    return None
+  return found.get(tensor.name, _NONE)
+
+
 def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
               per_tower_batch_norm: bool = False,
-              report_positions: bool = False):
+              report_positions: bool = False,
+              rows_of: Optional[Dict[str, Axes]] = None):
   """The first op `tensor` is computed from that mixes the shard's examples.
 
   Args:
@@ -255,13 +269,15 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
     per_tower_batch_norm: See `check_loss`.
     report_positions: Also report a `tensor` that numbers the shard's rows by
       their position (kind 'positions'): each tower numbers its own from 0.
+    rows_of: Filled with the row axes of each tensor the walk met (see
+      `row_axes`).
 
   Returns:
     (op, phrase saying how it mixes), or None; its `kind` says how
     ('statistic': rows met a statistic of their shard, see
     shard_statistics).
   """
-  rows: Dict[str, Axes] = {}
+  rows: Dict[str, Axes] = {} if rows_of is None else rows_of
   # The order of a tensor's rows (see `_ANY`); absent: the shard's order.
   orders: Dict[str, object] = {}
   for leaf in sharding.leaves(shard):

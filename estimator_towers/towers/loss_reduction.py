@@ -22,7 +22,7 @@ is reported as unknown: `TowerWeights` then needs to be told.
 """
 
 import dataclasses
-from typing import Callable, Dict, FrozenSet, Iterator, List, Optional
+from typing import AbstractSet, Callable, Dict, FrozenSet, Iterator, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -214,6 +214,12 @@ def analyze(loss: tf.Tensor,
   terms: List[tuple] = []
   found_guards: Optional[List[Guard]] = [] if guards else None
   _collect_terms(loss, depends_on_examples, terms, [0], found_guards)
+  refused = {UNKNOWN, *_UNSPLITTABLE_KINDS}
+  if not any(kind in refused for kind, _, _ in terms):
+    unread = _unread_folded_rows(loss, depends_on_examples, {
+        name for kind, _, name in terms if kind == RATIO})
+    if unread is not None:
+      terms.append((_STATIC_COUNT, None, unread))
   kinds = {kind for kind, _, _ in terms}
   constant = 'constant' in kinds
   kinds.discard('constant')
@@ -411,8 +417,11 @@ def _is_the_rows(denominator: tf.Tensor, depends) -> bool:
     # Another dimension that happens to equal the rows (a width of 3 on
     # shards of 3 rows): a fixed scaling, as one device's is.
     return False
-  if _folded_rows_power(shape.op, depends) == 0:
-    return False  # The rows of a tensor free of the examples (a table).
+  if not _rows_element(element.outputs[0], depends) and (
+      folded_shapes.source(shape.op) is not None):
+    # The first axis of a tensor free of the examples (a table), or of one
+    # whose rows are elsewhere (per-class sums transposed).
+    return False
   value = _static_value(denominator)
   return value is not None and np.size(value) == 1 and (
       float(np.reshape(value, [])) == float(rows))
@@ -588,36 +597,73 @@ def _folded_rows_power(constant: tf.Operation, depends) -> Optional[int]:
   source = folded_shapes.source(constant)
   if source is None:
     return 1
-  if not depends(source):
+  if not _of_the_batch(source, depends):
     return 0
-  rows = getattr(depends, 'batch_size', None)
-  dims = source.shape.as_list() if source.shape.rank else []
-  if rows is None or not dims or dims[0] != rows:
-    return None
-  if rows in dims[1:] and _pairs_of_examples(source, depends):
-    return None  # [rows, rows]: its size grows as the rows squared.
-  return 1
+  axes = _row_axes(source, depends)
+  if axes is None:  # Shaped by the rows only, or not readable: its shape.
+    dims = source.shape.as_list() if source.shape.rank else []
+    rows = getattr(depends, 'batch_size', None)
+    if not dims or dims[0] != rows or rows in dims[1:]:
+      return None
+    return 1
+  return 1 if axes == {0} else 0 if not axes else None
 
 
-def _pairs_of_examples(tensor: tf.Tensor, depends) -> bool:
-  """Whether `tensor` holds pairs of the shard's examples (two row axes: a
-  matmul of the shard by itself, an outer product); True when that cannot
-  be read (no shard to read it from)."""
+def _of_the_batch(tensor: tf.Tensor, depends) -> bool:
+  """Whether a tensor depends on the shard's values, or takes its shape
+  from the shard's (`tf.ones_like(x)`, `tf.range(tf.shape(x)[0])` fold a
+  static shape of the shard: their values depend on no op of it)."""
+  if depends(tensor):
+    return True
+  since = getattr(depends, 'since', None)
+  pending, seen = [tensor.op], set()
+  while pending and len(seen) < _MAX_OPS:
+    op = pending.pop()
+    if op.name in seen or (since is not None and
+                           op_ledger.made_before(op, since)):
+      continue
+    seen.add(op.name)
+    source = folded_shapes.source(op)
+    if source is not None:
+      if depends(source):
+        return True
+      pending.append(source.op)
+    pending.extend(t.op for t in op.inputs)
+  return False
+
+
+def _row_axes(tensor: tf.Tensor, depends) -> Optional[FrozenSet[int]]:
+  """The axes of a tensor of the shard that run over its rows (see
+  batch_mixing.row_axes): {0} per example, empty for a statistic of the
+  shard (per-class sums: as long on one device), None when unknown."""
   # Imported here: batch_mixing reads shard statistics, which read losses.
   from estimator_towers.towers import batch_mixing  # pylint: disable=g-import-not-at-top
   shard, since = getattr(depends, 'shard', None), getattr(depends, 'since',
                                                           None)
   if shard is None or since is None:
-    return True
-  found = batch_mixing.mixing_op(tensor, shard, since)
-  return found is not None and found.kind == 'pairs'
+    return None
+  for _ in range(_MAX_OPS):
+    if depends(tensor):
+      return batch_mixing.row_axes(tensor, shard, since)
+    # Free of the shard's values: a fill shaped like one of its tensors
+    # (tf.ones(tf.shape(l)), a small ones_like) has that tensor's rows.
+    op = tensor.op
+    if op.type == 'Fill' and folded_shapes.source(op.inputs[0].op) is not None:
+      tensor = folded_shapes.source(op.inputs[0].op)
+    elif folded_shapes.kind(op) == folded_shapes.FILL:
+      tensor = folded_shapes.source(op)
+    elif op.type in _PASS_THROUGH and op.inputs:
+      tensor = op.inputs[0]
+    else:
+      return None
+  return None
 
 
 def _from_the_shard(constant: tf.Operation, depends) -> bool:
   """Whether a folded shape constant was read from a tensor that depends
   on the tower's shard."""
   source = folded_shapes.source(constant)
-  return source is not None and depends(source)
+  return source is not None and _of_the_batch(source, depends)
 
 
 def _folded_row_sum(denominator: tf.Tensor, depends) -> bool:
@@ -694,7 +740,8 @@ def _from_static_count(denominator: tf.Tensor, numerator: tf.Tensor,
     if _is_the_rows(tensor, depends) or _folded_row_sum(tensor, depends):
       return True  # (A count plus or times a constant: its own per tower.)
     op = tensor.op
-    if op.type == 'Const' and _folded_size(op):
+    if op.type == 'Const' and _folded_size(op) and (
+        _folded_rows_power(op, depends) != 0):
       value = _static_value(tensor)
       if summed is not None and value is not None and np.size(value) == 1 and (
           int(np.reshape(value, [])) == summed):
@@ -709,6 +756,77 @@ def _from_static_count(denominator: tf.Tensor, numerator: tf.Tensor,
       return True  # A small ones_like of a tensor of the shard.
     pending.extend(op.inputs)
   return False
+
+
+# How the value walk of _unread_folded_rows goes through an op: the inputs
+# that carry values (not shapes, axes or indices).
+_VALUE_INPUTS = {'Reshape': (0,), 'Fill': (1,), 'BroadcastTo': (0,),
+                 'Tile': (0,), 'ExpandDims': (0,), 'Transpose': (0,),
+                 'StridedSlice': (0,), 'Slice': (0,), 'GatherV2': (0,),
+                 'Unpack': (0,)}
+_VALUE_OPS = (_ELEMENTWISE | _PASS_THROUGH | _ADD | _SCALE | _DIVIDE |
+              _COMPARISONS | _REDUCTIONS |
+              frozenset(['Reciprocal', 'Inv', 'DivNoNan', 'Pack']))
+
+
+def _unread_folded_rows(loss: tf.Tensor, depends,
+                        read: AbstractSet[str]) -> Optional[str]:
+  """The name of an op by which `loss` takes a value of the shard's static
+  row count that its reading left aside, or None.
+
+  With a static batch size, `tf.size(e)`, `tf.shape(x)[0]` and the like of
+  the shard's tensors fold to constants; a ratio the reading recognised
+  (`read`: its terms' ops) accounts for its divisor, but one written
+  otherwise (`sum(e) * (1 / tf.size(e))`, `sum(e / tf.size(e))`, a mean
+  times the rows) would be taken for a fixed scaling, each tower's own.
+  The walk follows the ops that carry values (not a Reshape's shape, a
+  reduction's axes).
+  """
+  if getattr(depends, 'batch_size', None) is None:
+    return None
+  pending, seen = [loss], set()
+  while pending and len(seen) < _MAX_OPS:
+    tensor = pending.pop()
+    op = tensor.op
+    if (op.name, tensor.value_index) in seen or op.name in read:
+      continue
+    seen.add((op.name, tensor.value_index))
+    if (_folded_size(op) and _from_the_shard(op, depends) and
+        _folded_rows_power(op, depends) != 0):
+      return op.name
+    if _rows_element(tensor, depends):
+      return op.name
+    if op.type in _VALUE_INPUTS:
+      pending.extend(op.inputs[i] for i in _VALUE_INPUTS[op.type])
+    elif op.type in _VALUE_OPS:
+      pending.extend(op.inputs[:1] if op.type in _REDUCTIONS else op.inputs)
+  return None
+
+
+def _rows_element(tensor: tf.Tensor, depends) -> bool:
+  """Whether `tensor` is the element of a folded shape of the shard that
+  holds its rows (`tf.shape(x)[0]`, `tf.unstack(tf.shape(x))[0]`, the
+  second dimension of a transposed tensor)."""
+  op = tensor.op
+  if op.type == 'Unpack':
+    shape, index = op.inputs[0].op, tensor.value_index
+  elif op.type in _SHAPE_ELEMENT:
+    shape, index = op.inputs[0].op, _folded_element_index(op)
+  else:
+    return False
+  if not folded_shape(shape) or not _from_the_shard(shape, depends):
+    return False
+  source = folded_shapes.source(shape)
+  axes = _row_axes(source, depends)
+  if index is None:
+    return True
+  if axes is not None:
+    return index in axes
+  # Shaped by the rows only: another axis as long as them is a width,
+  # unless the rows are not first (a transposed tensor).
+  dims, rows = source.shape.as_list(), depends.batch_size
+  return index < len(dims) and dims[index] == rows and (
+      index == 0 or dims[0] != rows)
 
 
 def _folded_size(op: tf.Operation) -> bool:
