@@ -399,6 +399,17 @@ def _static_batch_variables(loss_of, towers, start=None, steps=3,
       return first, session.run(variables)
 
 
+def _assert_static_batch_trains_as_one_device(loss_of, towers,
+                                              **wrapper_kwargs):
+  """SGD on static batches: `towers` towers end where one device does."""
+  start, _ = _static_batch_variables(loss_of, 1, steps=0)
+  _, one = _static_batch_variables(loss_of, 1, start)
+  _, many = _static_batch_variables(loss_of, towers, start, **wrapper_kwargs)
+  for name, value in one.items():
+    np.testing.assert_allclose(many[name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+
+
 def _colocated_mse(predictions, labels):
   with tf1.colocate_with(predictions):
     return tf1.losses.mean_squared_error(labels, predictions)
@@ -425,13 +436,7 @@ _BROADCAST_WEIGHTS = {
 @pytest.mark.parametrize('towers', [2, 3])
 @pytest.mark.parametrize('case', sorted(_BROADCAST_WEIGHTS))
 def test_constant_weights_over_a_static_batch_equal_one_device(case, towers):
-  loss_of = _BROADCAST_WEIGHTS[case]
-  start, _ = _static_batch_variables(loss_of, 1, steps=0)
-  _, one = _static_batch_variables(loss_of, 1, start)
-  _, many = _static_batch_variables(loss_of, towers, start)
-  for name, value in one.items():
-    np.testing.assert_allclose(many[name], value, rtol=1e-5, atol=1e-6,
-                               err_msg=name)
+  _assert_static_batch_trains_as_one_device(_BROADCAST_WEIGHTS[case], towers)
 
 
 def _rows(x):
@@ -565,25 +570,13 @@ _ROW_COUNTS = {
 @pytest.mark.parametrize('towers', [2, 3])
 @pytest.mark.parametrize('case', sorted(_ROW_COUNTS))
 def test_the_rows_of_a_tensor_shaped_by_the_batch_count_them(case, towers):
-  loss_of = _ROW_COUNTS[case]
-  start, _ = _static_batch_variables(loss_of, 1, steps=0)
-  _, one = _static_batch_variables(loss_of, 1, start)
-  _, many = _static_batch_variables(loss_of, towers, start)
-  for name, value in one.items():
-    np.testing.assert_allclose(many[name], value, rtol=1e-5, atol=1e-6,
-                               err_msg=name)
+  _assert_static_batch_trains_as_one_device(_ROW_COUNTS[case], towers)
 
 
 @pytest.mark.fast
 @pytest.mark.parametrize('case', sorted(_FIXED_SIZES))
 def test_a_folded_size_of_what_is_no_shard_scales_as_one_device(case):
-  loss_of = _FIXED_SIZES[case]
-  start, _ = _static_batch_variables(loss_of, 1, steps=0)
-  _, one = _static_batch_variables(loss_of, 1, start)
-  _, many = _static_batch_variables(loss_of, 2, start)
-  for name, value in one.items():
-    np.testing.assert_allclose(many[name], value, rtol=1e-5, atol=1e-6,
-                               err_msg=name)
+  _assert_static_batch_trains_as_one_device(_FIXED_SIZES[case], 2)
 
 
 @pytest.mark.fast
@@ -622,12 +615,7 @@ def test_a_constant_divisor_equal_to_the_shard_count_must_be_told(case):
   with pytest.raises(ValueError, match='a sum divided by [36], the number of '
                      "elements a tower sums.*loss_reduction='mean'"):
     _static_batch_variables(loss_of, 2, steps=0)
-  start, _ = _static_batch_variables(loss_of, 1, steps=0)
-  _, one = _static_batch_variables(loss_of, 1, start)
-  _, many = _static_batch_variables(loss_of, 2, start, loss_reduction=told)
-  for name, value in one.items():
-    np.testing.assert_allclose(many[name], value, rtol=1e-5, atol=1e-6,
-                               err_msg=name)
+  _assert_static_batch_trains_as_one_device(loss_of, 2, loss_reduction=told)
 
 
 @pytest.mark.fast
