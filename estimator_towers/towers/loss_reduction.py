@@ -816,10 +816,10 @@ def _rows_element(tensor: tf.Tensor, depends) -> bool:
     return False
   if not folded_shape(shape) or not _from_the_shard(shape, depends):
     return False
-  source = folded_shapes.source(shape)
-  axes = _row_axes(source, depends)
   if index is None:
     return True
+  source = folded_shapes.source(shape)
+  axes = _row_axes(source, depends)
   if axes is not None:
     return index in axes
   # Shaped by the rows only: another axis as long as them is a width,
