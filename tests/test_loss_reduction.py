@@ -591,8 +591,9 @@ def test_a_guard_on_a_folded_sum_other_than_a_count_is_refused():
     _static_batch_variables(loss_of, 2, steps=0)
 
 
-# Constant divisors equal to what a tower's shard (3 of a static batch of 6,
-# on 2 towers) sums: its count or a scaling, which only the user knows.
+# Constants equal to a size of a tower's shard (3 rows of a static batch of
+# 6 on 2 towers, 6 elements): the shard's size (x.shape[0]) or a scaling,
+# which only the user knows.
 _CONSTANT_DIVISORS = {
     # The distribution-strategy idiom sum / GLOBAL_BATCH: a shard's [3, 2]
     # squared errors have 6 elements (was read as a mean: 2.3x off).
@@ -605,17 +606,53 @@ _CONSTANT_DIVISORS = {
     # constant was taken for a scaling).
     'rows_from_shape': ('mean', lambda p, l, x: tf.reduce_sum(
         tf.reduce_sum(tf.square(p - l), 1)) / x.shape[0]),
+    # The rows of [3, 2] squared errors, the mean of the examples' sums:
+    # the rows are not their count (taken for a scaling: 0.33 off).
+    'rows_of_wider_rows': ('mean', lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) / x.shape[0]),
+    # The same as a product by the rows' reciprocal (0.33 off), and a mean
+    # times the rows (a sum of the examples' means: 0.40 off).
+    'reciprocal_of_the_rows': ('mean', lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) * (1.0 / x.shape[0])),
+    'mean_times_the_rows': ('sum', lambda p, l, x: tf.reduce_mean(
+        tf.square(p - l)) * p.shape[0]),
+    'reciprocal_of_the_global_batch': ('sum', lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) * (1 / 6.0)),
 }
 
 
 @pytest.mark.fast
 @pytest.mark.parametrize('case', sorted(_CONSTANT_DIVISORS))
-def test_a_constant_divisor_equal_to_the_shard_count_must_be_told(case):
+def test_a_constant_equal_to_a_size_of_the_shard_must_be_told(case):
   told, loss_of = _CONSTANT_DIVISORS[case]
-  with pytest.raises(ValueError, match='a sum divided by [36], the number of '
-                     "elements a tower sums.*loss_reduction='mean'"):
+  with pytest.raises(ValueError, match="(divided by|times) [0-9.]+.*a size of "
+                     "the tower's shard.*loss_reduction='mean'"):
     _static_batch_variables(loss_of, 2, steps=0)
   _assert_static_batch_trains_as_one_device(loss_of, 2, loss_reduction=told)
+
+
+# Constants that are no size of a 3-row shard of [3, 2] errors: scalings,
+# as one device's are.
+_CONSTANT_SCALINGS = {
+    'divided_by_twice_the_global_batch': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) / 12.0,
+    'mean_times_a_weight': lambda p, l, x: tf.reduce_mean(
+        tf.square(p - l)) * 5.0,
+    'sum_times_a_weight': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) * 0.25,
+    # A coefficient of a sum the rows then divide (an activity
+    # regularizer's), equal to 1 / the 6 elements: a mean, scaled (was
+    # refused while every product was checked).
+    'coefficient_of_a_ratios_numerator': lambda p, l, x: (
+        tf.reduce_sum(tf.square(p - l)) * (1 / 6.0)) / tf.cast(
+            tf.shape(p)[0], tf.float32),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('case', sorted(_CONSTANT_SCALINGS))
+def test_a_constant_other_than_a_size_of_the_shard_scales(case):
+  _assert_static_batch_trains_as_one_device(_CONSTANT_SCALINGS[case], 2)
 
 
 @pytest.mark.fast

@@ -34,6 +34,7 @@ from estimator_towers.graph import reductions
 from estimator_towers.towers import divisor_totals
 from estimator_towers.towers import keras_masks
 from estimator_towers.towers import sharding
+from estimator_towers.towers import written_sizes
 
 tf1 = tf.compat.v1
 
@@ -247,9 +248,11 @@ def analyze(loss: tf.Tensor,
 
 def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
                    budget: List[int],
-                   guards: Optional[List[Guard]] = None) -> None:
+                   guards: Optional[List[Guard]] = None,
+                   nested: bool = False) -> None:
   """Appends (kind, divisor, op name) for each additive term of `tensor`,
-  and to `guards` (when given) the guards the terms pass through."""
+  and to `guards` (when given) the guards the terms pass through; `nested`
+  when `tensor` is the numerator of a ratio already read as one."""
   budget[0] += 1
   if budget[0] > _MAX_OPS:
     terms.append((UNKNOWN, None, tensor.op.name))
@@ -261,18 +264,24 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
   guard = _guard(tensor, depends) if guards is not None else None
   if guard is not None:
     guards.append(guard)
-    _collect_terms(op.inputs[guard.kept], depends, terms, budget, guards)
+    _collect_terms(op.inputs[guard.kept], depends, terms, budget, guards,
+                   nested)
   elif guards is not None and _chooses_per_shard(tensor, depends):
     terms.append((_UNREAD_GUARD, None, op.name))
   elif op.type in _PASS_THROUGH or _reduces_a_scalar(tensor):
-    _collect_terms(op.inputs[0], depends, terms, budget, guards)
+    _collect_terms(op.inputs[0], depends, terms, budget, guards, nested)
   elif op.type in _ADD:
     for t in op.inputs:
-      _collect_terms(t, depends, terms, budget, guards)
+      _collect_terms(t, depends, terms, budget, guards, nested)
   elif op.type in _SCALE:
     varying = [t for t in op.inputs if depends(t)]
     if len(varying) == 1:
-      _collect_terms(varying[0], depends, terms, budget, guards)
+      inner: List[tuple] = []
+      _collect_terms(varying[0], depends, inner, budget, guards, nested)
+      # A constant of a numerator scales what the ratio then divides.
+      ambiguous = None if nested else _scaled_by_a_shard_size(op, inner,
+                                                              depends)
+      terms.extend(ambiguous or inner)
     else:
       terms.append(_times_a_reciprocal(op, depends, budget) or
                    (UNKNOWN, None, op.name))
@@ -288,21 +297,18 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
         terms.append((RATIO, tf.cast(denominator, tensor.dtype), op.name))
       elif counted == 'ambiguous':
         value = float(np.reshape(_static_value(denominator), []))
-        terms.append((UNKNOWN, None, (
-            f'{op.name}: a sum divided by {value:g}, the number of elements '
-            'a tower sums, either their count written as a number (x.shape'
-            '[0]: a mean) or a fixed scaling that equals it (a global batch '
-            'size: a sum)')))
+        terms.append((UNKNOWN, None, _ambiguous_size(
+            op.name, f'a sum divided by {value:g}')))
       elif _is_the_rows(denominator, depends) or _folded_row_sum(
           denominator, depends):
         terms.append(_per_row(numerator, denominator, depends, budget, op))
       elif _from_static_count(denominator, numerator, depends):
         terms.append((_STATIC_COUNT, None, op.name))
       else:  # A scaling, e.g. by a fixed batch size.
-        _collect_terms(numerator, depends, terms, budget, guards)
+        _collect_terms(numerator, depends, terms, budget, guards, nested)
     elif _other_dims(denominator, getattr(depends, 'batch_size', None)):
       # A width of the shard (tf.shape(logits)[1]): the same in every tower.
-      _collect_terms(numerator, depends, terms, budget, guards)
+      _collect_terms(numerator, depends, terms, budget, guards, nested)
     else:  # A count of this shard's examples (rows, weights, tokens).
       terms.append(_per_row(numerator, denominator, depends, budget, op))
   elif _reduces_all(tensor, SUM, depends) or _counts_examples(tensor, depends):
@@ -445,7 +451,7 @@ def _per_row(numerator: tf.Tensor, denominator: tf.Tensor, depends,
   divide it by its own count), is no weighted sum of the shards' values:
   unsplittable. Anything else is unknown."""
   inner: List[tuple] = []
-  _collect_terms(numerator, depends, inner, budget)
+  _collect_terms(numerator, depends, inner, budget, nested=True)
   kinds = {kind for kind, _, _ in inner}
   if kinds == {SUM}:
     return _written_ratio(denominator, op.outputs[0].dtype, op.name)
@@ -468,7 +474,7 @@ def _times_a_reciprocal(op: tf.Operation, depends, budget: List[int]
         not depends(scale.op.inputs[1])):
       continue
     inner: List[tuple] = []
-    _collect_terms(summed, depends, inner, budget)
+    _collect_terms(summed, depends, inner, budget, nested=True)
     if {kind for kind, _, _ in inner} == {SUM}:
       return _written_ratio(scale.op.inputs[1], op.outputs[0].dtype, op.name)
   return None
@@ -543,14 +549,69 @@ def _counts_the_summed(numerator: tf.Tensor, denominator: tf.Tensor,
   if not summed.is_fully_defined():
     return None
   value = _static_value(denominator)
-  if value is None or np.size(value) != 1 or (
-      float(np.reshape(value, [])) != float(summed.num_elements())):
+  if value is None or np.size(value) != 1:
     return None
+  value = float(np.reshape(value, []))
   if not _from_shapes(denominator):
-    return 'ambiguous'
+    # Its rows (x.shape[0]: a mean per example) or its count.
+    rows = getattr(depends, 'batch_size', None)
+    found = written_sizes.shard_size(value, summed, rows)
+    return 'ambiguous' if found or value == summed.num_elements() else None
+  if value != float(summed.num_elements()):
+    return None
   # Equal here, but a count only if it grows with the rows as they do
   # (sum(range(n) + 1) is 6 for 3 rows of 2, 21 for one device's 6).
   return 'count' if _row_degree(denominator, depends) == 1 else None
+
+
+def _ambiguous_size(name: str, what: str) -> str:
+  """The detail of an UNKNOWN term scaled by a constant the model_fn wrote
+  that equals a size of the shard."""
+  return (f'{name}: {what}, a size of the tower\'s shard: either the '
+          'shard\'s size written as a number (x.shape[0] of a static '
+          'batch: a mean) or a fixed scaling that equals it (a global batch '
+          'size: a sum)')
+
+
+def _scaled_by_a_shard_size(op: tf.Operation, inner: List[tuple],
+                            depends) -> Optional[List[tuple]]:
+  """An UNKNOWN term for `S * c` with `c` a written 1 / (a shard size) and
+  `S` a sum over the shard, or `M * c` with `c` a shard size and `M` a
+  mean: a product by x.shape[0] (or its reciprocal) of a static batch,
+  which reads like a fixed scaling (see written_sizes); else None."""
+  rows = getattr(depends, 'batch_size', None)
+  if rows is None or len(op.inputs) != 2 or len(inner) != 1:
+    return None
+  kind, _, name = inner[0]
+  if kind not in (SUM, RATIO):
+    return None
+  scale = [t for t in op.inputs if not depends(t)]
+  if len(scale) != 1 or _from_shapes(scale[0]):
+    return None  # Folded sizes are read by _unread_folded_rows.
+  value = tf.get_static_value(scale[0])
+  if value is None or np.size(value) != 1:
+    return None
+  value = float(np.reshape(value, []))
+  summed = _summed_shape(op.graph.get_operation_by_name(name))
+  if summed is None or not value:
+    return None
+  factor = value if kind == RATIO else 1 / value
+  size = written_sizes.shard_size(abs(factor), summed, rows)
+  if size is None:
+    return None
+  what = (f'a mean times {value:g}' if kind == RATIO else
+          f'a sum times {value:g} (1 / {size})')
+  return [(UNKNOWN, None, _ambiguous_size(op.name, what))]
+
+
+def _summed_shape(op: tf.Operation) -> Optional[tf.TensorShape]:
+  """The shape of the tensor a SUM or RATIO term's op reduces (a Sum or
+  Mean, or a division of a Sum), or None."""
+  if op.type in _DIVIDE:
+    op = _skip_pass_through(op.inputs[0]).op
+  if op.type not in ('Sum', 'Mean'):
+    return None
+  return op.inputs[0].shape
 
 
 def _row_degree(tensor: tf.Tensor, depends) -> Optional[int]:
