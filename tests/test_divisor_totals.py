@@ -179,7 +179,9 @@ def test_a_divisor_of_one_sum_used_twice_trains_as_one_device(name):
 _STATIC_COUNT_PLUS = {
     # 0.14
     'rows_plus_one': lambda y, l: tf.cast(tf.shape(l)[0], tf.float32) + 1.0,
-    'size_plus_eps': lambda y, l: tf.cast(tf.size(y), tf.float32) + 1e-5,  # .20
+    # An offset beyond float noise (1e-5 and below are epsilons that keep
+    # the count: test_loss_reduction's guarded counts).
+    'size_plus_eps': lambda y, l: tf.cast(tf.size(y), tf.float32) + 1e-3,  # .20
     'rows_plus_one_times_two': lambda y, l: (
         tf.cast(tf.shape(l)[0], tf.float32) + 1.0) * 2.0,   # 0.08
 }

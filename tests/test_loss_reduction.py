@@ -504,6 +504,12 @@ _NOT_A_ROW_COUNT = {
                                     weights=tf.ones_like(p - l) / tf.cast(
                                         tf.size(p - l), tf.float32),
                                     reduction=tf1.losses.Reduction.SUM),
+    # A floor above a shard's count, or an offset no float noise: neither
+    # leaves the count as it is (max(6, 8) is 8 for 3 rows of 2).
+    'count_floored_above_it': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) / tf.maximum(tf.cast(tf.size(p), tf.float32), 8.0),
+    'count_plus_a_hundredth': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) / (tf.cast(tf.size(p), tf.float32) + 0.01),
 }
 
 
@@ -573,6 +579,29 @@ def test_the_rows_of_a_tensor_shaped_by_the_batch_count_them(case, towers):
   _assert_static_batch_trains_as_one_device(_ROW_COUNTS[case], towers)
 
 
+# Counts guarded against zero, and a count summed from a small ones_like
+# (folded to a constant): each was refused with a static batch size (as a
+# value of the static size other than the count, or as a written constant)
+# while it trained as one device with the batch size known at run time.
+_GUARDED_COUNTS = {
+    'size_floored_at_one': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) / tf.maximum(tf.cast(tf.size(p), tf.float32), 1.0),
+    'size_plus_an_epsilon': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) / (tf.cast(tf.size(p), tf.float32) + 1e-8),
+    'rows_floored_at_one': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) / tf.maximum(tf.cast(_rows(p), tf.float32), 1.0),
+    'sum_of_ones_like': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) / tf.reduce_sum(tf.ones_like(p)),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('towers', [2, 3])
+@pytest.mark.parametrize('case', sorted(_GUARDED_COUNTS))
+def test_a_count_guarded_against_zero_counts_the_rows(case, towers):
+  _assert_static_batch_trains_as_one_device(_GUARDED_COUNTS[case], towers)
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize('case', sorted(_FIXED_SIZES))
 def test_a_folded_size_of_what_is_no_shard_scales_as_one_device(case):
@@ -610,14 +639,17 @@ _CONSTANT_DIVISORS = {
     # the rows are not their count (taken for a scaling: 0.33 off).
     'rows_of_wider_rows': ('mean', lambda p, l, x: tf.reduce_sum(
         tf.square(p - l)) / x.shape[0]),
-    # The same as a product by the rows' reciprocal (0.33 off), and a mean
-    # times the rows (a sum of the examples' means: 0.40 off).
-    'reciprocal_of_the_rows': ('mean', lambda p, l, x: tf.reduce_sum(
-        tf.square(p - l)) * (1.0 / x.shape[0])),
-    'mean_times_the_rows': ('sum', lambda p, l, x: tf.reduce_mean(
-        tf.square(p - l)) * p.shape[0]),
-    'reciprocal_of_the_global_batch': ('sum', lambda p, l, x: tf.reduce_sum(
-        tf.square(p - l)) * (1 / 6.0)),
+    # The same with a coefficient (the 1 / 2m of a half squared error,
+    # 0.32 off), two sums (0.38 off), a sign (0.33 off).
+    'half_sum_over_the_rows': ('mean', lambda p, l, x: 0.5 * tf.reduce_sum(
+        tf.square(p - l)) / x.shape[0]),
+    'two_sums_over_the_rows': ('mean', lambda p, l, x: (
+        tf.reduce_sum(tf.square(p - l)) + tf.reduce_sum(tf.abs(p - l)))
+                               / x.shape[0]),
+    'negative_rows': ('mean', lambda p, l, x: -(
+        tf.reduce_sum(tf.square(p - l)) / -x.shape[0])),
+    'l2_loss_over_the_rows': ('mean', lambda p, l, x: tf.nn.l2_loss(p - l)
+                              / x.shape[0]),
 }
 
 
@@ -625,7 +657,7 @@ _CONSTANT_DIVISORS = {
 @pytest.mark.parametrize('case', sorted(_CONSTANT_DIVISORS))
 def test_a_constant_equal_to_a_size_of_the_shard_must_be_told(case):
   told, loss_of = _CONSTANT_DIVISORS[case]
-  with pytest.raises(ValueError, match="(divided by|times) [0-9.]+.*a size of "
+  with pytest.raises(ValueError, match="divided by -?[0-9.]+, a size of "
                      "the tower's shard.*loss_reduction='mean'"):
     _static_batch_variables(loss_of, 2, steps=0)
   _assert_static_batch_trains_as_one_device(loss_of, 2, loss_reduction=told)
@@ -653,6 +685,25 @@ _CONSTANT_SCALINGS = {
 @pytest.mark.parametrize('case', sorted(_CONSTANT_SCALINGS))
 def test_a_constant_other_than_a_size_of_the_shard_scales(case):
   _assert_static_batch_trains_as_one_device(_CONSTANT_SCALINGS[case], 2)
+
+
+# Coefficients on 3 towers' 2-row shards of [2, 2] errors, equal to a size
+# of the shard or its reciprocal: scalings, as one device's are (refused
+# while products were checked against the shard's sizes).
+_COEFFICIENTS = {
+    'half_a_sum': lambda p, l, x: 0.5 * tf.reduce_sum(tf.square(p - l)),
+    'twice_a_v1_mean': lambda p, l, x: 2.0 * tf1.losses.mean_squared_error(
+        l, p),
+    'mean_times_four': lambda p, l, x: tf.reduce_mean(tf.square(p - l)) * 4.0,
+    'twice_keras_mse': lambda p, l, x: tf.keras.losses.MeanSquaredError()(
+        l, p) * 2.0,
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('case', sorted(_COEFFICIENTS))
+def test_a_coefficient_equal_to_a_size_of_the_shard_scales(case):
+  _assert_static_batch_trains_as_one_device(_COEFFICIENTS[case], 3)
 
 
 @pytest.mark.fast

@@ -79,6 +79,7 @@ _SHAPE_ELEMENT = frozenset(['StridedSlice', 'GatherV2', 'Gather'])
 _COMPARISONS = frozenset(['Equal', 'NotEqual', 'Greater', 'GreaterEqual',
                           'Less', 'LessEqual', 'LogicalAnd', 'LogicalOr',
                           'LogicalNot'])
+_MAX_TERMS = 64  # Reductions a divided numerator may add up.
 _MAX_OPS = 2000  # Bound on the walk: losses are small subgraphs at the top.
 # The name of the cast of a divisor the model_fn wrote (a sum of weights, a
 # count, max(positives, 1)), which `_ratio_weights` must read to trust;
@@ -248,11 +249,9 @@ def analyze(loss: tf.Tensor,
 
 def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
                    budget: List[int],
-                   guards: Optional[List[Guard]] = None,
-                   nested: bool = False) -> None:
+                   guards: Optional[List[Guard]] = None) -> None:
   """Appends (kind, divisor, op name) for each additive term of `tensor`,
-  and to `guards` (when given) the guards the terms pass through; `nested`
-  when `tensor` is the numerator of a ratio already read as one."""
+  and to `guards` (when given) the guards the terms pass through."""
   budget[0] += 1
   if budget[0] > _MAX_OPS:
     terms.append((UNKNOWN, None, tensor.op.name))
@@ -264,24 +263,18 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
   guard = _guard(tensor, depends) if guards is not None else None
   if guard is not None:
     guards.append(guard)
-    _collect_terms(op.inputs[guard.kept], depends, terms, budget, guards,
-                   nested)
+    _collect_terms(op.inputs[guard.kept], depends, terms, budget, guards)
   elif guards is not None and _chooses_per_shard(tensor, depends):
     terms.append((_UNREAD_GUARD, None, op.name))
   elif op.type in _PASS_THROUGH or _reduces_a_scalar(tensor):
-    _collect_terms(op.inputs[0], depends, terms, budget, guards, nested)
+    _collect_terms(op.inputs[0], depends, terms, budget, guards)
   elif op.type in _ADD:
     for t in op.inputs:
-      _collect_terms(t, depends, terms, budget, guards, nested)
+      _collect_terms(t, depends, terms, budget, guards)
   elif op.type in _SCALE:
     varying = [t for t in op.inputs if depends(t)]
     if len(varying) == 1:
-      inner: List[tuple] = []
-      _collect_terms(varying[0], depends, inner, budget, guards, nested)
-      # A constant of a numerator scales what the ratio then divides.
-      ambiguous = None if nested else _scaled_by_a_shard_size(op, inner,
-                                                              depends)
-      terms.extend(ambiguous or inner)
+      _collect_terms(varying[0], depends, terms, budget, guards)
     else:
       terms.append(_times_a_reciprocal(op, depends, budget) or
                    (UNKNOWN, None, op.name))
@@ -291,24 +284,23 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
   elif op.type in _DIVIDE:
     numerator, denominator = op.inputs[0], op.inputs[1]
     if not depends(denominator):
-      counted = _counts_the_summed(numerator, denominator, depends)
+      core = _without_a_floor(denominator)
+      counted = _counts_the_summed(numerator, core, depends)
       if counted == 'count':
         # A mean whose count the static batch size fixed while building.
         terms.append((RATIO, tf.cast(denominator, tensor.dtype), op.name))
       elif counted == 'ambiguous':
         value = float(np.reshape(_static_value(denominator), []))
-        terms.append((UNKNOWN, None, _ambiguous_size(
-            op.name, f'a sum divided by {value:g}')))
-      elif _is_the_rows(denominator, depends) or _folded_row_sum(
-          denominator, depends):
+        terms.append((UNKNOWN, None, _ambiguous_size(op.name, value)))
+      elif _is_the_rows(core, depends) or _folded_row_sum(core, depends):
         terms.append(_per_row(numerator, denominator, depends, budget, op))
       elif _from_static_count(denominator, numerator, depends):
         terms.append((_STATIC_COUNT, None, op.name))
       else:  # A scaling, e.g. by a fixed batch size.
-        _collect_terms(numerator, depends, terms, budget, guards, nested)
+        _collect_terms(numerator, depends, terms, budget, guards)
     elif _other_dims(denominator, getattr(depends, 'batch_size', None)):
       # A width of the shard (tf.shape(logits)[1]): the same in every tower.
-      _collect_terms(numerator, depends, terms, budget, guards, nested)
+      _collect_terms(numerator, depends, terms, budget, guards)
     else:  # A count of this shard's examples (rows, weights, tokens).
       terms.append(_per_row(numerator, denominator, depends, budget, op))
   elif _reduces_all(tensor, SUM, depends) or _counts_examples(tensor, depends):
@@ -451,7 +443,7 @@ def _per_row(numerator: tf.Tensor, denominator: tf.Tensor, depends,
   divide it by its own count), is no weighted sum of the shards' values:
   unsplittable. Anything else is unknown."""
   inner: List[tuple] = []
-  _collect_terms(numerator, depends, inner, budget, nested=True)
+  _collect_terms(numerator, depends, inner, budget)
   kinds = {kind for kind, _, _ in inner}
   if kinds == {SUM}:
     return _written_ratio(denominator, op.outputs[0].dtype, op.name)
@@ -474,7 +466,7 @@ def _times_a_reciprocal(op: tf.Operation, depends, budget: List[int]
         not depends(scale.op.inputs[1])):
       continue
     inner: List[tuple] = []
-    _collect_terms(summed, depends, inner, budget, nested=True)
+    _collect_terms(summed, depends, inner, budget)
     if {kind for kind, _, _ in inner} == {SUM}:
       return _written_ratio(scale.op.inputs[1], op.outputs[0].dtype, op.name)
   return None
@@ -535,83 +527,106 @@ def _counts_the_summed(numerator: tf.Tensor, denominator: tf.Tensor,
   With a static batch size, tf.compat.v1.losses and Keras compute the count
   of a mean from static shapes (tf.size, tf.shape): the divisor no longer
   depends on the examples, but it still is the tower's count, not a fixed
-  scaling. A constant the user wrote that equals the count is ambiguous:
-  `x.shape[0]` is the count, a global batch size that happens to equal the
-  shard's elements is a scaling; nothing in the graph tells them apart.
+  scaling. A constant the user wrote that equals a size the shard fixes is
+  ambiguous: `x.shape[0]` is the rows, a global batch size that happens to
+  equal the shard's elements is a scaling; nothing in the graph tells them
+  apart (see written_sizes).
 
   Returns:
-    'count' (from a folded shape), 'ambiguous' (equal, written by the
-    user), or None (not the number of elements summed).
+    'count' (from a folded shape), 'ambiguous' (a size of the shard,
+    written by the user), or None (not the number of elements summed).
   """
-  if not _reduces_all(numerator, SUM, depends):
-    return None
-  summed = _skip_pass_through(numerator).op.inputs[0].shape
-  if not summed.is_fully_defined():
+  shapes = _summed_shapes(numerator, depends)
+  if not shapes:
     return None
   value = _static_value(denominator)
   if value is None or np.size(value) != 1:
     return None
   value = float(np.reshape(value, []))
-  if not _from_shapes(denominator):
-    # Its rows (x.shape[0]: a mean per example) or its count.
+  if not (_from_shapes(denominator) or
+          _folded_row_sum(denominator, depends)):
     rows = getattr(depends, 'batch_size', None)
-    found = written_sizes.shard_size(value, summed, rows)
-    return 'ambiguous' if found or value == summed.num_elements() else None
-  if value != float(summed.num_elements()):
+    return 'ambiguous' if any(
+        written_sizes.shard_size(abs(value), shape, rows) or
+        (shape.is_fully_defined() and abs(value) == shape.num_elements())
+        for shape in shapes) else None
+  if not _reduces_all(numerator, SUM, depends):
+    return None
+  summed = shapes[0]
+  if not summed.is_fully_defined() or value != float(summed.num_elements()):
     return None
   # Equal here, but a count only if it grows with the rows as they do
   # (sum(range(n) + 1) is 6 for 3 rows of 2, 21 for one device's 6).
   return 'count' if _row_degree(denominator, depends) == 1 else None
 
 
-def _ambiguous_size(name: str, what: str) -> str:
-  """The detail of an UNKNOWN term scaled by a constant the model_fn wrote
+def _summed_shapes(tensor: tf.Tensor, depends) -> List[tf.TensorShape]:
+  """The shapes of what the sums over the shard that make `tensor` reduce
+  (reduce_sum, l2_loss), through scalings by constants, additions and
+  pass-throughs (`0.5 * tf.reduce_sum(e)`, a sum of two sums); empty when
+  anything else makes `tensor`."""
+  pending, shapes = [tensor], []
+  while pending:
+    if len(shapes) + len(pending) > _MAX_TERMS:
+      return []
+    current = pending.pop()
+    if not depends(current):
+      continue  # A term free of the examples (a weight's l2).
+    op = current.op
+    scaled = [t for t in op.inputs if depends(t)]
+    if op.type in _PASS_THROUGH or _reduces_a_scalar(current):
+      pending.append(op.inputs[0])
+    elif op.type in _ADD:
+      pending.extend(op.inputs)
+    elif op.type in _SCALE and len(scaled) == 1:
+      pending.append(scaled[0])
+    elif op.type in ('Sum', 'L2Loss') and current.shape.rank == 0:
+      # (A mean divided by a written constant equal to the rows stays a
+      # scaling: a sequence length, more often than x.shape[0] again.)
+      shapes.append(op.inputs[0].shape)
+    else:
+      return []
+  return shapes
+
+
+# A floor or an epsilon added to a count keeps it the count of a shard
+# that has rows: `tf.maximum(n, 1)`, `n + 1e-8` (tiny: one device's divisor
+# is n + eps once, the towers' are n_t + eps each).
+_FLOOR_AT_MOST = 1.0
+_EPSILON_AT_MOST = 1e-5
+
+
+def _without_a_floor(divisor: tf.Tensor) -> tf.Tensor:
+  """`divisor` without the floors and epsilons that guard a count against
+  zero (`tf.maximum(tf.size(e), 1)`, `tf.size(e) + 1e-8`): the count they
+  leave as it is for a shard that has rows."""
+  while True:
+    op = divisor.op
+    while op.type in ('Identity', 'Cast'):
+      divisor, op = op.inputs[0], op.inputs[0].op
+    if op.type not in ('Maximum', 'Add', 'AddV2') or len(op.inputs) != 2:
+      return divisor
+    found = None
+    for kept, guard in ((0, 1), (1, 0)):
+      value = tf.get_static_value(op.inputs[guard])
+      if value is None or np.size(value) != 1:
+        continue
+      value = float(np.reshape(value, []))
+      if (value <= _FLOOR_AT_MOST if op.type == 'Maximum' else
+          abs(value) <= _EPSILON_AT_MOST):
+        found = op.inputs[kept]
+    if found is None:
+      return divisor
+    divisor = found
+
+
+def _ambiguous_size(name: str, value: float) -> str:
+  """The detail of an UNKNOWN term divided by a constant the model_fn wrote
   that equals a size of the shard."""
-  return (f'{name}: {what}, a size of the tower\'s shard: either the '
-          'shard\'s size written as a number (x.shape[0] of a static '
-          'batch: a mean) or a fixed scaling that equals it (a global batch '
-          'size: a sum)')
-
-
-def _scaled_by_a_shard_size(op: tf.Operation, inner: List[tuple],
-                            depends) -> Optional[List[tuple]]:
-  """An UNKNOWN term for `S * c` with `c` a written 1 / (a shard size) and
-  `S` a sum over the shard, or `M * c` with `c` a shard size and `M` a
-  mean: a product by x.shape[0] (or its reciprocal) of a static batch,
-  which reads like a fixed scaling (see written_sizes); else None."""
-  rows = getattr(depends, 'batch_size', None)
-  if rows is None or len(op.inputs) != 2 or len(inner) != 1:
-    return None
-  kind, _, name = inner[0]
-  if kind not in (SUM, RATIO):
-    return None
-  scale = [t for t in op.inputs if not depends(t)]
-  if len(scale) != 1 or _from_shapes(scale[0]):
-    return None  # Folded sizes are read by _unread_folded_rows.
-  value = tf.get_static_value(scale[0])
-  if value is None or np.size(value) != 1:
-    return None
-  value = float(np.reshape(value, []))
-  summed = _summed_shape(op.graph.get_operation_by_name(name))
-  if summed is None or not value:
-    return None
-  factor = value if kind == RATIO else 1 / value
-  size = written_sizes.shard_size(abs(factor), summed, rows)
-  if size is None:
-    return None
-  what = (f'a mean times {value:g}' if kind == RATIO else
-          f'a sum times {value:g} (1 / {size})')
-  return [(UNKNOWN, None, _ambiguous_size(op.name, what))]
-
-
-def _summed_shape(op: tf.Operation) -> Optional[tf.TensorShape]:
-  """The shape of the tensor a SUM or RATIO term's op reduces (a Sum or
-  Mean, or a division of a Sum), or None."""
-  if op.type in _DIVIDE:
-    op = _skip_pass_through(op.inputs[0]).op
-  if op.type not in ('Sum', 'Mean'):
-    return None
-  return op.inputs[0].shape
+  return (f'{name}: a reduction over the shard divided by {value:g}, a '
+          'size of the tower\'s shard: either that size written as a '
+          'number (x.shape[0] of a static batch), which each tower has of '
+          'its own, or a fixed scaling that equals it (a global batch size)')
 
 
 def _row_degree(tensor: tf.Tensor, depends) -> Optional[int]:
@@ -742,7 +757,16 @@ def _folded_row_sum(denominator: tf.Tensor, depends) -> bool:
   return (rows is not None and summed.shape.rank is not None and
           summed.shape.rank >= 1 and _rows(summed.shape) == rows and
           _reduced_axes(op) == set(range(summed.shape.rank)) and
-          _from_shapes(summed) and _same_for_every_row(summed, depends))
+          _shaped_by_the_shard(summed) and
+          _same_for_every_row(summed, depends))
+
+
+def _shaped_by_the_shard(tensor: tf.Tensor) -> bool:
+  """Whether a constant-valued tensor is computed from a folded shape or is
+  a small `ones_like` that folded to a constant (tf.ones of up to 1000
+  elements is a Const)."""
+  return (folded_shapes.kind(tensor.op) == folded_shapes.FILL or
+          _from_shapes(tensor))
 
 
 def _same_for_every_row(tensor: tf.Tensor, depends) -> bool:
