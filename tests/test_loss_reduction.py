@@ -846,3 +846,35 @@ def test_a_loss_free_of_the_examples_told_sum_is_refused():
   with pytest.raises(ValueError, match="loss_reduction='sum', but the loss "
                      "'.*' does not depend on the examples"):
     build_replicated(_weights_only_model_fn, 2, loss_reduction='sum')
+
+
+# Products by x.shape[0] (or its reciprocal) of a static batch are read as
+# fixed coefficients (refusing every coefficient equal to a shard's size
+# refused common losses), but named in a warning.
+_SIZE_PRODUCTS = {
+    'sum_times_the_rows_reciprocal': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) * (1.0 / x.shape[0]),
+    'mean_times_the_rows': lambda p, l, x: tf.reduce_mean(
+        tf.square(p - l)) * x.shape[0],
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('case', sorted(_SIZE_PRODUCTS))
+def test_a_product_by_a_size_of_the_shard_is_named_in_a_warning(case,
+                                                                  caplog):
+  with caplog.at_level('WARNING'):
+    _static_batch_variables(_SIZE_PRODUCTS[case], 2, steps=0)
+  assert "a size of each tower's shard" in caplog.text
+  assert 'write tf.shape(x)[0]' in caplog.text
+  assert f"loss_reduction='{case.split('_')[0]}'" in caplog.text
+
+
+@pytest.mark.fast
+def test_a_told_reduction_or_another_coefficient_warns_of_nothing(caplog):
+  with caplog.at_level('WARNING'):
+    _static_batch_variables(_SIZE_PRODUCTS['mean_times_the_rows'], 2,
+                            steps=0, loss_reduction='mean')
+    _static_batch_variables(
+        lambda p, l, x: tf.reduce_sum(tf.square(p - l)) * 0.25, 2, steps=0)
+  assert "a size of each tower's shard" not in caplog.text

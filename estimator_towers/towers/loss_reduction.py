@@ -22,8 +22,9 @@ is reported as unknown: `TowerWeights` then needs to be told.
 """
 
 import dataclasses
-from typing import AbstractSet, Callable, Dict, FrozenSet, Iterator, List, Optional
+from typing import AbstractSet, Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -623,6 +624,69 @@ def _without_a_floor(divisor: tf.Tensor) -> tf.Tensor:
     if found is None:
       return divisor
     divisor = found
+
+
+def _warn_of_a_written_size_product(loss: tf.Tensor, depends) -> None:
+  """Logs a warning when the loss multiplies a sum over the shard by the
+  reciprocal of a size the shard fixes, or a mean by such a size.
+
+  `tf.reduce_sum(e) * (1 / x.shape[0])` of a static batch is a mean per
+  example on one device, read here as a sum scaled by a fixed coefficient
+  (the towers then train off one device's numbers); refusing every
+  coefficient that happens to equal a shard's size refused common losses
+  (`2.0 * mean` on 2-row shards), so such a product is only named.
+  Factors inside a divided numerator are not looked at: the division
+  decides the reading there.
+  """
+  rows = getattr(depends, 'batch_size', None)
+  if rows is None:
+    return
+  pending, seen = [loss], set()
+  while pending and len(seen) < _MAX_OPS:
+    tensor = pending.pop()
+    if tensor.op.name in seen or not depends(tensor):
+      continue
+    seen.add(tensor.op.name)
+    op = tensor.op
+    if op.type in _PASS_THROUGH or op.type in _ADD:
+      pending.extend(op.inputs)
+    elif op.type in _SCALE and len(op.inputs) == 2:
+      varying = [t for t in op.inputs if depends(t)]
+      fixed = [t for t in op.inputs if not depends(t)]
+      if len(varying) != 1:
+        continue
+      pending.append(varying[0])
+      found = _size_product(varying[0], fixed[0], rows)
+      if found:
+        logging.warning(
+            'replicate_model_fn: the loss %r multiplies %s, a size of each '
+            "tower's shard under this static batch size. If it is "
+            "x.shape[0] (the shard's rows, not one device's batch), the "
+            "towers train off one device's numbers: write tf.shape(x)[0]. "
+            "If it is a fixed coefficient, pass loss_reduction='%s' to say "
+            'so and silence this.', loss.op.name, *found)
+        return
+
+
+def _size_product(varying: tf.Tensor, fixed: tf.Tensor,
+                  rows: int) -> Optional[Tuple[str, str]]:
+  """How `varying * fixed` multiplies a reduction over the shard by a
+  shard size (a mean) or its reciprocal (a sum), and the loss_reduction
+  that reads it as a fixed coefficient; or None."""
+  value = tf.get_static_value(fixed)
+  if value is None or np.size(value) != 1 or _from_shapes(fixed):
+    return None  # Folded sizes are _unread_folded_rows' to read.
+  value = abs(float(np.reshape(value, [])))
+  reduced = _skip_pass_through(varying).op
+  if not value or reduced.type not in ('Sum', 'Mean'):
+    return None
+  factor = value if reduced.type == 'Mean' else 1 / value
+  size = written_sizes.shard_size(factor, reduced.inputs[0].shape, rows)
+  if size is None:
+    return None
+  what, told = ('a mean', 'mean') if reduced.type == 'Mean' else ('a sum',
+                                                                 'sum')
+  return f'{what} over the shard by {value:g} ({size} or its reciprocal)', told
 
 
 def _ambiguous_size(name: str, value: float) -> str:
@@ -1879,6 +1943,8 @@ class TowerWeights:
     reductions = [analyze(loss, depends[t], guards=True)
                   for t, loss in enumerate(losses)]
     kind = self._resolve(losses[0], reductions)
+    if self._requested == 'auto':
+      _warn_of_a_written_size_product(losses[0], depends[0])
     self._kinds[key] = kind
     self._reductions[key] = reductions
     active = self._sizes > 0
