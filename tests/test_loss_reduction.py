@@ -467,9 +467,13 @@ _NOT_A_ROW_COUNT = {
     'rows_squared_equal_to_the_count': lambda p, l, x: tf.reduce_sum(
         tf.square(p[:, :1] - l[:, :1])) / tf.cast(
             _rows(x) * _rows(x) // 3, tf.float32),
-    # The size of pairs of examples ([rows, rows]), folded while building:
-    # it was taken for a fixed scaling, the towers' losses added (0.1 off
-    # one device, silently); it grows as the rows' square.
+    # The size of another tensor of the batch (5 per row, not the 2 summed)
+    # or of pairs of examples ([rows, rows]), folded while building: each
+    # was taken for a fixed scaling, the towers' losses added (0.1-0.27 off
+    # one device, silently). With the rows known only at run time the first
+    # is read as the sum over the rows it is.
+    'size_of_the_features': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) / tf.cast(tf.size(x), tf.float32),
     'size_of_pairs': lambda p, l, x: tf.reduce_sum(tf.square(p - l)) /
                      tf.cast(tf.size(tf.matmul(x, x, transpose_b=True)),
                              tf.float32),
@@ -559,11 +563,6 @@ _ROW_COUNTS = {
     'rows_of_a_mask': lambda p, l, x: tf.reduce_sum(
         tf.reduce_sum(tf.square(p - l), 1) * tf.ones([_rows(x)])) / tf.cast(
             tf.shape(tf.ones([_rows(x)]))[0], tf.float32),
-    # The size of another tensor of the batch (5 per row, not the 2
-    # summed): taken for a fixed scaling (0.27 off one device, silently),
-    # then refused; it is the rows times 5, each tower's its own.
-    'size_of_the_features': lambda p, l, x: tf.reduce_sum(
-        tf.square(p - l)) / tf.cast(tf.size(x), tf.float32),
     # Weights of ones shaped like the labels: [2, 2] on 3 towers' 2-row
     # shards, whose width is as long as the rows (briefly refused).
     'v1_weights_shaped_like_the_labels': lambda p, l, x: tf1.losses.

@@ -295,11 +295,6 @@ def _collect_terms(tensor: tf.Tensor, depends, terms: List[tuple],
         terms.append((UNKNOWN, None, _ambiguous_size(op.name, value)))
       elif _is_the_rows(core, depends) or _folded_row_sum(core, depends):
         terms.append(_per_row(numerator, denominator, depends, budget, op))
-      elif _size_of_rows(core, depends):
-        # The folded size of another tensor of the shard, rows first
-        # (tf.size(x) of [rows, 5] features): its rows times a width, each
-        # tower's its own, as with a batch size known only at run time.
-        terms.append(_per_row(numerator, denominator, depends, budget, op))
       elif _from_static_count(denominator, numerator, depends):
         terms.append((_STATIC_COUNT, None, op.name))
       else:  # A scaling, e.g. by a fixed batch size.
@@ -802,15 +797,6 @@ def _row_axes(tensor: tf.Tensor, depends) -> Optional[FrozenSet[int]]:
     else:
       return None
   return None
-
-
-def _size_of_rows(tensor: tf.Tensor, depends) -> bool:
-  """Whether a constant is `tf.size` of a tensor of the shard whose rows
-  come first, folded by a static batch size: the shard's rows times a
-  fixed width."""
-  op = _skip_pass_through(tensor).op
-  return (_folded_size(op) and _from_the_shard(op, depends) and
-          _folded_rows_power(op, depends) == 1)
 
 
 def _from_the_shard(constant: tf.Operation, depends) -> bool:
