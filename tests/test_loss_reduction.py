@@ -579,10 +579,10 @@ def test_the_rows_of_a_tensor_shaped_by_the_batch_count_them(case, towers):
   _assert_static_batch_trains_as_one_device(_ROW_COUNTS[case], towers)
 
 
-# Counts guarded against zero, and a count summed from a small ones_like
-# (folded to a constant): each was refused with a static batch size (as a
-# value of the static size other than the count, or as a written constant)
-# while it trained as one device with the batch size known at run time.
+# Counts guarded against zero: each was refused with a static batch size
+# (as a value of the static size other than the count) while it trained as
+# one device with the batch size known at run time. On 1-row shards the
+# floor equals the count (max(1, 1) was read as the written 1).
 _GUARDED_COUNTS = {
     'size_floored_at_one': lambda p, l, x: tf.reduce_sum(
         tf.square(p - l)) / tf.maximum(tf.cast(tf.size(p), tf.float32), 1.0),
@@ -590,8 +590,9 @@ _GUARDED_COUNTS = {
         tf.square(p - l)) / (tf.cast(tf.size(p), tf.float32) + 1e-8),
     'rows_floored_at_one': lambda p, l, x: tf.reduce_sum(
         tf.square(p - l)) / tf.maximum(tf.cast(_rows(p), tf.float32), 1.0),
-    'sum_of_ones_like': lambda p, l, x: tf.reduce_sum(
-        tf.square(p - l)) / tf.reduce_sum(tf.ones_like(p)),
+    'size_of_one_row_floored_at_one': lambda p, l, x: tf.reduce_sum(
+        tf.square(p[:, 0] - l[:, 0])) / tf.maximum(
+            tf.cast(tf.size(p[:, 0]), tf.float32), 1.0),
 }
 
 
@@ -600,6 +601,33 @@ _GUARDED_COUNTS = {
 @pytest.mark.parametrize('case', sorted(_GUARDED_COUNTS))
 def test_a_count_guarded_against_zero_counts_the_rows(case, towers):
   _assert_static_batch_trains_as_one_device(_GUARDED_COUNTS[case], towers)
+
+
+@pytest.mark.fast
+def test_a_floored_count_of_one_row_shards_counts_the_rows():
+  # 6 towers: 1-row shards, where max(n, 1) holds two ones.
+  _assert_static_batch_trains_as_one_device(
+      _GUARDED_COUNTS['size_of_one_row_floored_at_one'], 6)
+
+
+# Sums of per-column statistics (no rows) divided by a written constant:
+# scalings of means, whatever the constant equals (refused while every sum
+# to a scalar was checked against the shard's sizes).
+_STATISTIC_SCALINGS = {
+    'mean_of_two_column_means': lambda p, l, x: tf.reduce_sum(
+        tf.reduce_mean(tf.square(p - l), 0)) / 2.0,
+    'class_weighted_means': lambda p, l, x: tf.reduce_sum(
+        tf.reduce_mean(tf.square(p - l), 0) * [0.5, 1.5]) / tf.reduce_sum(
+            tf.constant([0.5, 1.5])),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('towers', [2, 3])
+@pytest.mark.parametrize('case', sorted(_STATISTIC_SCALINGS))
+def test_a_statistic_over_a_written_constant_scales(case, towers):
+  _assert_static_batch_trains_as_one_device(_STATISTIC_SCALINGS[case],
+                                            towers)
 
 
 @pytest.mark.fast

@@ -581,7 +581,10 @@ def _summed_shapes(tensor: tf.Tensor, depends) -> List[tf.TensorShape]:
       pending.extend(op.inputs)
     elif op.type in _SCALE and len(scaled) == 1:
       pending.append(scaled[0])
-    elif op.type in ('Sum', 'L2Loss') and current.shape.rank == 0:
+    elif op.type == 'L2Loss' and _may_be_the_rows(op.inputs[0].shape,
+                                                   depends):
+      shapes.append(op.inputs[0].shape)
+    elif _reduces_all(current, SUM, depends):
       # (A mean divided by a written constant equal to the rows stays a
       # scaling: a sequence length, more often than x.shape[0] again.)
       shapes.append(op.inputs[0].shape)
@@ -607,7 +610,7 @@ def _without_a_floor(divisor: tf.Tensor) -> tf.Tensor:
       divisor, op = op.inputs[0], op.inputs[0].op
     if op.type not in ('Maximum', 'Add', 'AddV2') or len(op.inputs) != 2:
       return divisor
-    found = None
+    found = []
     for kept, guard in ((0, 1), (1, 0)):
       value = tf.get_static_value(op.inputs[guard])
       if value is None or np.size(value) != 1:
@@ -615,10 +618,11 @@ def _without_a_floor(divisor: tf.Tensor) -> tf.Tensor:
       value = float(np.reshape(value, []))
       if (value <= _FLOOR_AT_MOST if op.type == 'Maximum' else
           abs(value) <= _EPSILON_AT_MOST):
-        found = op.inputs[kept]
-    if found is None:
+        found.append(op.inputs[kept])
+    if not found:
       return divisor
-    divisor = found
+    # max(n, 1) of a 1-row shard: both qualify; the count is the one folded.
+    divisor = next((t for t in found if _from_shapes(t)), found[0])
 
 
 def _warn_of_a_written_size_product(loss: tf.Tensor, depends) -> None:
@@ -821,16 +825,7 @@ def _folded_row_sum(denominator: tf.Tensor, depends) -> bool:
   return (rows is not None and summed.shape.rank is not None and
           summed.shape.rank >= 1 and _rows(summed.shape) == rows and
           _reduced_axes(op) == set(range(summed.shape.rank)) and
-          _shaped_by_the_shard(summed) and
-          _same_for_every_row(summed, depends))
-
-
-def _shaped_by_the_shard(tensor: tf.Tensor) -> bool:
-  """Whether a constant-valued tensor is computed from a folded shape or is
-  a small `ones_like` that folded to a constant (tf.ones of up to 1000
-  elements is a Const)."""
-  return (folded_shapes.kind(tensor.op) == folded_shapes.FILL or
-          _from_shapes(tensor))
+          _from_shapes(summed) and _same_for_every_row(summed, depends))
 
 
 def _same_for_every_row(tensor: tf.Tensor, depends) -> bool:
