@@ -389,11 +389,13 @@ class _Split:
     sizes: Each tower's number of real examples (an int32 vector).
     padded: Whether an idle tower got a copy of an example (TRAIN, PREDICT)
       or an empty shard (EVAL).
+    global_rows: The batch's static number of rows, or None.
   """
   features: List[Any]
   labels: List[Any]
   sizes: tf.Tensor
   padded: bool
+  global_rows: Optional[int] = None
 
   def shard(self, tower: int) -> tuple:
     """The tower's features and labels."""
@@ -493,7 +495,8 @@ class _TowerBuilder:
       batch_mixing.check_loss(specs[0].loss, split.shard(0),
                               self._towers.start(0),
                               self._batch_norm == 'per_tower',
-                              training=self._mode == ModeKeys.TRAIN)
+                              training=self._mode == ModeKeys.TRAIN,
+                              global_rows=split.global_rows)
       # UPDATE_OPS are made exact (moving_statistics) in TRAIN only.
       tower_effects.check_loss_reads_no_write(
           specs[0].loss, self._towers.start(0),
@@ -555,7 +558,9 @@ class _TowerBuilder:
       if self._mode == ModeKeys.EVAL:
         feature_shards = [sharding.unknown_rows(s) for s in feature_shards]
         label_shards = [sharding.unknown_rows(s) for s in label_shards]
-    return _Split(feature_shards, label_shards, sizes, pad), has_rows
+    return _Split(feature_shards, label_shards, sizes, pad,
+                  sharding.static_batch_size(sharding.named_leaves(
+                      features, labels))), has_rows
 
   def _step(self, split: _Split, has_rows: tf.Tensor) -> _Step:
     """The collaborators that need the split batch."""

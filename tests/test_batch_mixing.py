@@ -236,6 +236,16 @@ _SUBSETS = {
                 'StridedSlice'),
     'tf_slice': (lambda p, l, x: tf.reduce_mean(
         tf.slice(_squares(p, l), [1, 0], [-1, -1])), 'Slice'),
+    # As many rows as a shard of the static batch of 10 holds (5 on 2
+    # towers), or more, but fewer than one device's 10: every row of each
+    # shard, some of one device's batch (with a batch of 6, [:3] and [:4]
+    # trained 0.17 and 0.16 off one device in 3 steps, silently).
+    'first_rows_of_a_shards_size': (lambda p, l, x: tf.reduce_mean(
+        _squares(p, l)[:5]), 'StridedSlice'),
+    'first_rows_beyond_a_shard': (lambda p, l, x: tf.reduce_mean(
+        _squares(p, l)[:7]), 'StridedSlice'),
+    'tf_slice_of_a_shards_size': (lambda p, l, x: tf.reduce_mean(
+        tf.slice(_squares(p, l), [0, 0], [5, -1])), 'Slice'),
     'gather': (lambda p, l, x: tf.reduce_mean(
         tf.gather(_squares(p, l), [0, 1])), 'GatherV2'),
     'top_k': (lambda p, l, x: tf.reduce_mean(tf.math.top_k(
@@ -270,6 +280,18 @@ def test_a_sum_of_the_rows_as_a_product_builds(ones):
     return tf.reduce_sum(tf.matmul(matrix, squares))
 
   build_replicated(_regression(loss_of), towers=2, loss_reduction='sum')
+
+
+@pytest.mark.parametrize('rows', [
+    lambda e: e[:tf.shape(e)[0]], lambda e: e[:10], lambda e: e[:1000],
+    lambda e: tf.slice(e, [0, 0], [tf.shape(e)[0], -1])],
+                         ids=['own_rows', 'the_batchs_rows', 'beyond',
+                              'slice_own_rows'])
+def test_a_slice_of_every_row_builds(rows):
+  # Every row on one device (a batch of 10) and on each 5-row shard.
+  build_replicated(_regression(
+      lambda p, l, x: tf.reduce_mean(rows(_squares(p, l)))), towers=2,
+                   loss_reduction='mean')
 
 
 @pytest.mark.parametrize('name', sorted(_SUBSETS))

@@ -50,6 +50,7 @@ from typing import Dict, FrozenSet, List, NamedTuple, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers.graph import folded_shapes
 from estimator_towers.graph import op_ledger
 from estimator_towers.towers import keras_masks
 from estimator_towers.towers import shard_statistics
@@ -109,7 +110,8 @@ class _Reordered(_Mixing):
 
 def check_loss(loss: tf.Tensor, shard, since: op_ledger.Mark,
                per_tower_batch_norm: bool = False,
-               training: bool = True) -> None:
+               training: bool = True,
+               global_rows: Optional[int] = None) -> None:
   """Refuses a tower's loss that mixes the examples of the tower's shard.
 
   Args:
@@ -120,13 +122,18 @@ def check_loss(loss: tf.Tensor, shard, since: op_ledger.Mark,
       shard's batch-norm moments (see shard_statistics).
     training: Whether the loss is TRAIN's, where batch-norm layers get the
       whole batch's moments (else EVAL's: they do not).
+    global_rows: The static number of rows of the batch the towers share,
+      if known: a slice of the rows ending at a written number below it
+      keeps only some of one device's rows, even where it keeps every row
+      of a shard (`e[:3]` of 3-row shards of a batch of 6).
 
   Raises:
     ValueError: an op the loss is computed from puts two of the shard's
       examples' axes in one tensor, or combines them with a statistic of
       the shard.
   """
-  found = mixing_op(loss, shard, since, per_tower_batch_norm)
+  found = mixing_op(loss, shard, since, per_tower_batch_norm,
+                    global_rows=global_rows)
   if found is None:
     return
   op, what = found
@@ -259,7 +266,8 @@ def row_axes(tensor: tf.Tensor, shard,
 def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
               per_tower_batch_norm: bool = False,
               report_positions: bool = False,
-              rows_of: Optional[Dict[str, Axes]] = None):
+              rows_of: Optional[Dict[str, Axes]] = None,
+              global_rows: Optional[int] = None):
   """The first op `tensor` is computed from that mixes the shard's examples.
 
   Args:
@@ -271,6 +279,7 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
       their position (kind 'positions'): each tower numbers its own from 0.
     rows_of: Filled with the row axes of each tensor the walk met (see
       `row_axes`).
+    global_rows: See `check_loss`.
 
   Returns:
     (op, phrase saying how it mixes), or None; its `kind` says how
@@ -313,7 +322,7 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
       continue
     try:
       product = _product(op, inputs, inputs_held)
-      outputs = _rule(op, inputs, product)
+      outputs = _rule(op, inputs, product, global_rows)
       order = _order(op, inputs, orders, product, positions)
     except _Subset as subset:
       if op in values:
@@ -484,11 +493,13 @@ def _value_ancestors(op: tf.Operation, ops) -> set:
 
 
 def _rule(op: tf.Operation, inputs: List[Axes],
-          product: Optional['_Product'] = None) -> Sequence[Axes]:
-  """The row axes of each of `op`'s outputs (empty where unknown)."""
+          product: Optional['_Product'] = None,
+          global_rows: Optional[int] = None) -> Sequence[Axes]:
+  """The row axes of each of `op`'s outputs (empty where unknown);
+  `global_rows`: see `check_loss`."""
   kind = op.type
   if kind == 'Slice':
-    _check_slice(op, inputs[0])
+    _check_slice(op, inputs[0], global_rows)
   if kind in _ELEMENTWISE:
     return [inputs[0]]
   if kind in _BROADCASTING:
@@ -510,7 +521,7 @@ def _rule(op: tf.Operation, inputs: List[Axes],
     return [frozenset([0]) if 0 in inputs[0] else _NONE]
   if kind in ('Reshape', 'Squeeze', 'ExpandDims', 'Transpose',
               'StridedSlice'):
-    return [_reshaped(op, inputs[0])]
+    return [_reshaped(op, inputs[0], global_rows)]
   if kind in ('Split', 'SplitV', 'Unpack', 'ConcatV2', 'Pack'):
     return _joined(op, inputs)
   if kind in ('Gather', 'GatherV2', 'ResourceGather'):
@@ -855,7 +866,8 @@ def _reduce(op: tf.Operation, axes: Axes) -> Axes:
                    for a in axes if a not in reduced)
 
 
-def _reshaped(op: tf.Operation, axes: Axes) -> Axes:
+def _reshaped(op: tf.Operation, axes: Axes,
+              global_rows: Optional[int] = None) -> Axes:
   """Reshape keeps the examples first; the others move their axes."""
   source, result = op.inputs[0], op.outputs[0]
   rank, out = _rank(source), _rank(result)
@@ -884,7 +896,7 @@ def _reshaped(op: tf.Operation, axes: Axes) -> Axes:
               if tf.compat.dimension_value(source.shape[d]) == 1]
     return frozenset(a - sum(d < a for d in dims) for a in axes
                      if a not in dims)
-  return _strided(op, axes, rank)
+  return _strided(op, axes, rank, global_rows)
 
 
 def _past_ones(source: tf.Tensor, result: tf.Tensor, axes: Axes) -> Axes:
@@ -930,7 +942,8 @@ def _subset(op: tf.Operation, what: str) -> _Subset:
   return _Subset(op, what)
 
 
-def _strided(op: tf.Operation, axes: Axes, rank: int) -> Axes:
+def _strided(op: tf.Operation, axes: Axes, rank: int,
+             global_rows: Optional[int] = None) -> Axes:
   """StridedSlice: walk its spec, input axis by input axis."""
   if op.get_attr('ellipsis_mask'):
     return _NONE
@@ -948,7 +961,7 @@ def _strided(op: tf.Operation, axes: Axes, rank: int) -> Axes:
                       "the tower's examples")
       source += 1
     else:
-      if source in axes and not _full_range(op, i, source):
+      if source in axes and not _full_range(op, i, source, global_rows):
         raise _subset(op, f'slices axis {source}, which indexes the '
                       "tower's examples, to less than its full range")
       mapping[source] = target
@@ -958,10 +971,11 @@ def _strided(op: tf.Operation, axes: Axes, rank: int) -> Axes:
   return frozenset(mapping[a] for a in axes if a in mapping)
 
 
-def _full_range(op: tf.Operation, i: int, axis: int) -> bool:
+def _full_range(op: tf.Operation, i: int, axis: int,
+                global_rows: Optional[int] = None) -> bool:
   """Whether entry `i` of StridedSlice `op`'s spec keeps all of `axis` in
   order (`[:]`); an entry it cannot read counts as full (the check only
-  refuses what it proves)."""
+  refuses what it proves). `global_rows`: see `check_loss`."""
   begin, end, strides = (_constant(t) for t in op.inputs[1:4])
   if strides is None or begin is None or end is None:
     return True
@@ -970,19 +984,49 @@ def _full_range(op: tf.Operation, i: int, axis: int) -> bool:
   size = tf.compat.dimension_value(op.inputs[0].shape[axis])
   starts = op.get_attr('begin_mask') & (1 << i) or int(begin[i]) == 0
   ends = op.get_attr('end_mask') & (1 << i) or (
-      size is not None and int(end[i]) >= size)
+      size is not None and int(end[i]) >= size and
+      not _short_of_the_batch(int(end[i]), op.inputs[2], global_rows))
   return bool(starts and ends)
 
 
-def _check_slice(op: tf.Operation, axes: Axes) -> None:
-  """tf.slice: a row axis must start at 0 and keep every row."""
+def _short_of_the_batch(kept: int, written: tf.Tensor,
+                        global_rows: Optional[int]) -> bool:
+  """Whether a slice keeping the first `kept` rows (a shard's, or more)
+  keeps fewer than one device's `global_rows`: a number the model_fn wrote
+  (`e[:3]`), not one folded from the shard's own shape (`e[:tf.shape(e)
+  [0]]`, every row wherever it runs)."""
+  return (global_rows is not None and kept < global_rows and
+          not _from_a_folded_shape(written))
+
+
+def _from_a_folded_shape(tensor: tf.Tensor) -> bool:
+  """Whether a constant tensor is computed from a tf.shape or tf.size that
+  a static shape folded while the towers were built."""
+  pending, seen = [tensor.op], set()
+  while pending and len(seen) < _MAX_OPS:
+    op = pending.pop()
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    if folded_shapes.kind(op) in (folded_shapes.SIZE, folded_shapes.SHAPE):
+      return True
+    pending.extend(t.op for t in op.inputs)
+  return False
+
+
+def _check_slice(op: tf.Operation, axes: Axes,
+                 global_rows: Optional[int] = None) -> None:
+  """tf.slice: a row axis must start at 0 and keep every row (of one
+  device's batch too: `global_rows`, see `check_loss`)."""
   begin, size = _constant(op.inputs[1]), _constant(op.inputs[2])
   if begin is None or size is None:
     return
   for axis in axes:
     rows = tf.compat.dimension_value(op.inputs[0].shape[axis])
     if int(begin[axis]) != 0 or not (
-        int(size[axis]) == -1 or (rows is not None and size[axis] == rows)):
+        int(size[axis]) == -1 or (
+            rows is not None and size[axis] == rows and
+            not _short_of_the_batch(rows, op.inputs[2], global_rows))):
       raise _subset(op, f'slices axis {axis}, which indexes the tower\'s '
                     'examples, to less than its full range')
 
