@@ -64,3 +64,18 @@ def test_a_graph_with_records_is_freed():
   del graph
   gc.collect()
   assert freed() is None
+
+
+def test_what_is_computed_from_a_folded_shape_is_told_from_a_number():
+  with tf.Graph().as_default():
+    x = tf.zeros([6, 3]) + 1.0
+    with folded_shapes.recording():
+      rows = tf.shape(x)[0]
+      width = tf.shape(x)[1]
+    end = tf.stack([rows * 2])
+    assert folded_shapes.computed_from(end)
+    assert not folded_shapes.computed_from(tf.stack([tf.constant(6) * 2]))
+    # A walk that skips the width's element finds no folded shape there.
+    assert not folded_shapes.computed_from(
+        width, skip=lambda op: op is width.op)
+    assert folded_shapes.computed_from(width)

@@ -16,7 +16,7 @@ what it holds; `source(op)` and `kind(op)` answer afterwards.
 
 import contextlib
 import functools
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 import weakref
 
 import tensorflow as tf
@@ -105,3 +105,25 @@ def kind(op: tf.Operation) -> Optional[str]:
   not recorded."""
   record = _sources.get(op.graph, {}).get(op.name)
   return record[2] if record else None
+
+
+def computed_from(tensor: tf.Tensor,
+                  folded: Callable[[tf.Operation], bool] = (
+                      lambda op: kind(op) in (SIZE, SHAPE)),
+                  skip: Callable[[tf.Operation], bool] = lambda op: False,
+                  max_ops: int = 2000) -> bool:
+  """Whether `tensor` is computed from a constant `folded` accepts (by
+  default, a recorded size or shape), walking its inputs but not through
+  the ops `skip` names; a walk past `max_ops` ops answers False."""
+  pending, seen = [tensor.op], set()
+  while pending and len(seen) < max_ops:
+    op = pending.pop()
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    if skip(op):
+      continue
+    if folded(op):
+      return True
+    pending.extend(t.op for t in op.inputs)
+  return False

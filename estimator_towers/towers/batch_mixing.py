@@ -996,22 +996,7 @@ def _short_of_the_batch(kept: int, written: tf.Tensor,
   (`e[:3]`), not one folded from the shard's own shape (`e[:tf.shape(e)
   [0]]`, every row wherever it runs)."""
   return (global_rows is not None and kept < global_rows and
-          not _from_a_folded_shape(written))
-
-
-def _from_a_folded_shape(tensor: tf.Tensor) -> bool:
-  """Whether a constant tensor is computed from a tf.shape or tf.size that
-  a static shape folded while the towers were built."""
-  pending, seen = [tensor.op], set()
-  while pending and len(seen) < _MAX_OPS:
-    op = pending.pop()
-    if op.name in seen:
-      continue
-    seen.add(op.name)
-    if folded_shapes.kind(op) in (folded_shapes.SIZE, folded_shapes.SHAPE):
-      return True
-    pending.extend(t.op for t in op.inputs)
-  return False
+          not folded_shapes.computed_from(written))
 
 
 def _check_slice(op: tf.Operation, axes: Axes,

@@ -1002,20 +1002,12 @@ def _from_shapes(tensor: tf.Tensor, rows_only: bool = False) -> bool:
   """Whether a constant-valued tensor is computed from a folded shape; with
   `rows_only`, not counting an element of one picked by a known index
   other than the first (`tf.shape(x)[1]`: another dimension)."""
-  pending, seen = [tensor.op], set()
-  while pending and len(seen) < _MAX_OPS:
-    op = pending.pop()
-    if op.name in seen:
-      continue
-    seen.add(op.name)
-    if (rows_only and op.type in _SHAPE_ELEMENT and
-        folded_shape(op.inputs[0].op) and
-        _folded_element_index(op) not in (None, 0)):
-      continue
-    if folded_shape(op):
-      return True
-    pending.extend(t.op for t in op.inputs)
-  return False
+  def another_dimension(op: tf.Operation) -> bool:
+    return (rows_only and op.type in _SHAPE_ELEMENT and
+            folded_shape(op.inputs[0].op) and
+            _folded_element_index(op) not in (None, 0))
+  return folded_shapes.computed_from(tensor, folded_shape,
+                                     another_dimension, _MAX_OPS)
 
 
 def _reduced_axes(op: tf.Operation) -> Optional[FrozenSet[int]]:
