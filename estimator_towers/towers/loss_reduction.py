@@ -562,10 +562,10 @@ def _counts_the_summed(numerator: tf.Tensor, denominator: tf.Tensor,
 
 
 def _summed_shapes(tensor: tf.Tensor, depends) -> List[tf.TensorShape]:
-  """The shapes of what the sums over the shard that make `tensor` reduce
-  (reduce_sum, l2_loss), through scalings by constants, additions and
-  pass-throughs (`0.5 * tf.reduce_sum(e)`, a sum of two sums); empty when
-  anything else makes `tensor`."""
+  """The shapes of the tensors reduced by the sums over the shard that
+  `tensor` is made of (reduce_sum, l2_loss), through scalings by
+  constants, additions and pass-throughs (`0.5 * tf.reduce_sum(e)`, a sum
+  of two sums); empty when anything else makes `tensor`."""
   pending, shapes = [tensor], []
   while pending:
     if len(shapes) + len(pending) > _MAX_TERMS:
