@@ -559,8 +559,7 @@ class _TowerBuilder:
         feature_shards = [sharding.unknown_rows(s) for s in feature_shards]
         label_shards = [sharding.unknown_rows(s) for s in label_shards]
     return _Split(feature_shards, label_shards, sizes, pad,
-                  sharding.static_batch_size(sharding.named_leaves(
-                      features, labels))), has_rows
+                  sharding.static_rows((features, labels))), has_rows
 
   def _step(self, split: _Split, has_rows: tf.Tensor) -> _Step:
     """The collaborators that need the split batch."""

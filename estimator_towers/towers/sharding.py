@@ -211,18 +211,6 @@ def global_batch_size(named_leaves: Sequence[Tuple[str, Any]]) -> tf.Tensor:
   return size
 
 
-def static_batch_size(named_leaves: Sequence[Tuple[str, Any]]
-                      ) -> Optional[int]:
-  """The batch's number of rows if a batched leaf's shape fixes it (after
-  `global_batch_size` checked that they agree), else None."""
-  for _, leaf in named_leaves:
-    if leaf is not None and not is_per_batch(leaf):
-      size = _static_batch_size(leaf)
-      if size is not None:
-        return int(size)
-  return None
-
-
 def shard_sizes(batch_size: tf.Tensor, num_towers: int) -> tf.Tensor:
   """Sizes of the towers' shards: as even as possible, larger ones first."""
   base = batch_size // num_towers
