@@ -1,6 +1,6 @@
 """Synchronous vs asynchronous loopback clusters, side by side (issue 18).
 
-    .venv/bin/python bench/bench_sync_cluster.py            # 5-9 min here
+    .venv/bin/python bench/bench_sync_cluster.py            # 7-12 min here
     .venv/bin/python bench/bench_sync_cluster.py --quick    # ~2 min
 
 Ways to train the same model (a 5000x32 embedding and a 2x256 DNN, Adam) on
@@ -18,6 +18,16 @@ its own (`unshare --net`, loopback only):
             TF_CONFIG chief + worker, one replica (CPU:0) per task
   sync_1tower  as `sync` with 1 tower per task: the same layout as `mwms`
             (not in --quick)
+  mwms_shared  `mwms` with each task's thread pools sized as `sync`'s
+  sync_tf_threads  `sync` with TensorFlow's own thread pools (not in --quick)
+  async_ps_tf_threads  `async_ps` with TensorFlow's own thread pools (only
+            by --configs)
+
+Every process here shares the machine's cores. The cluster tasks get the
+share `python -m trainer.cluster` gives each task it starts (core_share:
+cores // training tasks threads in each pool); `one`, `mwms` and
+`sync_tf_threads` keep TensorFlow's default (every core, in every process),
+as a user running them gets it.
   sync_bn_global, sync_bn_per_tower
             as `sync` with a batch norm after each hidden layer, with
             batch_norm='global' (moments exchanged between the towers and
@@ -78,14 +88,21 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from trainer.cluster import core_share  # pylint: disable=wrong-import-position
 from trainer.cluster import private_network  # pylint: disable=wrong-import-position
 
 _TRACED_STEPS = 5
-CONFIGS = ('sync', 'async_ps', 'one', 'mwms', 'sync_1tower', 'sync_bn_global',
+CONFIGS = ('sync', 'async_ps', 'one', 'mwms', 'sync_1tower', 'mwms_shared',
+           'sync_tf_threads', 'async_ps_tf_threads', 'sync_bn_global',
            'sync_bn_per_tower', 'sync_dropout_per_tower',
            'sync_dropout_one_device')
-DEFAULT_CONFIGS = CONFIGS[:5]
-QUICK_CONFIGS = CONFIGS[:4]
+DEFAULT_CONFIGS = CONFIGS[:7]
+QUICK_CONFIGS = ('sync', 'one', 'mwms', 'mwms_shared')
+# Thread pools of TensorFlow's own choosing (every core, in every process):
+# the one process, MultiWorkerMirroredStrategy as its users run it, and the
+# synchronous and the ps cluster as they ran before trainer.cluster shared
+# the cores.
+_TF_THREADS = ('one', 'mwms', 'sync_tf_threads', 'async_ps_tf_threads')
 INPUT_DIM = 128
 VOCAB = 5000
 EMBEDDING_DIM = 32
@@ -104,10 +121,19 @@ _BUILT = {}
 # The model, the input and the measuring hook (run in the task processes).
 
 
-def model_fn(features, labels, mode, batch_norm=False, dropout=False):
-  """An embedding (sparse gradients) and a 2x256 DNN, Adam; with
-  `batch_norm`, a batch norm after each hidden layer's product; with
-  `dropout`, BERT's dropout (0.1) after each hidden layer."""
+def model_fn(features, labels, mode):
+  """An embedding (sparse gradients) and a 2x256 DNN, Adam.
+
+  Estimator checks a model_fn's arguments by name and refuses any it does
+  not pass (`mwms` hands it to Estimator unwrapped): the variants are
+  `bn_model_fn` and `dropout_model_fn`.
+  """
+  return _model(features, labels, mode, batch_norm=False, dropout=False)
+
+
+def _model(features, labels, mode, batch_norm, dropout):
+  """`model_fn`; with `batch_norm`, a batch norm after each hidden layer's
+  product; with `dropout`, BERT's dropout (0.1) after each hidden layer."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf1 = tf.compat.v1
   table = tf1.get_variable(
@@ -137,12 +163,12 @@ def model_fn(features, labels, mode, batch_norm=False, dropout=False):
 
 def bn_model_fn(features, labels, mode):
   """`model_fn` with batch norm (the sync_bn_* configurations)."""
-  return model_fn(features, labels, mode, batch_norm=True)
+  return _model(features, labels, mode, batch_norm=True, dropout=False)
 
 
 def dropout_model_fn(features, labels, mode):
   """`model_fn` with dropout (the sync_dropout_* configurations)."""
-  return model_fn(features, labels, mode, dropout=True)
+  return _model(features, labels, mode, batch_norm=False, dropout=True)
 
 
 def make_input_fn(batch):
@@ -278,15 +304,21 @@ def run_task(spec):
   quiet = dict(save_checkpoints_steps=_NEVER, save_summary_steps=_NEVER,
                log_step_count_steps=_NEVER,
                experimental_max_worker_delay_secs=0)
-  if name == 'mwms':
+  threads = spec['threads']  # 0: TensorFlow's choice.
+  if name.startswith('mwms'):
     strategy = tf.distribute.experimental.MultiWorkerMirroredStrategy()
+    if threads:
+      quiet['session_config'] = tf.compat.v1.ConfigProto(
+          inter_op_parallelism_threads=threads,
+          intra_op_parallelism_threads=threads)
     config = tf.estimator.RunConfig(model_dir=spec['model_dir'],
                                     train_distribute=strategy, **quiet)
     estimator = tf.estimator.Estimator(model_fn, config=config)
   else:
-    aggregation = 'global_loss' if name == 'async_ps' else 'all_reduce'
+    aggregation = 'global_loss' if name.startswith('async') else 'all_reduce'
     config = estimator_towers.make_run_config(
-        model_dir=spec['model_dir'], cpu_devices=spec['towers'], **quiet)
+        model_dir=spec['model_dir'], cpu_devices=spec['towers'],
+        inter_op_threads=threads, intra_op_threads=threads, **quiet)
     model, options = model_fn, {}
     if name.startswith('sync_bn'):
       model = bn_model_fn
@@ -331,7 +363,7 @@ def _tasks_of(name):
   if name == 'one':
     return [(None, 0)]
   tasks = [('chief', 0), ('worker', 0)]
-  return tasks + [('ps', 0)] if name == 'async_ps' else tasks
+  return tasks + [('ps', 0)] if name.startswith('async') else tasks
 
 
 def _start(command, env, log_path):
@@ -369,12 +401,17 @@ def run_config(name, args, work_dir):
   # Per task: the global batch split over the training tasks; async_ps
   # then counts one worker's batch per global step.
   batch = args.global_batch // training
-  towers = {'one': 4, 'mwms': 1, 'sync_1tower': 1}.get(name, 2)
-  per_update = batch if name == 'async_ps' else args.global_batch
-  updates_per_batch = training if name == 'async_ps' else 1
+  towers = {'one': 4, 'mwms': 1, 'mwms_shared': 1,
+            'sync_1tower': 1}.get(name, 2)
+  # As trainer.cluster starts tasks on one machine: each its share.
+  threads = 0 if name in _TF_THREADS else core_share.threads_per_task(
+      training, core_share.machine_cores())
+  per_update = batch if name.startswith('async') else args.global_batch
+  updates_per_batch = training if name.startswith('async') else 1
   model_dir = tempfile.mkdtemp(prefix=f'{name}_', dir=work_dir)
   result = os.path.join(model_dir, 'window.json')
   spec = {'config': name, 'batch': batch, 'towers': towers,
+          'threads': threads,
           'model_dir': model_dir, 'result': result,
           'skip': args.skip * updates_per_batch,
           'steps': args.steps * updates_per_batch,
@@ -409,7 +446,7 @@ def run_config(name, args, work_dir):
   with open(result) as f:
     window = json.load(f)
   row = _summarise(window, roles, per_update,
-                   1 if name == 'async_ps' else training)
+                   1 if name.startswith('async') else training)
   if args.trace:
     import step_trace  # pylint: disable=g-import-not-at-top
     row['traces'] = {

@@ -6,7 +6,9 @@
 Starts a chief, `--workers` more workers, `--ps` parameter servers and an
 evaluator, each `python -m trainer.task` with the flags after `--` and its
 own TF_CONFIG, exactly as Vertex AI or a Kubeflow TFJob would; logs go to
-<job-dir>/logs/<task>.log. With `--ps=0` the chief and workers train
+<job-dir>/logs/<task>.log. The tasks share this machine's cores: each gets
+thread pools of its share (core_share), unless the flags after `--` say
+otherwise. With `--ps=0` the chief and workers train
 synchronously (see docs/cluster.md). It is for trying a cluster on one
 machine and for the tests: TensorFlow's distributed runtime does the real
 work.
@@ -25,6 +27,7 @@ from absl import flags
 from absl import logging
 
 from trainer import cli
+from trainer.cluster import core_share
 from trainer.cluster import launch as cluster_launch
 from trainer.cluster import private_network
 
@@ -46,13 +49,16 @@ cli.define(flags.DEFINE_float, 'grace-secs', 10.0,
            lower_bound=0.0)
 
 
-def _task_args(argv):
-  """Flags for every task: those after `--`, plus the shared job dir."""
+def _task_args(argv, training_tasks: int, cores: int):
+  """Flags for every task: the shared job dir, each task's share of the
+  cores (core_share: before the user's flags, which override it), then
+  those after `--`."""
   extra = list(argv[1:])
   for arg in extra:
     if arg.startswith(('--job-dir', '--job_dir')):
       raise ValueError('Give --job-dir to trainer.cluster, not after --.')
-  return [f'--job-dir={cli.value("job-dir")}', *extra]
+  return [f'--job-dir={cli.value("job-dir")}',
+          *core_share.default_flags(training_tasks, cores), *extra]
 
 
 def run(argv) -> None:
@@ -70,8 +76,16 @@ def run(argv) -> None:
   tasks = cluster_launch.make_tasks(spec, cli.value('evaluator'), log_dir)
   logging.info('Cluster %s (%s) in network namespace with interfaces %s',
                spec, _mode(spec), private_network.interfaces())
+  training_tasks = 1 + cli.value('workers')
+  cores = core_share.machine_cores()
+  threads = core_share.threads_per_task(training_tasks, cores)
+  logging.info('%d training task(s) share %d core(s): each task runs %d '
+               'inter-op and %d intra-op thread(s) (--inter-op-threads and '
+               '--intra-op-threads after -- choose others).',
+               training_tasks, cores, threads, threads)
   supervisor = cluster_launch.Supervisor(
-      tasks, _task_args(argv), cli.value('max-restarts'),
+      tasks, _task_args(argv, training_tasks, cores),
+      cli.value('max-restarts'),
       os.path.join(log_dir, 'cluster.json'), cli.value('grace-secs'),
       restart_together=cluster_launch.is_synchronous(spec), echo=True)
   supervisor.run()
