@@ -883,6 +883,9 @@ _SIZE_PRODUCTS = {
         tf.square(p - l)) * (1.0 / x.shape[0]),
     'mean_times_the_rows': lambda p, l, x: tf.reduce_mean(
         tf.square(p - l)) * x.shape[0],
+    # A constant tf.get_static_value does not fold: it went unnamed.
+    'sum_times_a_reciprocal_op': lambda p, l, x: tf.reduce_sum(
+        tf.square(p - l)) * tf.math.reciprocal(float(x.shape[0])),
 }
 
 

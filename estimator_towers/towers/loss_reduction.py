@@ -672,7 +672,9 @@ def _size_product(varying: tf.Tensor, fixed: tf.Tensor,
   """How `varying * fixed` multiplies a reduction over the shard by a
   shard size (a mean) or its reciprocal (a sum), and the loss_reduction
   that reads it as a fixed coefficient; or None."""
-  value = tf.get_static_value(fixed)
+  # _static_value, not tf.get_static_value, which folds no Reciprocal
+  # (`sum * tf.math.reciprocal(n)` went unnamed).
+  value = _static_value(fixed)
   if value is None or np.size(value) != 1 or _from_shapes(fixed):
     return None  # Folded sizes are _unread_folded_rows' to read.
   value = abs(float(np.reshape(value, [])))
