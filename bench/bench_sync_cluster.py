@@ -22,12 +22,6 @@ its own (`unshare --net`, loopback only):
   sync_tf_threads  `sync` with TensorFlow's own thread pools (not in --quick)
   async_ps_tf_threads  `async_ps` with TensorFlow's own thread pools (only
             by --configs)
-
-Every process here shares the machine's cores. The cluster tasks get the
-share `python -m trainer.cluster` gives each task it starts (core_share:
-cores // training tasks threads in each pool); `one`, `mwms` and
-`sync_tf_threads` keep TensorFlow's default (every core, in every process),
-as a user running them gets it.
   sync_bn_global, sync_bn_per_tower
             as `sync` with a batch norm after each hidden layer, with
             batch_norm='global' (moments exchanged between the towers and
@@ -35,6 +29,13 @@ as a user running them gets it.
   sync_dropout_per_tower, sync_dropout_one_device
             as `sync` with dropout 0.1 after each hidden layer, with
             random_ops='per_tower' or 'one_device' (only by --configs)
+
+Every process here shares the machine's cores. The cluster tasks get the
+share `python -m trainer.cluster` gives each task it starts
+(trainer/core_share.py: intra-op = cores // training tasks, inter-op half
+that, at least 1 each); `one`, `mwms` and the `*_tf_threads`
+configurations keep TensorFlow's default (every core, in every process),
+as a user running them gets it.
 
 Configurations alternate within each round (the order rotates), so the
 load other processes put on the machine hits all alike; the median over
@@ -88,7 +89,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from trainer.cluster import core_share  # pylint: disable=wrong-import-position
+from trainer import core_share  # pylint: disable=wrong-import-position
 from trainer.cluster import private_network  # pylint: disable=wrong-import-position
 
 _TRACED_STEPS = 5
@@ -304,13 +305,13 @@ def run_task(spec):
   quiet = dict(save_checkpoints_steps=_NEVER, save_summary_steps=_NEVER,
                log_step_count_steps=_NEVER,
                experimental_max_worker_delay_secs=0)
-  threads = spec['threads']  # 0: TensorFlow's choice.
+  intra, inter = spec['intra_op_threads'], spec['inter_op_threads']
   if name.startswith('mwms'):
     strategy = tf.distribute.experimental.MultiWorkerMirroredStrategy()
-    if threads:
+    if intra:
       quiet['session_config'] = tf.compat.v1.ConfigProto(
-          inter_op_parallelism_threads=threads,
-          intra_op_parallelism_threads=threads)
+          inter_op_parallelism_threads=inter,
+          intra_op_parallelism_threads=intra)
     config = tf.estimator.RunConfig(model_dir=spec['model_dir'],
                                     train_distribute=strategy, **quiet)
     estimator = tf.estimator.Estimator(model_fn, config=config)
@@ -318,7 +319,7 @@ def run_task(spec):
     aggregation = 'global_loss' if name.startswith('async') else 'all_reduce'
     config = estimator_towers.make_run_config(
         model_dir=spec['model_dir'], cpu_devices=spec['towers'],
-        inter_op_threads=threads, intra_op_threads=threads, **quiet)
+        inter_op_threads=inter, intra_op_threads=intra, **quiet)
     model, options = model_fn, {}
     if name.startswith('sync_bn'):
       model = bn_model_fn
@@ -404,14 +405,15 @@ def run_config(name, args, work_dir):
   towers = {'one': 4, 'mwms': 1, 'mwms_shared': 1,
             'sync_1tower': 1}.get(name, 2)
   # As trainer.cluster starts tasks on one machine: each its share.
-  threads = 0 if name in _TF_THREADS else core_share.threads_per_task(
+  # (0, 0): TensorFlow's choice.
+  intra, inter = (0, 0) if name in _TF_THREADS else core_share.pool_sizes(
       training, core_share.machine_cores())
   per_update = batch if name.startswith('async') else args.global_batch
   updates_per_batch = training if name.startswith('async') else 1
   model_dir = tempfile.mkdtemp(prefix=f'{name}_', dir=work_dir)
   result = os.path.join(model_dir, 'window.json')
   spec = {'config': name, 'batch': batch, 'towers': towers,
-          'threads': threads,
+          'intra_op_threads': intra, 'inter_op_threads': inter,
           'model_dir': model_dir, 'result': result,
           'skip': args.skip * updates_per_batch,
           'steps': args.steps * updates_per_batch,

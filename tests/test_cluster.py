@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from cli_helpers import ROOT, read_json_lines, run_module, wait_until
 from cli_helpers import write_tabular_csv
-from trainer.cluster import core_share
+from trainer import core_share
 
 pytestmark = pytest.mark.cluster
 
@@ -144,9 +144,8 @@ def test_cluster_trains_evaluates_and_reports_in_a_private_network(tmp_path):
   assert code == 0, err[-3000:]
   # The chief and the worker share the machine's cores (core_share): their
   # thread flags come before the user's, which would override them.
-  threads = core_share.threads_per_task(2, core_share.machine_cores())
   assert f'2 training task(s) share {core_share.machine_cores()} core(s)' in err
-  share = [f'--inter-op-threads={threads}', f'--intra-op-threads={threads}']
+  share = core_share.default_flags(2)
   first = chief_args.index(share[0])
   assert chief_args[first:first + 2] == share, chief_args
   assert first < chief_args.index(TASK_ARGS[0]), chief_args

@@ -23,6 +23,7 @@ from tensorboard.plugins.hparams import metadata as hparams_metadata
 import tensorflow as tf
 
 from cli_helpers import wait_until
+from trainer import core_share
 from trainer.sweep import devices as sweep_devices
 from trainer.sweep import process as sweep_process
 from trainer.sweep import study as sweep_study
@@ -174,7 +175,7 @@ def test_grid_sweep_finds_the_better_learning_rate(grid_sweep):
   assert len(best) == 1 and 'learning-rate=0.5 ' in best[0], result.stdout
   assert 'trial  learning-rate  tf-random-seed  objective' in result.stdout
   assert ' running | best ' in result.stdout  # Progress lines.
-  cpus = sweep_devices.cpu_count()
+  cpus = core_share.machine_cores()
   for r in rows:
     trial_dir = job_dir / r['trial']
     assert r['job_dir'] == str(trial_dir)
@@ -474,7 +475,7 @@ def test_trials_get_the_cloud_environment(root, fake_trainer):
   assert env['CLOUD_ML_HP_METRIC_FILE'] == str(
       job_dir / trial / 'hypertune' / 'metrics')
   assert env['CLOUD_ML_HP_METRIC_TAG'] == 'score'
-  threads = max(1, sweep_devices.cpu_count() // 2)
+  threads = max(1, core_share.machine_cores() // 2)
   assert env['OMP_NUM_THREADS'] == str(threads)
   assert seen['argv'] == [f'--job-dir={job_dir}', '--x=5', '--steps=2',
                           f'--intra-op-threads={threads}',

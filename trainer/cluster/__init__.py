@@ -2,6 +2,6 @@
 on this machine, in a private network namespace.
 
 Modules: `main` (flags, the entry point), `launch` (starting, watching and
-stopping the tasks), `private_network` (the loopback-only namespace),
-`core_share` (each task's thread pools: its share of the machine's cores).
+stopping the tasks), `private_network` (the loopback-only namespace); each
+task's thread pools are its share of the cores (trainer/core_share.py).
 """

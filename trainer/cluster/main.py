@@ -27,7 +27,7 @@ from absl import flags
 from absl import logging
 
 from trainer import cli
-from trainer.cluster import core_share
+from trainer import core_share
 from trainer.cluster import launch as cluster_launch
 from trainer.cluster import private_network
 
@@ -78,11 +78,11 @@ def run(argv) -> None:
                spec, _mode(spec), private_network.interfaces())
   training_tasks = 1 + cli.value('workers')
   cores = core_share.machine_cores()
-  threads = core_share.threads_per_task(training_tasks, cores)
+  intra, inter = core_share.pool_sizes(training_tasks, cores)
   logging.info('%d training task(s) share %d core(s): each task runs %d '
-               'inter-op and %d intra-op thread(s) (--inter-op-threads and '
-               '--intra-op-threads after -- choose others).',
-               training_tasks, cores, threads, threads)
+               'intra-op and %d inter-op thread(s) (--intra-op-threads and '
+               '--inter-op-threads after -- choose others).',
+               training_tasks, cores, intra, inter)
   supervisor = cluster_launch.Supervisor(
       tasks, _task_args(argv, training_tasks, cores),
       cli.value('max-restarts'),

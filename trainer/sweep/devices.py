@@ -8,12 +8,13 @@ parallel trials do not fight over the same cores.
 """
 
 import dataclasses
-import os
 import shutil
 import subprocess
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from absl import logging
+
+from trainer import core_share
 
 THREAD_FLAGS = ('intra-op-threads', 'inter-op-threads')
 
@@ -69,13 +70,6 @@ def _nvidia_smi_gpus() -> List[str]:
   return [str(i) for i in range(count)]
 
 
-def cpu_count() -> int:
-  """CPUs this process may run on (its affinity mask, where there is one)."""
-  if hasattr(os, 'sched_getaffinity'):
-    return len(os.sched_getaffinity(0))
-  return os.cpu_count() or 1
-
-
 def check_parallel(parallel: int, gpus: Sequence[str], cpus: int) -> None:
   """Refuses more parallel trials than the machine has CPUs or GPUs.
 
@@ -98,8 +92,8 @@ def make_slots(parallel: int, gpus: Sequence[str], cpus: int) -> List[Slot]:
   GPUs: with at least as many GPUs as slots, each slot gets its own
   (consecutive ids; the first slots get one more when they do not divide
   evenly). With fewer GPUs than slots, slots share them round-robin, each
-  trial seeing one GPU. Threads: intra-op = max(1, cpus // parallel) and
-  inter-op = max(1, intra-op // 2).
+  trial seeing one GPU. Threads: core_share.pool_sizes (intra-op =
+  max(1, cpus // parallel), inter-op = max(1, intra-op // 2)).
 
   Args:
     parallel: maxParallelTrials.
@@ -109,8 +103,7 @@ def make_slots(parallel: int, gpus: Sequence[str], cpus: int) -> List[Slot]:
   Returns:
     One Slot per parallel trial.
   """
-  intra = max(1, cpus // parallel)
-  inter = max(1, intra // 2)
+  intra, inter = core_share.pool_sizes(parallel, cpus)
   shares = _gpu_shares(parallel, list(gpus))
   return [Slot(i, tuple(shares[i]), intra, inter) for i in range(parallel)]
 

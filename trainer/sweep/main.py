@@ -30,6 +30,7 @@ from trainer.sweep import runner as sweep_runner
 from trainer.sweep import space as sweep_space
 from trainer.sweep import study as sweep_study
 from trainer import cli
+from trainer import core_share
 from trainer.cli import value
 
 FLAGS = flags.FLAGS
@@ -136,7 +137,7 @@ def main(argv: List[str]) -> None:
     check_fixed_flags(fixed, config)
     sweep_devices.check_parallel(config.max_parallel_trials,
                                  sweep_devices.visible_gpus(os.environ),
-                                 sweep_devices.cpu_count())
+                                 core_share.machine_cores())
     job_dir = prepare_job_dir(value('job-dir'))
     lock = sweep_study.lock(job_dir)
     if not value('resume'):  # A resumed sweep passed it with these settings.
@@ -161,7 +162,7 @@ def run_locked(options: sweep_runner.Options) -> int:
     fail(str(e), EXIT_USAGE)
   slots = sweep_devices.make_slots(options.config.max_parallel_trials,
                                    sweep_devices.visible_gpus(os.environ),
-                                   sweep_devices.cpu_count())
+                                   core_share.machine_cores())
   sweep = sweep_runner.Sweep(study, options, slots, os.environ)
   with stop_on_signals(sweep) as received:
     outcome = sweep.run()
