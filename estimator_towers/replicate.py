@@ -522,13 +522,16 @@ class _TowerBuilder:
       return spec
     if self._mode == ModeKeys.EVAL:
       return self._merge_eval(step, specs)
-    batch_mixing.check_predictions(specs[0].predictions, split.shard(0),
-                                   self._towers.start(0),
-                                   self._batch_norm == 'per_tower')
+    first_rows = batch_mixing.check_predictions(
+        specs[0].predictions, split.shard(0), self._towers.start(0),
+        self._batch_norm == 'per_tower', global_rows=split.global_rows)
     depends = [reduction_lib.ExampleDependence(
         split.shard(i), self._towers.start(i)) for i in range(len(specs))]
-    return self._finish_tpu_spec(
-        spec_merge.merge_predict(specs, split.rows, depends), split)
+    spec = spec_merge.merge_predict(specs, split.rows, depends)
+    if first_rows:
+      spec = spec._replace(predictions=batch_mixing.guard_first_rows(
+          spec.predictions, first_rows, tf.reduce_sum(split.sizes)))
+    return self._finish_tpu_spec(spec, split)
 
   # --------------------------------------------------------------------------
   # Phases.

@@ -101,7 +101,14 @@ class _Mixing(Exception):
 
 
 class _Subset(_Mixing):
-  """An op that keeps some of the rows, chosen by their position."""
+  """An op that keeps some of the rows, chosen by their position; `kept`:
+  the number of first rows it keeps, when a written constant says (`[:6]`,
+  `tf.slice(x, [0, 0], [6, -1])`), else None."""
+
+  def __init__(self, op: tf.Operation, what: str,
+               kept: Optional[int] = None):
+    super().__init__(op, what)
+    self.kept = kept
 
 
 class _Reordered(_Mixing):
@@ -194,12 +201,20 @@ def _capitalized(phrase: str) -> str:
 
 
 def check_predictions(predictions, shard, since: op_ledger.Mark,
-                      per_tower_batch_norm: bool = False) -> None:
-  """Refuses PREDICT predictions computed with a statistic of the shard.
+                      per_tower_batch_norm: bool = False,
+                      global_rows: Optional[int] = None) -> Dict[str, int]:
+  """Refuses PREDICT predictions computed with a statistic of the shard,
+  or of the first rows of a static batch; names those of the first rows of
+  a batch of unknown size.
 
   A batch-norm layer called with training=True normalises each tower's
   shard with the shard's moments (predictions up to 1.8 off one device's,
-  silently); so would a softmax over the examples.
+  silently); so would a softmax over the examples. A slice of the rows to a
+  written end at or past a shard's rows but short of the batch's (`h[:6]`
+  of 4-row shards of a batch of 8) keeps every row of each shard: the
+  merged predictions had the batch's 8 rows where one device has 6. Where
+  the batch's size is known only at run time, such a slice is returned,
+  for `guard_first_rows` to check when the step runs.
 
   Args:
     predictions: The tower's predictions (a Tensor or a dict of them).
@@ -207,12 +222,18 @@ def check_predictions(predictions, shard, since: op_ledger.Mark,
     since: The mark taken before the tower's model_fn call.
     per_tower_batch_norm: Whether batch_norm='per_tower' accepts each
       shard's batch-norm moments.
+    global_rows: See `check_loss`.
+
+  Returns:
+    {prediction name: the first rows it keeps by a written number}, for a
+    batch of unknown size.
 
   Raises:
     ValueError: a prediction is computed from such a mix.
   """
   named = (predictions.items() if isinstance(predictions, dict)
            else [('predictions', predictions)])
+  first_rows = {}
   for name, tensor in named:
     if not isinstance(tensor, tf.Tensor):
       continue
@@ -227,7 +248,8 @@ def check_predictions(predictions, shard, since: op_ledger.Mark,
     # Statistics only: a prediction of some rows or pairs of rows (BERT's
     # first token of each example, [:, 0]) is read by row position, which
     # a shard of one static row makes ambiguous, and the row check sees
-    # each tower's rows when the step runs.
+    # each tower's rows when the step runs (which a slice keeping a whole
+    # shard passes: first rows below).
     if found is not None and found.kind == 'statistic':
       op, what = found
       raise ValueError(
@@ -236,6 +258,69 @@ def check_predictions(predictions, shard, since: op_ledger.Mark,
           'whole batch; each tower would over its own shard. '
           f'{_capitalized(_batch_norm_remedy(False))}; otherwise predict '
           'on one device.')
+    kept = getattr(found, 'kept', None)
+    if found is not None and found.kind == 'subset' and kept is not None:
+      first_rows[name] = kept
+    if found is None and global_rows is not None:
+      _refuse_first_rows(name, tensor, shard, since, per_tower_batch_norm,
+                         global_rows)
+  return first_rows
+
+
+def _refuse_first_rows(name: str, tensor: tf.Tensor, shard,
+                       since: op_ledger.Mark, per_tower_batch_norm: bool,
+                       global_rows: int) -> None:
+  """Refuses a prediction keeping a static batch's first rows by a written
+  number that keeps every row of a shard. Only the batch's static rows tell
+  such a slice from one of every row (which the walk without them passes):
+  what the walk with them finds is that slice."""
+  short = mixing_op(tensor, shard, since, per_tower_batch_norm,
+                    global_rows=global_rows)
+  if short is None or short.kind != 'subset':
+    return
+  op, what = short
+  raise ValueError(
+      f'The prediction {name!r} keeps the first rows of its batch by a '
+      f'written number: {op.type} {op.name!r} {what}. It keeps every row '
+      "of each tower's shard, so the towers would predict more rows than "
+      f'one device does of the batch of {global_rows}. Slice the rows in '
+      'the input_fn or after predicting, or predict on one device.')
+
+
+def guard_first_rows(predictions, first_rows: Dict[str, int],
+                     batch_rows: tf.Tensor):
+  """`predictions` with a run-time check on each of `first_rows`.
+
+  A prediction keeping the first `kept` rows of a batch whose size the
+  graph does not know keeps every row of a shard of at most `kept` rows:
+  the towers then predict more rows than one device, unless `kept` covers
+  the whole batch (a fewer-row shard is caught by the merge's row check).
+
+  Args:
+    predictions: The merged predictions (a Tensor or a dict of them).
+    first_rows: `check_predictions`' result.
+    batch_rows: The batch's number of rows.
+
+  Returns:
+    The predictions, each of `first_rows` failing at run time on a batch
+    of more rows than it keeps.
+  """
+  def guarded(name, tensor):
+    kept = first_rows[name]
+    check = tf.debugging.Assert(
+        tf.greater_equal(tf.cast(kept, batch_rows.dtype), batch_rows), [
+            f'The prediction {name!r} keeps the first {kept} rows of its '
+            'batch; each tower would keep its own shard\'s first rows and '
+            'predict more rows than one device does of this batch of',
+            batch_rows, 'rows. Slice the rows in the input_fn or after '
+            'predicting, or predict on one device.'])
+    with tf.control_dependencies([check]):
+      return tf.identity(tensor)
+
+  if not isinstance(predictions, dict):
+    return guarded('predictions', predictions)
+  return {name: guarded(name, tensor) if name in first_rows else tensor
+          for name, tensor in predictions.items()}
 
 
 class _Found(tuple):
@@ -326,7 +411,9 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
       order = _order(op, inputs, orders, product, positions)
     except _Subset as subset:
       if op in values:
-        return _Found(subset.op, subset.what, kind='subset')
+        found = _Found(subset.op, subset.what, kind='subset')
+        found.kept = subset.kept
+        return found
       outputs = [_NONE] * len(op.outputs)  # Only its shape is read.
       order = None
     except _Reordered as reordered:
@@ -938,8 +1025,9 @@ def _without_trailing_ones(dims: List[Optional[int]]) -> List[Optional[int]]:
   return dims
 
 
-def _subset(op: tf.Operation, what: str) -> _Subset:
-  return _Subset(op, what)
+def _subset(op: tf.Operation, what: str,
+            kept: Optional[int] = None) -> _Subset:
+  return _Subset(op, what, kept)
 
 
 def _strided(op: tf.Operation, axes: Axes, rank: int,
@@ -963,7 +1051,8 @@ def _strided(op: tf.Operation, axes: Axes, rank: int,
     else:
       if source in axes and not _full_range(op, i, source, global_rows):
         raise _subset(op, f'slices axis {source}, which indexes the '
-                      "tower's examples, to less than its full range")
+                      "tower's examples, to less than its full range",
+                      _first_rows(op, i))
       mapping[source] = target
       source, target = source + 1, target + 1
   for rest in range(source, rank):
@@ -989,6 +1078,20 @@ def _full_range(op: tf.Operation, i: int, axis: int,
   return bool(starts and ends)
 
 
+def _first_rows(op: tf.Operation, i: int) -> Optional[int]:
+  """How many first rows entry `i` of StridedSlice `op` keeps by a written
+  constant end (`[:6]`, `[0:6:1]`), or None (another start or stride, an
+  open or negative end, an end computed from shapes)."""
+  begin, end, strides = (_constant(t) for t in op.inputs[1:4])
+  if (begin is None or end is None or strides is None or
+      int(strides[i]) != 1 or op.get_attr('end_mask') & (1 << i) or
+      folded_shapes.computed_from(op.inputs[2])):
+    return None
+  if not (op.get_attr('begin_mask') & (1 << i) or int(begin[i]) == 0):
+    return None
+  return int(end[i]) if int(end[i]) > 0 else None
+
+
 def _short_of_the_batch(kept: int, written: tf.Tensor,
                         global_rows: Optional[int]) -> bool:
   """Whether a slice keeping the first `kept` rows (a shard's, or more)
@@ -1012,8 +1115,11 @@ def _check_slice(op: tf.Operation, axes: Axes,
         int(size[axis]) == -1 or (
             rows is not None and size[axis] == rows and
             not _short_of_the_batch(rows, op.inputs[2], global_rows))):
+      written = (int(size[axis]) if int(begin[axis]) == 0 and
+                 int(size[axis]) > 0 and
+                 not folded_shapes.computed_from(op.inputs[2]) else None)
       raise _subset(op, f'slices axis {axis}, which indexes the tower\'s '
-                    'examples, to less than its full range')
+                    'examples, to less than its full range', written)
 
 
 def _top_k(op: tf.Operation, axes: Axes) -> List[Axes]:
