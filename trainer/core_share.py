@@ -12,7 +12,7 @@ one OpenMP thread per process it starts.
 """
 
 import os
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 
 def machine_cores() -> int:
@@ -63,4 +63,11 @@ def default_flags(processes: int, cores: Optional[int] = None) -> List[str]:
   """
   intra, inter = pool_sizes(processes,
                             machine_cores() if cores is None else cores)
-  return [f'--inter-op-threads={inter}', f'--intra-op-threads={intra}']
+  return list(pool_flags(intra, inter).values())
+
+
+def pool_flags(intra: int, inter: int) -> Dict[str, str]:
+  """{flag name: the trainer.task flag} for pools of these sizes; the one
+  spelling of the thread flags the launchers pass."""
+  return {'inter-op-threads': f'--inter-op-threads={inter}',
+          'intra-op-threads': f'--intra-op-threads={intra}'}

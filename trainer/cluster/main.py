@@ -22,6 +22,7 @@ on all interfaces.
 import os
 import signal
 import sys
+from typing import Tuple
 
 from absl import flags
 from absl import logging
@@ -49,16 +50,16 @@ cli.define(flags.DEFINE_float, 'grace-secs', 10.0,
            lower_bound=0.0)
 
 
-def _task_args(argv, training_tasks: int, cores: int):
+def _task_args(argv, pools: Tuple[int, int]):
   """Flags for every task: the shared job dir, each task's share of the
-  cores (core_share: before the user's flags, which override it), then
-  those after `--`."""
+  cores (`pools`: intra-op and inter-op threads, before the user's flags,
+  which override them), then those after `--`."""
   extra = list(argv[1:])
   for arg in extra:
     if arg.startswith(('--job-dir', '--job_dir')):
       raise ValueError('Give --job-dir to trainer.cluster, not after --.')
   return [f'--job-dir={cli.value("job-dir")}',
-          *core_share.default_flags(training_tasks, cores), *extra]
+          *core_share.pool_flags(*pools).values(), *extra]
 
 
 def run(argv) -> None:
@@ -78,13 +79,13 @@ def run(argv) -> None:
                spec, _mode(spec), private_network.interfaces())
   training_tasks = 1 + cli.value('workers')
   cores = core_share.machine_cores()
-  intra, inter = core_share.pool_sizes(training_tasks, cores)
-  logging.info('%d training task(s) share %d core(s): each task runs %d '
-               'intra-op and %d inter-op thread(s) (--intra-op-threads and '
-               '--inter-op-threads after -- choose others).',
-               training_tasks, cores, intra, inter)
+  pools = core_share.pool_sizes(training_tasks, cores)
+  logging.info('%d training task(s) share %d core(s): by default each task '
+               'runs %d intra-op and %d inter-op thread(s) '
+               '(--intra-op-threads and --inter-op-threads after -- choose '
+               'others).', training_tasks, cores, *pools)
   supervisor = cluster_launch.Supervisor(
-      tasks, _task_args(argv, training_tasks, cores),
+      tasks, _task_args(argv, pools),
       cli.value('max-restarts'),
       os.path.join(log_dir, 'cluster.json'), cli.value('grace-secs'),
       restart_together=cluster_launch.is_synchronous(spec), echo=True)

@@ -134,10 +134,8 @@ def flags_set(fixed_flags: Sequence[str]) -> List[str]:
 def thread_flags(slot: Slot, fixed_flags: Sequence[str]) -> List[str]:
   """The thread-pool flags to add: those the fixed flags do not set."""
   present = set(flags_set(fixed_flags))
-  values = {'intra-op-threads': slot.intra_op_threads,
-            'inter-op-threads': slot.inter_op_threads}
-  return [f'--{name}={values[name]}' for name in THREAD_FLAGS
-          if name not in present]
+  flags = core_share.pool_flags(slot.intra_op_threads, slot.inter_op_threads)
+  return [flags[name] for name in THREAD_FLAGS if name not in present]
 
 
 def slot_env(slot: Slot, environ: Mapping[str, str],
