@@ -32,6 +32,7 @@ from estimator_towers.update import one_update
 from estimator_towers.graph import folded_shapes
 from estimator_towers.graph import op_ledger
 from estimator_towers.towers import optimizer_iterations
+from estimator_towers.towers import predicted_rows
 from estimator_towers.cluster import peer_watch
 from estimator_towers.towers import random_draws
 from estimator_towers.merge import saved_model_estimator
@@ -522,15 +523,16 @@ class _TowerBuilder:
       return spec
     if self._mode == ModeKeys.EVAL:
       return self._merge_eval(step, specs)
-    first_rows = batch_mixing.check_predictions(
-        specs[0].predictions, split.shard(0), self._towers.start(0),
-        self._batch_norm == 'per_tower', global_rows=split.global_rows)
+    first_rows = predicted_rows.check(
+        predicted_rows.outputs(specs[0]), split.shard(0),
+        self._towers.start(0), self._batch_norm == 'per_tower',
+        global_rows=split.global_rows)
     depends = [reduction_lib.ExampleDependence(
         split.shard(i), self._towers.start(i)) for i in range(len(specs))]
     spec = spec_merge.merge_predict(specs, split.rows, depends)
     if first_rows:
-      spec = spec._replace(predictions=batch_mixing.guard_first_rows(
-          spec.predictions, first_rows, tf.reduce_sum(split.sizes)))
+      spec = predicted_rows.guard(spec, first_rows,
+                                  tf.reduce_sum(split.sizes))
     return self._finish_tpu_spec(spec, split)
 
   # --------------------------------------------------------------------------

@@ -257,6 +257,12 @@ _SUBSETS = {
     'rows_weighted_by_position': (lambda p, l, x: tf.reduce_mean(tf.einsum(
         'i,ij->j', tf.cast(tf.range(tf.shape(p)[0]), tf.float32),
         _squares(p, l))), 'Einsum'),
+    # A mask of the first rows by position: each shard's first 3, silently.
+    'weights_of_positions': (lambda p, l, x: tf.reduce_mean(_squares(
+        p, l) * tf.cast(tf.range(tf.shape(p)[0]) < 3, tf.float32)[:, None]),
+                             'Less'),
+    'mask_of_positions': (lambda p, l, x: tf.reduce_mean(tf.boolean_mask(
+        _squares(p, l), tf.range(tf.shape(p)[0]) >= 1)), 'GreaterEqual'),
 }
 
 
@@ -442,111 +448,6 @@ def test_per_example_selections_train_as_one_device():
   for name, value in one.items():
     np.testing.assert_allclose(many[name], value, rtol=1e-5, atol=1e-6,
                                err_msg=name)
-
-
-def _batch_norm_predictions(training):
-
-  def model_fn(features, mode):
-    normalised = tf1.layers.batch_normalization(features['x'],
-                                                training=training)
-    return tf.estimator.EstimatorSpec(mode, predictions={
-        'scores': tf1.layers.dense(normalised, 1,
-                                   kernel_initializer=seeded(1))})
-
-  return model_fn
-
-
-def test_predictions_from_the_shards_batch_statistics_are_refused():
-  # Batch norm with training=True normalised each shard with its own
-  # moments in PREDICT: predictions 1.1-1.8 off one device's, silently.
-  with pytest.raises(ValueError, match=r"(?s)The prediction 'scores' is "
-                     'computed from its batch as a whole.*training=False'):
-    build_replicated(_batch_norm_predictions(True), 2, mode=ModeKeys.PREDICT,
-                     with_labels=False)
-  build_replicated(_batch_norm_predictions(False), 2, mode=ModeKeys.PREDICT,
-                   with_labels=False)
-
-
-def _sliced_predictions(rows):
-
-  def model_fn(features, mode):
-    h = tf1.layers.dense(features['x'], 1, kernel_initializer=seeded(1))
-    return tf.estimator.EstimatorSpec(mode, predictions={'h': rows(h)})
-
-  return model_fn
-
-
-@pytest.mark.parametrize('rows', [
-    lambda h: h[:5], lambda h: h[:7], lambda h: tf.slice(h, [0, 0], [5, -1])],
-                         ids=['a_shards_rows', 'beyond_a_shard', 'tf_slice'])
-def test_predictions_of_the_first_rows_of_a_static_batch_are_refused(rows):
-  # Every row of each 5-row shard, some of one device's batch of 10: the
-  # towers predicted 10 rows where one device predicts 5-7, silently
-  # (a batch of 8 to [:6]: 16 predictions for one device's 12).
-  with pytest.raises(ValueError, match=r"The prediction 'h' keeps the first "
-                     r'rows of its batch by a written number: .*batch of 10'):
-    build_replicated(_sliced_predictions(rows), 2, mode=ModeKeys.PREDICT,
-                     with_labels=False)
-
-
-@pytest.mark.parametrize('rows', [
-    lambda h: h[:10], lambda h: h[:1000], lambda h: h[:tf.shape(h)[0]],
-    lambda h: h[:, :1]], ids=['the_batchs_rows', 'beyond', 'own_rows',
-                              'a_column'])
-def test_predictions_of_every_row_build(rows):
-  build_replicated(_sliced_predictions(rows), 2, mode=ModeKeys.PREDICT,
-                   with_labels=False)
-
-
-def _predicted_rows(rows):
-  """The rows of the merged prediction of a batch of 10 whose size the
-  graph does not know, on 2 towers."""
-  graph, spec = build_replicated(_sliced_predictions(rows), 2,
-                                 mode=ModeKeys.PREDICT, with_labels=False,
-                                 static_batch=False)
-  with graph.as_default(), tf1.Session(
-      config=trainer.make_run_config(cpu_devices=2).session_config) as s:
-    s.run(tf1.global_variables_initializer())
-    return len(s.run(spec.predictions['h']))
-
-
-@pytest.mark.parametrize('rows', [
-    lambda h: h[:6], lambda h: tf.slice(h, [0, 0], [5, -1])],
-                         ids=['strided', 'tf_slice'])
-def test_the_first_rows_of_a_batch_of_unknown_size_fail_when_run(rows):
-  # 5-row shards kept whole: 10 predictions where one device makes 6,
-  # silently. The graph cannot tell [:6] from [:1000] (every row), so the
-  # step checks the batch's rows.
-  # (TensorFlow's message escapes the quotes around the name.)
-  with pytest.raises(tf.errors.InvalidArgumentError, match=r"(?s)The "
-                     r"prediction \W*h\W* keeps the first [56] rows of its "
-                     r"batch.*\[10\] \[rows\. Slice the rows"):
-    _predicted_rows(rows)
-
-
-def test_the_first_rows_of_a_whole_batch_of_unknown_size_run():
-  assert _predicted_rows(lambda h: h[:1000]) == 10
-  assert _predicted_rows(lambda h: h[:10]) == 10
-
-
-_POSITIONS = {
-    'range': lambda h: tf.range(tf.shape(h)[0]),
-    'shifted': lambda h: tf.cast(tf.range(tf.shape(h)[0]), tf.float32) + 1.0,
-}
-
-
-@pytest.mark.parametrize('case', sorted(_POSITIONS))
-def test_a_prediction_of_each_examples_position_is_refused(case):
-  # tf.range over the batch's rows: each tower numbered its own shard from
-  # 0 ([0 1 0 1] on 2 towers, one device [0 1 2 3]), silently.
-  def model_fn(features, mode):
-    h = tf1.layers.dense(features['x'], 1, kernel_initializer=seeded(1))
-    return tf.estimator.EstimatorSpec(mode, predictions={
-        'h': h, 'position': _POSITIONS[case](h)})
-
-  with pytest.raises(ValueError, match=r"The prediction 'position' numbers "
-                     'the examples of its batch by their position'):
-    build_replicated(model_fn, 2, mode=ModeKeys.PREDICT, with_labels=False)
 
 
 def test_an_eval_loss_from_batch_statistics_names_the_eval_remedy():

@@ -23,7 +23,9 @@ within an example, [batch, heads, seq, seq]) keeps them apart.
 It also refuses a loss that keeps a subset of the shard's rows chosen by
 position: a slice of a row axis other than its full range (`sq[:-1]`,
 `p[1:] - p[:-1]`, `x[0]`), a `tf.gather` along a row axis, a `top_k` over
-one. Each shard drops or pairs its own rows, not the batch's. A
+one, a mask or weight comparing the rows' positions with a number
+(`tf.range(n) < 6`). Each shard drops or pairs its own rows, not the
+batch's. A
 `tf.boolean_mask` (a gather at the rows a per-example mask picks) and a
 full sort stay per example. A reversal, roll,
 shuffle or sort of a row axis reorders the rows: a tensor in that order
@@ -196,133 +198,6 @@ def _batch_norm_remedy(training: bool) -> str:
           'PREDICT (their moving statistics)')
 
 
-def _capitalized(phrase: str) -> str:
-  return phrase[:1].upper() + phrase[1:]
-
-
-def check_predictions(predictions, shard, since: op_ledger.Mark,
-                      per_tower_batch_norm: bool = False,
-                      global_rows: Optional[int] = None) -> Dict[str, int]:
-  """Refuses PREDICT predictions computed with a statistic of the shard,
-  or of the first rows of a static batch; names those of the first rows of
-  a batch of unknown size.
-
-  A batch-norm layer called with training=True normalises each tower's
-  shard with the shard's moments (predictions up to 1.8 off one device's,
-  silently); so would a softmax over the examples. A slice of the rows to a
-  written end at or past a shard's rows but short of the batch's (`h[:6]`
-  of 4-row shards of a batch of 8) keeps every row of each shard: the
-  merged predictions had the batch's 8 rows where one device has 6. Where
-  the batch's size is known only at run time, such a slice is returned,
-  for `guard_first_rows` to check when the step runs.
-
-  Args:
-    predictions: The tower's predictions (a Tensor or a dict of them).
-    shard: The tower's features.
-    since: The mark taken before the tower's model_fn call.
-    per_tower_batch_norm: Whether batch_norm='per_tower' accepts each
-      shard's batch-norm moments.
-    global_rows: See `check_loss`.
-
-  Returns:
-    {prediction name: the first rows it keeps by a written number}, for a
-    batch of unknown size.
-
-  Raises:
-    ValueError: a prediction is computed from such a mix.
-  """
-  named = (predictions.items() if isinstance(predictions, dict)
-           else [('predictions', predictions)])
-  first_rows = {}
-  for name, tensor in named:
-    if not isinstance(tensor, tf.Tensor):
-      continue
-    found = mixing_op(tensor, shard, since, per_tower_batch_norm,
-                      report_positions=True)
-    if found is not None and found.kind == 'positions':
-      op, what = found
-      raise ValueError(
-          f'The prediction {name!r} {what} ({op.type} {op.name!r}): each '
-          'tower numbers its own shard from 0, one device the whole batch. '
-          'Pass the position in as a feature, or predict on one device.')
-    # Statistics only: a prediction of some rows or pairs of rows (BERT's
-    # first token of each example, [:, 0]) is read by row position, which
-    # a shard of one static row makes ambiguous, and the row check sees
-    # each tower's rows when the step runs (which a slice keeping a whole
-    # shard passes: first rows below).
-    if found is not None and found.kind == 'statistic':
-      op, what = found
-      raise ValueError(
-          f'The prediction {name!r} is computed from its batch as a whole: '
-          f'{op.type} {op.name!r} {what}. One device computes it over the '
-          'whole batch; each tower would over its own shard. '
-          f'{_capitalized(_batch_norm_remedy(False))}; otherwise predict '
-          'on one device.')
-    kept = getattr(found, 'kept', None)
-    if found is not None and found.kind == 'subset' and kept is not None:
-      first_rows[name] = kept
-    if found is None and global_rows is not None:
-      _refuse_first_rows(name, tensor, shard, since, per_tower_batch_norm,
-                         global_rows)
-  return first_rows
-
-
-def _refuse_first_rows(name: str, tensor: tf.Tensor, shard,
-                       since: op_ledger.Mark, per_tower_batch_norm: bool,
-                       global_rows: int) -> None:
-  """Refuses a prediction keeping a static batch's first rows by a written
-  number that keeps every row of a shard. Only the batch's static rows tell
-  such a slice from one of every row (which the walk without them passes):
-  what the walk with them finds is that slice."""
-  short = mixing_op(tensor, shard, since, per_tower_batch_norm,
-                    global_rows=global_rows)
-  if short is None or short.kind != 'subset':
-    return
-  op, what = short
-  raise ValueError(
-      f'The prediction {name!r} keeps the first rows of its batch by a '
-      f'written number: {op.type} {op.name!r} {what}. It keeps every row '
-      "of each tower's shard, so the towers would predict more rows than "
-      f'one device does of the batch of {global_rows}. Slice the rows in '
-      'the input_fn or after predicting, or predict on one device.')
-
-
-def guard_first_rows(predictions, first_rows: Dict[str, int],
-                     batch_rows: tf.Tensor):
-  """`predictions` with a run-time check on each of `first_rows`.
-
-  A prediction keeping the first `kept` rows of a batch whose size the
-  graph does not know keeps every row of a shard of at most `kept` rows:
-  the towers then predict more rows than one device, unless `kept` covers
-  the whole batch (a fewer-row shard is caught by the merge's row check).
-
-  Args:
-    predictions: The merged predictions (a Tensor or a dict of them).
-    first_rows: `check_predictions`' result.
-    batch_rows: The batch's number of rows.
-
-  Returns:
-    The predictions, each of `first_rows` failing at run time on a batch
-    of more rows than it keeps.
-  """
-  def guarded(name, tensor):
-    kept = first_rows[name]
-    check = tf.debugging.Assert(
-        tf.greater_equal(tf.cast(kept, batch_rows.dtype), batch_rows), [
-            f'The prediction {name!r} keeps the first {kept} rows of its '
-            'batch; each tower would keep its own shard\'s first rows and '
-            'predict more rows than one device does of this batch of',
-            batch_rows, 'rows. Slice the rows in the input_fn or after '
-            'predicting, or predict on one device.'])
-    with tf.control_dependencies([check]):
-      return tf.identity(tensor)
-
-  if not isinstance(predictions, dict):
-    return guarded('predictions', predictions)
-  return {name: guarded(name, tensor) if name in first_rows else tensor
-          for name, tensor in predictions.items()}
-
-
 class _Found(tuple):
   """(op, phrase): what `mixing_op` found; its `kind` is 'pairs' (two row
   axes in one tensor), 'subset' (some rows kept by position), 'reordered'
@@ -361,7 +236,9 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
     since: The mark taken before the tower's model_fn call.
     per_tower_batch_norm: See `check_loss`.
     report_positions: Also report a `tensor` that numbers the shard's rows by
-      their position (kind 'positions'): each tower numbers its own from 0.
+      their position (kind 'positions': each tower numbers its own from 0)
+      or holds them in another order (kind 'reordered': each tower reorders
+      its own shard), as a prediction must not.
     rows_of: Filled with the row axes of each tensor the walk met (see
       `row_axes`).
     global_rows: See `check_loss`.
@@ -384,8 +261,8 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
   values = _value_ancestors(tensor.op, ops)
   # Tensors whose values depend on the shard's (not only on its shape).
   held = set(rows)
-  trail = shard_statistics.Trail(per_tower_batch_norm,
-                                 _static_rows(sharding.leaves(shard)),
+  shard_rows = _static_rows(sharding.leaves(shard))
+  trail = shard_statistics.Trail(per_tower_batch_norm, shard_rows,
                                  keras_masks.scalings(ops))
   # Positions in the shard's order (`tf.range` of its row count), which
   # rows in another order must not meet (a sorted batch weighted by rank).
@@ -402,12 +279,16 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
       first = next((numbered[t.name] for t in op.inputs
                     if t.name in numbered), op)
       numbered.update((t.name, first) for t in op.outputs)
+    if op in values and _compares_positions(op, inputs, positions):
+      return _Found(op, 'compares the positions of the examples in their '
+                    'batch with a number: a mask of rows by position',
+                    kind='subset')
     if not any(inputs):
       trail.follow(op, inputs, [_NONE] * len(op.outputs), inputs_held)
       continue
     try:
       product = _product(op, inputs, inputs_held)
-      outputs = _rule(op, inputs, product, global_rows)
+      outputs = _rule(op, inputs, product, global_rows, shard_rows)
       order = _order(op, inputs, orders, product, positions)
     except _Subset as subset:
       if op in values:
@@ -432,6 +313,10 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
   if report_positions and tensor.name in numbered:
     return _Found(numbered[tensor.name], 'numbers the examples of its '
                   'batch by their position', kind='positions')
+  order = orders.get(tensor.name)
+  if report_positions and order is not None and order != _ANY:
+    return _Found(tensor.op, f'puts the rows of its batch in another order '
+                  f'({_describe(order)})', kind='reordered')
   return None
 
 
@@ -503,6 +388,20 @@ def _numbers_positions(op: tf.Operation, trail, positions) -> bool:
     return trail.counts_rows(op.inputs[2])
   return op.type in _POSITION_ARITHMETIC and any(
       t.name in positions for t in op.inputs)
+
+
+_COMPARISONS = frozenset(['Less', 'LessEqual', 'Greater', 'GreaterEqual',
+                          'Equal', 'NotEqual'])
+
+
+def _compares_positions(op: tf.Operation, inputs: List[Axes],
+                        positions) -> bool:
+  """Whether `op` compares the shard's row positions with what holds no
+  row (`tf.range(n) < 6`, the first rows of each shard where one device
+  masks the batch's; positions against each example's own lengths, a
+  sequence mask, hold rows)."""
+  return (op.type in _COMPARISONS and not any(inputs) and
+          any(t.name in positions for t in op.inputs))
 
 
 def _joins_rows(op: tf.Operation, inputs: List[Axes]) -> bool:
@@ -581,9 +480,10 @@ def _value_ancestors(op: tf.Operation, ops) -> set:
 
 def _rule(op: tf.Operation, inputs: List[Axes],
           product: Optional['_Product'] = None,
-          global_rows: Optional[int] = None) -> Sequence[Axes]:
+          global_rows: Optional[int] = None,
+          shard_rows: Optional[int] = None) -> Sequence[Axes]:
   """The row axes of each of `op`'s outputs (empty where unknown);
-  `global_rows`: see `check_loss`."""
+  `global_rows`: see `check_loss`; `shard_rows`: the shard's static rows."""
   kind = op.type
   if kind == 'Slice':
     _check_slice(op, inputs[0], global_rows)
@@ -608,7 +508,7 @@ def _rule(op: tf.Operation, inputs: List[Axes],
     return [frozenset([0]) if 0 in inputs[0] else _NONE]
   if kind in ('Reshape', 'Squeeze', 'ExpandDims', 'Transpose',
               'StridedSlice'):
-    return [_reshaped(op, inputs[0], global_rows)]
+    return [_reshaped(op, inputs[0], global_rows, shard_rows)]
   if kind in ('Split', 'SplitV', 'Unpack', 'ConcatV2', 'Pack'):
     return _joined(op, inputs)
   if kind in ('Gather', 'GatherV2', 'ResourceGather'):
@@ -954,8 +854,12 @@ def _reduce(op: tf.Operation, axes: Axes) -> Axes:
 
 
 def _reshaped(op: tf.Operation, axes: Axes,
-              global_rows: Optional[int] = None) -> Axes:
-  """Reshape keeps the examples first; the others move their axes."""
+              global_rows: Optional[int] = None,
+              shard_rows: Optional[int] = None) -> Axes:
+  """Reshape keeps the examples first; the others move their axes. A
+  leading axis of 1 is the rows' when the shard has one row: BERT's
+  [rows * seq, width] back to [rows, seq, width] (read past it, the rows
+  became the sequence's axis and `[:, 0]` one row of them)."""
   source, result = op.inputs[0], op.outputs[0]
   rank, out = _rank(source), _rank(result)
   if rank is None or out is None:
@@ -963,7 +867,8 @@ def _reshaped(op: tf.Operation, axes: Axes,
   if op.type == 'Reshape':
     first = tf.compat.dimension_value(result.shape[0]) if out else None
     if 0 not in axes or out == 0 or (
-        first == 1 and tf.compat.dimension_value(source.shape[0]) != 1):
+        first == 1 and shard_rows != 1 and
+        tf.compat.dimension_value(source.shape[0]) != 1):
       return _past_ones(source, result, axes)
     return frozenset([0])
   if op.type == 'Transpose':

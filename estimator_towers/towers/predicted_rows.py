@@ -1,0 +1,191 @@
+"""Refuses PREDICT outputs whose rows are not one device's, row for row.
+
+The towers' predictions are merged by putting each tower's rows after the
+previous tower's. That is one device's prediction only when each row is
+computed from its own example: a prediction that keeps some rows chosen by
+their position (`h[:6]`, `tf.gather(h, [0, 1])`, `tf.boolean_mask(h,
+tf.range(n) < 6)`), puts them in another order (`tf.reverse(h, [0])`,
+`tf.roll`, `h[::-1]`, a concat of slices), pairs them (`h @ tf.transpose(h)`),
+numbers them (`tf.range(n)`) or combines them with a statistic of the
+batch (batch norm with training=True, a softmax over the examples) does it
+to each tower's shard, where one device does it to the batch. The merge's
+row check catches only a tower that returns another number of rows than it
+was fed, so such outputs were merged silently; here they are refused while
+the graph is built, the predictions and every export output alike (a
+SavedModel serves the export outputs).
+
+One slice stays ambiguous: the first rows kept by a written number where
+the batch's size is unknown (`h[:1000]` keeps every row of any batch of at
+most 1000; `h[:6]` of a batch of 8 keeps each 4-row shard whole). It runs,
+with a check that fails the step on a batch of more rows than it keeps.
+"""
+
+from typing import Dict, Optional
+
+import tensorflow as tf
+
+from estimator_towers.graph import op_ledger
+from estimator_towers.towers import batch_mixing
+
+_export = tf.estimator.export
+
+
+def outputs(spec) -> Dict[str, tf.Tensor]:
+  """The tensors of `spec`'s predictions and export outputs, by a name for
+  messages: 'p' for predictions['p'] ('predictions' for a lone tensor),
+  "export_outputs['serving_default']['p']" and the like."""
+  found = {}
+  predictions = spec.predictions
+  if isinstance(predictions, dict):
+    found.update(predictions)
+  elif predictions is not None:
+    found['predictions'] = predictions
+  for name, output in (spec.export_outputs or {}).items():
+    for part, tensor in _export_parts(output).items():
+      found[f'export_outputs[{name!r}]{part}'] = tensor
+  return {name: tensor for name, tensor in found.items()
+          if isinstance(tensor, tf.Tensor)}
+
+
+def _export_parts(output) -> Dict[str, Optional[tf.Tensor]]:
+  if isinstance(output, _export.PredictOutput):
+    return {f'[{key!r}]': tensor for key, tensor in output.outputs.items()}
+  if isinstance(output, _export.RegressionOutput):
+    return {'.value': output.value}
+  if isinstance(output, _export.ClassificationOutput):
+    return {'.scores': output.scores, '.classes': output.classes}
+  return {}  # merge_predict names any other kind.
+
+
+def check(named: Dict[str, tf.Tensor], shard, since: op_ledger.Mark,
+          per_tower_batch_norm: bool = False,
+          global_rows: Optional[int] = None) -> Dict[str, int]:
+  """Refuses outputs whose rows are not each computed from their example.
+
+  Args:
+    named: A tower's outputs, as `outputs` names them.
+    shard: The tower's features.
+    since: The mark taken before the tower's model_fn call.
+    per_tower_batch_norm: Whether batch_norm='per_tower' accepts each
+      shard's batch-norm moments.
+    global_rows: The batch's static number of rows, or None.
+
+  Returns:
+    {name: the first rows it keeps by a written number}, for a batch of
+    unknown size: `guard` checks them when the step runs.
+
+  Raises:
+    ValueError: an output's rows are picked, ordered, paired or numbered by
+      their position, or computed with a statistic of the batch.
+  """
+  first_rows = {}
+  for name, tensor in named.items():
+    found = batch_mixing.mixing_op(tensor, shard, since, per_tower_batch_norm,
+                                   report_positions=True,
+                                   global_rows=global_rows)
+    if found is None:
+      continue
+    kept = getattr(found, 'kept', None)
+    if found.kind == 'subset' and kept is not None and global_rows is None:
+      first_rows[name] = kept
+      continue
+    _refuse(name, found, global_rows)
+  return first_rows
+
+
+_ADVICE = ('Do it after predicting (on what estimator.predict returns), '
+           'pass what it needs in as a feature, or predict on one device.')
+
+
+def _refuse(name: str, found, global_rows: Optional[int]) -> None:
+  op, what = found
+  where = f'{op.type} {op.name!r} {what}'
+  if found.kind == 'statistic':
+    raise ValueError(
+        f'The prediction {name!r} is computed from its batch as a whole: '
+        f'{where}. One device computes it over the whole batch; each tower '
+        'would over its own shard. Call batch-norm layers with '
+        'training=False outside TRAIN (their moving statistics); otherwise '
+        'predict on one device.')
+  if found.kind == 'positions':
+    raise ValueError(
+        f'The prediction {name!r} {what} ({op.type} {op.name!r}): each '
+        'tower numbers its own shard from 0, one device the whole batch. '
+        'Pass the position in as a feature, or predict on one device.')
+  kept = getattr(found, 'kept', None)
+  if found.kind == 'subset' and kept is not None:
+    raise ValueError(
+        f'The prediction {name!r} keeps the first {kept} rows of its batch '
+        f'by a written number: {where}. Each tower has a shard of the batch '
+        f'of {global_rows} and keeps its own first rows, not the batch\'s. '
+        'A number read from a static shape (x.shape[0]) is the shard\'s '
+        'size on a tower: write tf.shape(x)[0] for every row. Otherwise '
+        'slice the rows after predicting, or predict on one device.')
+  doing = {'subset': 'keeps some rows of its batch by their position',
+           'reordered': 'orders the rows of its batch by their position',
+           'pairs': 'pairs the examples of its batch'}[found.kind]
+  raise ValueError(
+      f'The prediction {name!r} {doing}: {where}. Each tower would do that '
+      "to its own shard and the merged rows would not be one device's. "
+      + _ADVICE)
+
+
+def guard(spec, first_rows: Dict[str, int], batch_rows: tf.Tensor):
+  """`spec` whose outputs in `first_rows` fail on too large a batch.
+
+  An output keeping the first `kept` rows of a batch of unknown size keeps
+  every row of a shard of at most `kept` rows: one device's prediction
+  only when `kept` covers the whole batch (a shard of fewer rows than it
+  keeps is caught by the merge's row check).
+
+  Args:
+    spec: The merged PREDICT spec.
+    first_rows: `check`'s result, by `outputs`' names.
+    batch_rows: The batch's number of rows.
+
+  Returns:
+    `spec` with each of `first_rows` failing at run time on a batch of more
+    rows than it keeps.
+  """
+  def guarded(name, tensor):
+    kept = first_rows[name]
+    check_rows = tf.debugging.Assert(
+        tf.greater_equal(tf.cast(kept, batch_rows.dtype), batch_rows), [
+            f'The prediction {name!r} keeps the first {kept} rows of its '
+            'batch; each tower would keep its own shard\'s first rows and '
+            'predict more rows than one device does of this batch of',
+            batch_rows, 'rows. Slice the rows after predicting, or predict '
+            'on one device.'])
+    with tf.control_dependencies([check_rows]):
+      return tf.identity(tensor)
+
+  def each(name, tensor):
+    return guarded(name, tensor) if name in first_rows else tensor
+
+  predictions = spec.predictions
+  if isinstance(predictions, dict):
+    predictions = {k: each(k, t) for k, t in predictions.items()}
+  elif predictions is not None:
+    predictions = each('predictions', predictions)
+  export_outputs = spec.export_outputs
+  if export_outputs:
+    export_outputs = {name: _guarded_output(name, output, each)
+                      for name, output in export_outputs.items()}
+  return spec._replace(predictions=predictions, export_outputs=export_outputs)
+
+
+def _guarded_output(name: str, output, each):
+  prefix = f'export_outputs[{name!r}]'
+  if isinstance(output, _export.PredictOutput):
+    return _export.PredictOutput({
+        key: each(f'{prefix}[{key!r}]', tensor)
+        for key, tensor in output.outputs.items()})
+  if isinstance(output, _export.RegressionOutput):
+    return _export.RegressionOutput(each(f'{prefix}.value', output.value))
+  if isinstance(output, _export.ClassificationOutput):
+    scores, classes = output.scores, output.classes
+    return _export.ClassificationOutput(
+        scores=None if scores is None else each(f'{prefix}.scores', scores),
+        classes=None if classes is None else each(f'{prefix}.classes',
+                                                  classes))
+  return output
