@@ -52,6 +52,19 @@ _REFUSED = {
         _row_positions(h), tf.float32) + h[:, 0], 'numbers the examples'),
     'batch_mean': (lambda h: h - tf.reduce_mean(h, 0),
                    'is computed from its batch as a whole'),
+    # Adversary round 30: still silent after the rule above.
+    'where_of_a_column_of_positions': (lambda h: tf.where(
+        _row_positions(h)[:, None] < 6, h, 0.0), 'keeps some rows'),
+    'mean_row': (lambda h: tf.reduce_mean(h, 0, keepdims=True),
+                 'is computed from its batch as a whole'),
+    'tiled_mean': (lambda h: tf.tile(tf.reduce_mean(
+        h, 0, keepdims=True), [tf.shape(h)[0], 1]), 'is computed from its '
+                   'batch as a whole: Mean .* repeats in each row'),
+    'broadcast_max': (lambda h: tf.broadcast_to(tf.reduce_max(h, 0),
+                                                tf.shape(h)),
+                      'is computed from its batch as a whole'),
+    'zeros_plus_mean': (lambda h: tf.zeros_like(h) + tf.reduce_mean(h, 0),
+                        'is computed from its batch as a whole'),
 }
 # Refused when the batch's size is static: with a batch of unknown size
 # the first rows by a written number run with a check (see below).
@@ -62,6 +75,9 @@ _REFUSED_STATIC = {
     'tf_slice': (lambda h: tf.slice(h, [0, 0], [5, -1]),
                  'keeps the first 5 rows'),
     'first_rows_reversed': (lambda h: h[:6][::-1], 'keeps'),
+    # At most 6 rows: each shard kept whole (adversary round 30).
+    'at_most_first_rows': (lambda h: h[:tf.minimum(6, tf.shape(h)[0])],
+                           'keeps the first 6 rows'),
 }
 # One device's predictions, row for row, on towers.
 _PER_EXAMPLE = {
@@ -158,9 +174,10 @@ def test_per_example_predictions_are_one_devices(case, static_batch, towers):
   np.testing.assert_allclose(many['p'], one['p'], rtol=1e-6)
 
 
-@pytest.mark.parametrize('rows', [lambda h: h[:6],
-                                  lambda h: tf.slice(h, [0, 0], [5, -1])],
-                         ids=['strided', 'tf_slice'])
+@pytest.mark.parametrize('rows', [
+    lambda h: h[:6], lambda h: tf.slice(h, [0, 0], [5, -1]),
+    lambda h: h[:tf.minimum(6, tf.shape(h)[0])]],
+                         ids=['strided', 'tf_slice', 'at_most'])
 def test_first_rows_of_a_batch_of_unknown_size_fail_when_run(rows):
   # 5-row shards kept whole: 10 predictions where one device makes 5-6. The
   # graph cannot tell [:6] from [:1000] (every row): the step checks.

@@ -373,12 +373,12 @@ def test_predictions_not_one_row_per_example_fail_at_run_time(tmp_path, data):
   def model_fn(features, mode):
     logits = tf1.layers.dense(features['x'], 2)
     return tf.estimator.EstimatorSpec(
-        mode, predictions={'mean': tf.reduce_mean(logits, 0, keepdims=True)})
+        mode, predictions={'flat': tf.reshape(logits, [-1])})
 
   estimator = make_estimator(model_fn, tmp_path, 2)
   with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=r"(?s)predictions\[.{1,2}mean.{1,2}\] does not "
-                     r'have one row per example.*Rows per tower:.*\[1 1\].*'
+                     match=r"(?s)predictions\[.{1,2}flat.{1,2}\] does not "
+                     r'have one row per example.*Rows per tower:.*\[10 10\].*'
                      r'examples fed per tower:.*\[5 5\]'):
     list(estimator.predict(dataset_input_fn({'x': x}, batch_size=10,
                                             repeat=False)))

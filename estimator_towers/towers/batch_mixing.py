@@ -313,6 +313,10 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
   if report_positions and tensor.name in numbered:
     return _Found(numbered[tensor.name], 'numbers the examples of its '
                   'batch by their position', kind='positions')
+  statistic = trail.statistic(tensor)
+  if report_positions and statistic is not None and _rank(tensor) != 0:
+    return _Found(statistic, 'makes a statistic of the shard, which the '
+                  "prediction repeats in each row", kind='statistic')
   order = orders.get(tensor.name)
   if report_positions and order is not None and order != _ANY:
     return _Found(tensor.op, f'puts the rows of its batch in another order '
@@ -370,10 +374,12 @@ def _order(op: tf.Operation, inputs: List[Axes], orders: Dict[str, object],
   return _reordered(op, inputs, base)
 
 
-# Ops that keep a vector of positions one (shifted, scaled, cast).
+# Ops that keep a vector of positions one (shifted, scaled, cast, made a
+# column: `tf.range(n)[:, None] < 6`).
 _POSITION_ARITHMETIC = frozenset(['Identity', 'Cast', 'Add', 'AddV2', 'Sub',
                                   'Mul', 'RealDiv', 'TrueDiv', 'Div',
-                                  'FloorDiv', 'Neg', 'StopGradient'])
+                                  'FloorDiv', 'Neg', 'StopGradient',
+                                  'ExpandDims', 'Reshape', 'Squeeze'])
 
 
 def _numbers_positions(op: tf.Operation, trail, positions) -> bool:
@@ -386,6 +392,11 @@ def _numbers_positions(op: tf.Operation, trail, positions) -> bool:
             and int(delta) == 1 and trail.counts_rows(op.inputs[1]))
   if op.type in ('LinSpace', 'LinSpaceV2'):
     return trail.counts_rows(op.inputs[2])
+  if op.type == 'StridedSlice' and op.inputs[0].name in positions:
+    try:  # Every position, as a column (`[:, None]`) or not.
+      return bool(_strided(op, frozenset([0]), _rank(op.inputs[0]) or 1))
+    except _Subset:
+      return False
   return op.type in _POSITION_ARITHMETIC and any(
       t.name in positions for t in op.inputs)
 
@@ -970,16 +981,21 @@ def _full_range(op: tf.Operation, i: int, axis: int,
   """Whether entry `i` of StridedSlice `op`'s spec keeps all of `axis` in
   order (`[:]`); an entry it cannot read counts as full (the check only
   refuses what it proves). `global_rows`: see `check_loss`."""
-  begin, end, strides = (_constant(t) for t in op.inputs[1:4])
+  begin, strides = _constant(op.inputs[1]), _constant(op.inputs[3])
+  end = _end(op, i)
   if strides is None or begin is None or end is None:
     return True
   if int(strides[i]) != 1:
     return False
   size = tf.compat.dimension_value(op.inputs[0].shape[axis])
   starts = op.get_attr('begin_mask') & (1 << i) or int(begin[i]) == 0
+  # An end bounded by a written number (min(6, n)) is short of one
+  # device's batch of more rows, whatever the shard's size folds into.
+  short = (global_rows is not None and end < global_rows if
+           _written_bound(op, i) is not None else
+           _short_of_the_batch(end, op.inputs[2], global_rows))
   ends = op.get_attr('end_mask') & (1 << i) or (
-      size is not None and int(end[i]) >= size and
-      not _short_of_the_batch(int(end[i]), op.inputs[2], global_rows))
+      size is not None and end >= size and not short)
   return bool(starts and ends)
 
 
@@ -987,14 +1003,44 @@ def _first_rows(op: tf.Operation, i: int) -> Optional[int]:
   """How many first rows entry `i` of StridedSlice `op` keeps by a written
   constant end (`[:6]`, `[0:6:1]`), or None (another start or stride, an
   open or negative end, an end computed from shapes)."""
-  begin, end, strides = (_constant(t) for t in op.inputs[1:4])
+  begin, strides = _constant(op.inputs[1]), _constant(op.inputs[3])
+  end = _end(op, i)
   if (begin is None or end is None or strides is None or
       int(strides[i]) != 1 or op.get_attr('end_mask') & (1 << i) or
-      folded_shapes.computed_from(op.inputs[2])):
+      (_constant(op.inputs[2]) is not None and
+       folded_shapes.computed_from(op.inputs[2]))):
     return None
   if not (op.get_attr('begin_mask') & (1 << i) or int(begin[i]) == 0):
     return None
-  return int(end[i]) if int(end[i]) > 0 else None
+  return end if end > 0 else None
+
+
+def _end(op: tf.Operation, i: int) -> Optional[int]:
+  """Entry `i` of StridedSlice `op`'s end: a constant, or the written
+  bound of `tf.minimum(k, n)` (at most k rows: each shard keeps up to k
+  of its own), else None."""
+  # The bound first: under a static batch size min(6, n) folds into the
+  # shard's n, every row of it.
+  bound = _written_bound(op, i)
+  if bound is not None:
+    return bound
+  end = _constant(op.inputs[2])
+  return None if end is None else int(end[i])
+
+
+def _written_bound(op: tf.Operation, i: int) -> Optional[int]:
+  """k, where entry `i` of StridedSlice `op`'s end is `tf.minimum(k, n)`
+  with k written."""
+  packed = op.inputs[2].op
+  if packed.type != 'Pack' or len(packed.inputs) <= i:
+    return None
+  bound = _below_copies(packed.inputs[i]).op
+  if bound.type != 'Minimum':
+    return None
+  written = [_constant(t) for t in bound.inputs
+             if not folded_shapes.computed_from(t)]
+  written = [w for w in written if w is not None and np.size(w) == 1]
+  return int(np.ravel(written[0])[0]) if written else None
 
 
 def _short_of_the_batch(kept: int, written: tf.Tensor,

@@ -145,6 +145,12 @@ class Trail:
     """(op, phrase) where `tensor`'s rows met a statistic, or None."""
     return self._mixed.get(tensor.name)
 
+  def statistic(self, tensor: tf.Tensor) -> Optional[tf.Operation]:
+    """The op that made the statistic of the shard `tensor` is (not a
+    count of its rows), or None."""
+    found = self._statistics.get(tensor.name)
+    return found[0] if found is not None and not found[1] else None
+
   def counts_rows(self, tensor: tf.Tensor) -> bool:
     """Whether `tensor` is a count of the shard's rows (read from a
     shape, or folded from a static one)."""
