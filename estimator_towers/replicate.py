@@ -667,6 +667,8 @@ class _TowerBuilder:
         specs, split.rows, [reduction_lib.ExampleDependence(
             split.shard(i), self._towers.start(i), one_update_ops)
                                    for i in range(len(specs))]))
+    # Batch-norm layers get the whole batch's moments in TRAIN.
+    spec = self._predictions_as_read(spec, specs[0], split, statistics=False)
     return self._finish_tpu_spec(spec, split)
 
   def _finish_update(self, step: _Step, spec,
@@ -714,7 +716,22 @@ class _TowerBuilder:
     metric_adds.in_tower_order(metric_ops, in_tower)
     spec = spec._replace(predictions=spec_merge.whole_batch_predictions(
         specs, split.rows, depends))
+    spec = self._predictions_as_read(spec, specs[0], split, statistics=True)
     return self._finish_tpu_spec(spec, split)
+
+  def _predictions_as_read(self, spec, first, split: _Split,
+                           statistics: bool) -> tf.estimator.EstimatorSpec:
+    """EVAL's and TRAIN's merged predictions, failing when read where their
+    rows are not one device's (predicted_rows: not refused, as nothing
+    but a wrapper or a hook reads them)."""
+    first_rows, wrong = predicted_rows.findings(
+        predicted_rows.outputs(first._replace(export_outputs=None)),
+        split.shard(0), self._towers.start(0),
+        self._batch_norm == 'per_tower', split.global_rows, statistics)
+    if first_rows:
+      spec = predicted_rows.guard(spec, first_rows,
+                                  tf.reduce_sum(split.sizes))
+    return predicted_rows.fail_when_read(spec, wrong) if wrong else spec
 
   # --------------------------------------------------------------------------
   # One tower.

@@ -242,3 +242,52 @@ def test_predictions_from_the_shards_batch_statistics_are_refused():
   one = _predict(model_fn(False), 0)
   np.testing.assert_allclose(_predict(model_fn(False), 2)['scores'],
                              one['scores'], rtol=1e-6)
+
+
+def _run_merged(mode, rows, fetch):
+  """Runs `fetch(spec)` of a replicated EVAL or TRAIN step on 2 towers
+  whose predictions are {'h': h, 'p': rows(h)}."""
+  def model_fn(features, labels, mode):
+    h = tf1.layers.dense(features['x'], 2, kernel_initializer=seeded(1))
+    loss = tf.reduce_mean(tf.square(h - labels))
+    train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(
+        mode, loss=loss, train_op=train_op,
+        predictions={'h': h, 'p': rows(h)})
+
+  graph = tf.Graph()
+  with graph.as_default():
+    x = np.arange(_BATCH * 3, dtype=np.float32).reshape(_BATCH, 3) % 7 - 3
+    y = np.ones([_BATCH, 2], np.float32)
+    features, labels = tf1.data.make_one_shot_iterator(
+        tf.data.Dataset.from_tensors(({'x': x}, y)).repeat()).get_next()
+    config = trainer.make_run_config(cpu_devices=2)
+    spec = trainer.replicate_model_fn(model_fn)(
+        features=features, labels=labels, mode=mode, config=config)
+    with tf1.Session(config=config.session_config) as session:
+      session.run([tf1.global_variables_initializer(),
+                   tf1.local_variables_initializer()])
+      return session.run(fetch(spec))
+
+
+@pytest.mark.parametrize('mode', [ModeKeys.EVAL, ModeKeys.TRAIN])
+def test_eval_and_train_predictions_by_position_fail_when_read(mode):
+  # tf.estimator.add_metrics and hooks read the merged predictions: each
+  # shard reversed was read silently. A step that does not read them runs
+  # as one device's.
+  reverse = lambda h: tf.reverse(h, [0])
+  assert np.isfinite(_run_merged(mode, reverse, lambda spec: spec.loss))
+  assert _run_merged(mode, reverse,
+                     lambda spec: spec.predictions['h']).shape == (10, 2)
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match=r'(?s)prediction \W*p\W* orders the rows.*read '
+                     'in EVAL or TRAIN'):
+    _run_merged(mode, reverse, lambda spec: spec.predictions['p'])
+
+
+def test_eval_predictions_of_a_batch_statistic_fail_when_read():
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match='computed from its batch as a whole'):
+    _run_merged(ModeKeys.EVAL, lambda h: h - tf.reduce_mean(h, 0),
+                lambda spec: spec.predictions['p'])

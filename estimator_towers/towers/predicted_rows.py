@@ -14,6 +14,10 @@ was fed, so such outputs were merged silently; here they are refused while
 the graph is built, the predictions and every export output alike (a
 SavedModel serves the export outputs).
 
+EVAL's and TRAIN's merged predictions are read only by what wraps the
+model_fn (`tf.estimator.add_metrics`, hooks): there such an output is not
+refused but fails the step that reads it (`fail_when_read`).
+
 One slice stays ambiguous: the first rows kept by a written number where
 the batch's size is unknown (`h[:1000]` keeps every row of any batch of at
 most 1000; `h[:6]` of a batch of 8 keeps each 4-row shard whole). It runs,
@@ -78,43 +82,65 @@ def check(named: Dict[str, tf.Tensor], shard, since: op_ledger.Mark,
     ValueError: an output's rows are picked, ordered, paired or numbered by
       their position, or computed with a statistic of the batch.
   """
-  first_rows = {}
+  first_rows, wrong = findings(named, shard, since, per_tower_batch_norm,
+                               global_rows)
+  if wrong:
+    raise ValueError(next(iter(wrong.values())))
+  return first_rows
+
+
+def findings(named: Dict[str, tf.Tensor], shard, since: op_ledger.Mark,
+             per_tower_batch_norm: bool = False,
+             global_rows: Optional[int] = None,
+             statistics: bool = True):
+  """What `check` finds, without raising.
+
+  Args:
+    named, shard, since, per_tower_batch_norm, global_rows: As for `check`.
+    statistics: Whether to report outputs computed from a statistic of the
+      batch (in TRAIN batch-norm layers get the whole batch's moments).
+
+  Returns:
+    ({name: the first rows it keeps by a written number}, {name: why its
+    merged rows are not one device's}).
+  """
+  first_rows, wrong = {}, {}
   for name, tensor in named.items():
     found = batch_mixing.mixing_op(tensor, shard, since, per_tower_batch_norm,
                                    report_positions=True,
                                    global_rows=global_rows)
-    if found is None:
+    if found is None or (found.kind == 'statistic' and not statistics):
       continue
     kept = getattr(found, 'kept', None)
     if found.kind == 'subset' and kept is not None and global_rows is None:
       first_rows[name] = kept
       continue
-    _refuse(name, found, global_rows)
-  return first_rows
+    wrong[name] = _message(name, found, global_rows)
+  return first_rows, wrong
 
 
 _ADVICE = ('Do it after predicting (on what estimator.predict returns), '
            'pass what it needs in as a feature, or predict on one device.')
 
 
-def _refuse(name: str, found, global_rows: Optional[int]) -> None:
+def _message(name: str, found, global_rows: Optional[int]) -> str:
   op, what = found
   where = f'{op.type} {op.name!r} {what}'
   if found.kind == 'statistic':
-    raise ValueError(
+    return (
         f'The prediction {name!r} is computed from its batch as a whole: '
         f'{where}. One device computes it over the whole batch; each tower '
         'would over its own shard. Call batch-norm layers with '
         'training=False outside TRAIN (their moving statistics); otherwise '
         'predict on one device.')
   if found.kind == 'positions':
-    raise ValueError(
+    return (
         f'The prediction {name!r} {what} ({op.type} {op.name!r}): each '
         'tower numbers its own shard from 0, one device the whole batch. '
         'Pass the position in as a feature, or predict on one device.')
   kept = getattr(found, 'kept', None)
   if found.kind == 'subset' and kept is not None:
-    raise ValueError(
+    return (
         f'The prediction {name!r} keeps the first {kept} rows of its batch '
         f'by a written number: {where}. Each tower has a shard of the batch '
         f'of {global_rows} and keeps its own first rows, not the batch\'s. '
@@ -124,7 +150,7 @@ def _refuse(name: str, found, global_rows: Optional[int]) -> None:
   doing = {'subset': 'keeps some rows of its batch by their position',
            'reordered': 'orders the rows of its batch by their position',
            'pairs': 'pairs the examples of its batch'}[found.kind]
-  raise ValueError(
+  return (
       f'The prediction {name!r} {doing}: {where}. Each tower would do that '
       "to its own shard and the merged rows would not be one device's. "
       + _ADVICE)
@@ -189,3 +215,32 @@ def _guarded_output(name: str, output, each):
         classes=None if classes is None else each(f'{prefix}.classes',
                                                   classes))
   return output
+
+
+def fail_when_read(spec, wrong: Dict[str, str]):
+  """`spec` whose predictions in `wrong` fail the step that reads them.
+
+  In EVAL and TRAIN the merged predictions are read only by what wraps
+  the model_fn (`tf.estimator.add_metrics`, a hook): a model_fn that
+  returns such a prediction and never reads it trains and evaluates as
+  one device, so it is not refused; a metric or hook reading it fails
+  instead of reading other rows than one device's.
+
+  Args:
+    spec: The merged EVAL or TRAIN spec.
+    wrong: `findings`' second result, by prediction name.
+  """
+  def failing(name, tensor):
+    fail = tf.debugging.Assert(tf.constant(False), [
+        wrong[name] + ' (read in EVAL or TRAIN, by '
+        'tf.estimator.add_metrics or a hook)'])
+    with tf.control_dependencies([fail]):
+      return tf.identity(tensor)
+
+  predictions = spec.predictions
+  if isinstance(predictions, dict):
+    predictions = {k: failing(k, t) if k in wrong else t
+                   for k, t in predictions.items()}
+  elif isinstance(predictions, tf.Tensor) and 'predictions' in wrong:
+    predictions = failing('predictions', predictions)
+  return spec._replace(predictions=predictions)
