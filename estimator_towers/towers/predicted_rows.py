@@ -165,7 +165,7 @@ def guard(spec, first_rows: Dict[str, int], batch_rows: tf.Tensor):
   keeps is caught by the merge's row check).
 
   Args:
-    spec: The merged PREDICT spec.
+    spec: The merged spec.
     first_rows: `check`'s result, by `outputs`' names.
     batch_rows: The batch's number of rows.
 
@@ -175,32 +175,62 @@ def guard(spec, first_rows: Dict[str, int], batch_rows: tf.Tensor):
   """
   def guarded(name, tensor):
     kept = first_rows[name]
-    check_rows = tf.debugging.Assert(
+    return _after(tensor, tf.debugging.Assert(
         tf.greater_equal(tf.cast(kept, batch_rows.dtype), batch_rows), [
             f'The prediction {name!r} keeps the first {kept} rows of its '
             'batch; each tower would keep its own shard\'s first rows and '
             'predict more rows than one device does of this batch of',
             batch_rows, 'rows. Slice the rows after predicting, or predict '
-            'on one device.'])
-    with tf.control_dependencies([check_rows]):
-      return tf.identity(tensor)
+            'on one device.']))
 
+  return _replaced(spec, first_rows, guarded)
+
+
+def fail_when_read(spec, wrong: Dict[str, str]):
+  """`spec` whose predictions in `wrong` fail the step that reads them.
+
+  In EVAL and TRAIN the merged predictions are read only by what wraps
+  the model_fn (`tf.estimator.add_metrics`, a hook): a model_fn that
+  returns such a prediction and never reads it trains and evaluates as
+  one device, so it is not refused; a metric or hook reading it fails
+  instead of reading other rows than one device's.
+
+  Args:
+    spec: The merged EVAL or TRAIN spec.
+    wrong: `findings`' second result, by `outputs`' names.
+  """
+  def failing(name, tensor):
+    return _after(tensor, tf.debugging.Assert(tf.constant(False), [
+        wrong[name] + ' (read in EVAL or TRAIN, by '
+        'tf.estimator.add_metrics or a hook)']))
+
+  return _replaced(spec, wrong, failing)
+
+
+def _after(tensor: tf.Tensor, check: tf.Operation) -> tf.Tensor:
+  with tf.control_dependencies([check]):
+    return tf.identity(tensor)
+
+
+def _replaced(spec, names, replace):
+  """`spec` with each output `outputs` names in `names` replaced by
+  `replace(name, tensor)`."""
   def each(name, tensor):
-    return guarded(name, tensor) if name in first_rows else tensor
+    return replace(name, tensor) if name in names else tensor
 
   predictions = spec.predictions
   if isinstance(predictions, dict):
     predictions = {k: each(k, t) for k, t in predictions.items()}
-  elif predictions is not None:
+  elif isinstance(predictions, tf.Tensor):
     predictions = each('predictions', predictions)
   export_outputs = spec.export_outputs
   if export_outputs:
-    export_outputs = {name: _guarded_output(name, output, each)
+    export_outputs = {name: _replaced_output(name, output, each)
                       for name, output in export_outputs.items()}
   return spec._replace(predictions=predictions, export_outputs=export_outputs)
 
 
-def _guarded_output(name: str, output, each):
+def _replaced_output(name: str, output, each):
   prefix = f'export_outputs[{name!r}]'
   if isinstance(output, _export.PredictOutput):
     return _export.PredictOutput({
@@ -215,32 +245,3 @@ def _guarded_output(name: str, output, each):
         classes=None if classes is None else each(f'{prefix}.classes',
                                                   classes))
   return output
-
-
-def fail_when_read(spec, wrong: Dict[str, str]):
-  """`spec` whose predictions in `wrong` fail the step that reads them.
-
-  In EVAL and TRAIN the merged predictions are read only by what wraps
-  the model_fn (`tf.estimator.add_metrics`, a hook): a model_fn that
-  returns such a prediction and never reads it trains and evaluates as
-  one device, so it is not refused; a metric or hook reading it fails
-  instead of reading other rows than one device's.
-
-  Args:
-    spec: The merged EVAL or TRAIN spec.
-    wrong: `findings`' second result, by prediction name.
-  """
-  def failing(name, tensor):
-    fail = tf.debugging.Assert(tf.constant(False), [
-        wrong[name] + ' (read in EVAL or TRAIN, by '
-        'tf.estimator.add_metrics or a hook)'])
-    with tf.control_dependencies([fail]):
-      return tf.identity(tensor)
-
-  predictions = spec.predictions
-  if isinstance(predictions, dict):
-    predictions = {k: failing(k, t) if k in wrong else t
-                   for k, t in predictions.items()}
-  elif isinstance(predictions, tf.Tensor) and 'predictions' in wrong:
-    predictions = failing('predictions', predictions)
-  return spec._replace(predictions=predictions)
