@@ -639,7 +639,7 @@ class _TowerBuilder:
     last = len(specs) - 1
     step.update.check_batch_free_update(reduction_lib.ExampleDependence(
         split.shard(last), self._towers.start(last), one_update_ops))
-    effects = []
+    effects, adds = [], []
     for i, spec in enumerate(specs):
       # The last tower's effects run in its own train_op; its shard
       # writes are still checked and idle-masked.
@@ -654,6 +654,8 @@ class _TowerBuilder:
           drawn=self._drawn(graph, self._towers.region(i), one_update_ops))
       if i < last:
         effects.extend(found)
+      adds.append(tower_effects.adds_in(found))
+    tower_effects.in_tower_order(adds)
     return effects
 
   def _merge_train(self, step: _Step, specs, effects,

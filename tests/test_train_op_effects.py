@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import (assert_same_variables, dataset_input_fn, make_estimator,
-                     seeded, variables_of)
+from estimator_towers.graph import op_ledger
+from helpers import (assert_same_variables, build_replicated, dataset_input_fn,
+                     make_estimator, seeded, variables_of)
 
 # What the towers' train_ops run, and how often: in the graph the product runs,
 # Grappler's rewrites on (tests/README.md, "Where the time goes").
@@ -214,6 +215,96 @@ def test_count_and_sum_in_the_train_op_equal_one_device(tmp_path, data,
   assert one['seen'] == 15
   np.testing.assert_allclose(one['total'], 2 * x[:, 0].sum(), rtol=1e-5)
   assert_same_variables(one, many)
+
+
+def test_towers_add_into_a_variable_in_tower_order():
+  # An add into a ref variable does not lock it: towers adding at once lost
+  # a shard (a loaded CI run counted 13 of the 15 examples above). In tower
+  # order no add is lost, and float sums round alike in every run.
+  graph, spec = build_replicated(accumulating_model_fn, 3)
+  with graph.as_default():
+    adds = [op for op in op_ledger.ancestors([spec.train_op])
+            if op.type in ('AssignAdd', 'AssignAddVariableOp')]
+  by_variable = {}
+  for add in adds:
+    by_variable.setdefault(add.inputs[0].op.name, []).append(add)
+  del by_variable['global_step']  # The one update's: once per step.
+  for writes in by_variable.values():
+    writes.sort(key=lambda op: op.name)  # AssignAdd, tower_1/..., tower_2/...
+    assert len(writes) == 3
+    for earlier, later in zip(writes, writes[1:]):
+      assert earlier in op_ledger.ancestors([later]), (earlier.name,
+                                                       later.name)
+
+
+# Writes from the shard's static size: with a static batch size tf.size and
+# tf.shape fold into constants holding each tower's own count. Until
+# 2026-11 they were taken for values free of the shard and written once, by
+# the last tower: a counter counted 12 of 40 examples, silently.
+_COUNTS = {
+    'size_of_labels': lambda x, labels: tf.size(labels),
+    'rows': lambda x, labels: tf.shape(x)[0],
+    'twice_the_rows': lambda x, labels: tf.shape(x)[0] * 2,
+    'sum_of_ones': lambda x, labels: tf.reduce_sum(tf.ones_like(labels)),
+    'elements': lambda x, labels: tf.size(x),
+    # Not counts: the same in every tower, added once per step.
+    'width': lambda x, labels: tf.shape(x)[1],
+}
+_NOT_COUNTS = {
+    'assigned_size': lambda v, x: v.assign(tf.size(x)),
+    'size_plus_one': lambda v, x: v.assign_add(tf.size(x) + 1),
+}
+
+
+def static_count_model_fn(features, labels, mode, params):
+  """Adds counts of its static shard into counters after the update."""
+  x = features['x']
+  loss = _loss(features, labels)
+  train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  writes = []
+  with tf.control_dependencies([train_op]):
+    for name, count in _COUNTS.items():
+      counter = tf1.get_variable(name, [], tf.int32, tf1.zeros_initializer(),
+                                 trainable=False)
+      writes.append(counter.assign_add(count(x, labels)))
+    if params:
+      counter = tf1.get_variable('refused', [], tf.int32,
+                                 tf1.zeros_initializer(), trainable=False)
+      writes.append(_NOT_COUNTS[params['refused']](counter, x))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=tf.group(writes))
+
+
+def _static_batches(x, y, batch):
+  def input_fn():
+    return tf.data.Dataset.from_tensor_slices(({'x': x}, y)).batch(
+        batch, drop_remainder=True).repeat()
+  return input_fn
+
+
+def test_counts_of_a_static_shard_equal_one_device(tmp_path, data):
+  x, y = data
+  input_fn = _static_batches(x, y, 10)  # Shards of 4, 3 and 3 rows.
+  trained = []
+  for name, towers in (('one', 1), ('many', 3)):
+    estimator = make_estimator(static_count_model_fn, tmp_path / name, towers)
+    estimator.train(input_fn, steps=STEPS)
+    trained.append(variables_of(estimator))
+  one, many = trained
+  assert one['size_of_labels'] == 10 * STEPS
+  assert one['width'] == x.shape[1] * STEPS
+  assert_same_variables(one, many)
+
+
+@pytest.mark.parametrize('refused', sorted(_NOT_COUNTS))
+def test_other_writes_of_a_static_shards_size_are_refused(tmp_path, data,
+                                                           refused):
+  x, y = data
+  estimator = make_estimator(static_count_model_fn, tmp_path, 3,
+                             {'refused': refused})
+  with pytest.raises(ValueError, match=r"(?s)variable refused .*tower's "
+                     r'shard.*once per tower'):
+    estimator.train(_static_batches(x, y, 10), steps=1)
 
 
 class _SignDescent(tf1.train.GradientDescentOptimizer):

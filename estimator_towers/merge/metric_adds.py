@@ -358,25 +358,19 @@ def _replace(add: tf.Operation, position: int, value: tf.Tensor,
 def in_tower_order(metric_ops: Sequence[Dict[str, tuple]],
                    in_tower: Sequence[Callable[[tf.Operation], bool]]) -> None:
   """Makes each tower's adds into a metric's state wait for the previous
-  tower's.
+  tower's (see `tower_effects.in_tower_order`).
 
-  The towers' adds into one `total` would otherwise run in whatever order
-  the executor picks, and float additions in another order round
-  differently: two evaluations of the same checkpoint differed in the last
-  bits (tensorflow/estimator's InMemoryEvaluatorHook test compares them
-  exactly). In tower order, every run adds alike, as one device does.
+  In any order, float adds round differently: two evaluations of the same
+  checkpoint differed in the last bits (tensorflow/estimator's
+  InMemoryEvaluatorHook test compares them exactly).
 
   Args:
     metric_ops: Each tower's `eval_metric_ops`.
     in_tower: Per tower, whether an op was created by its model_fn call.
   """
-  for _, adds in _matched_adds(metric_ops, in_tower):
-    state = {tower_effects.variable_source(a.inputs[0]).name for a in adds}
-    # An edge into a TF1 control-flow context can hang the step.
-    if len(state) == 1 and not any(
-        a._control_flow_context for a in adds):  # pylint: disable=protected-access
-      for earlier, later in zip(adds, adds[1:]):
-        later._add_control_inputs([earlier])  # pylint: disable=protected-access
+  tower_effects.in_tower_order([
+      [add for _, update in ops.values() for add in _adds(update, inside)]
+      for ops, inside in zip(metric_ops, in_tower)])
 
 
 def idle_adds_nothing(metric_ops: Sequence[Dict[str, tuple]],

@@ -778,6 +778,46 @@ def _of_the_batch(tensor: tf.Tensor, depends) -> bool:
   return False
 
 
+def from_static_rows(tensor: tf.Tensor, depends) -> bool:
+  """Whether a tensor is computed from the shard's static number of rows.
+
+  With a static batch size `tf.size(labels)`, `tf.shape(x)[0]` and
+  `tf.ones_like(labels)` fold into constants that read no op of the shard:
+  `depends` says they do not depend on it, yet each tower's holds its own
+  shard's count, and one device's the whole batch's. An element of another
+  dimension (`tf.shape(x)[1]`) is the same in every tower and is not
+  counted.
+  """
+  def another_dimension(op: tf.Operation) -> bool:
+    return (op.type in _SHAPE_ELEMENT and folded_shape(op.inputs[0].op) and
+            not _rows_element(op.outputs[0], depends))
+  return folded_shapes.computed_from(
+      tensor, lambda op: folded_shapes.kind(op) is not None and
+      _from_the_shard(op, depends), another_dimension, _MAX_OPS)
+
+
+def static_count(tensor: tf.Tensor, depends) -> bool:
+  """Whether a tensor `from_static_rows` is a count of the shard's examples
+  or of their elements (`tf.size(labels)`, `tf.shape(x)[0]`,
+  `tf.reduce_sum(tf.ones_like(labels))`), which adds up over shards."""
+  tensor = _skip_pass_through(tensor)
+  op = tensor.op
+  if op.type in _SCALE:  # A count times a fixed number.
+    fixed = [not depends(t) and not from_static_rows(t, depends)
+             for t in op.inputs]
+    return any(fixed[1 - i] and static_count(t, depends)
+               for i, t in enumerate(op.inputs))
+  if op.type == 'Sum' and tensor.shape.rank == 0:
+    summed = op.inputs[0].op  # A sum of a small ones_like, folded.
+    if (folded_shapes.kind(summed) == folded_shapes.FILL and
+        _reduced_axes(op) == set(range(op.inputs[0].shape.rank or 0)) and
+        _from_the_shard(summed, depends)):
+      return _folded_rows_power(summed, depends) == 1
+  if _folded_size(op) and _from_the_shard(op, depends):
+    return _folded_rows_power(op, depends) == 1
+  return _rows_element(tensor, depends) or _folded_row_sum(tensor, depends)
+
+
 def _row_axes(tensor: tf.Tensor, depends) -> Optional[FrozenSet[int]]:
   """The axes of a tensor of the shard that run over its rows (see
   batch_mixing.row_axes): {0} per example, empty for a statistic of the
