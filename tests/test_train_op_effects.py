@@ -307,6 +307,75 @@ def test_other_writes_of_a_static_shards_size_are_refused(tmp_path, data,
     estimator.train(_static_batches(x, y, 10), steps=1)
 
 
+# Per-example adds into a vector of counts: each example adds its own row,
+# so the towers' adds are the whole batch's. Refused until 2026-11, though
+# one device runs them.
+_HISTOGRAMS = {
+    'per_class': lambda v, x, labels: v.assign_add(
+        tf.reduce_sum(tf.one_hot(labels, 4), 0)),
+    'scattered_ones': lambda v, x, labels: tf1.scatter_add(
+        v, labels, tf.ones_like(labels, tf.float32)),
+    'scattered_values': lambda v, x, labels: tf1.scatter_add(
+        v, labels, x[:, 0] * 2.0 + 1.0),
+}
+_NOT_HISTOGRAMS = {
+    # At the rows' positions: each shard's rows from 0.
+    'at_positions': lambda v, x, labels: tf1.scatter_add(
+        v, tf.range(tf.size(labels)) % 4, tf.ones_like(labels, tf.float32)),
+    # Values centred on the shard's mean, not the batch's.
+    'centred': lambda v, x, labels: tf1.scatter_add(
+        v, labels, x[:, 0] - tf.reduce_mean(x[:, 0])),
+    'per_class_mean': lambda v, x, labels: v.assign_add(
+        tf.reduce_mean(tf.one_hot(labels, 4), 0)),
+}
+
+
+def histogram_model_fn(features, labels, mode, params):
+  """Adds per-class counts and sums of its shard after the update."""
+  loss = _loss(features, labels)
+  train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  labels = labels * 3  # Classes 0 and 3 of 4.
+  forms = params['forms']
+  writes = []
+  with tf.control_dependencies([train_op]):
+    for name in sorted(forms):
+      counts = tf1.get_variable(name, [4], initializer=tf1.zeros_initializer(),
+                                trainable=False,
+                                use_resource=params['resource'])
+      writes.append(forms[name](counts, features['x'], labels))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=tf.group(writes))
+
+
+@pytest.mark.parametrize('static', [False, True])
+def test_per_example_adds_into_a_vector_equal_one_device(tmp_path, data,
+                                                         static):
+  x, y = data
+  input_fn = (_static_batches(x, y, 10) if static else
+              dataset_input_fn({'x': x}, y, 10))
+  trained = []
+  for name, towers in (('one', 1), ('many', 3)):
+    estimator = make_estimator(
+        histogram_model_fn, tmp_path / name, towers,
+        {'forms': _HISTOGRAMS, 'resource': static})
+    estimator.train(input_fn, steps=STEPS)
+    trained.append(variables_of(estimator))
+  one, many = trained
+  assert one['per_class'].sum() == 10 * STEPS
+  assert_same_variables(one, many)
+
+
+@pytest.mark.parametrize('form', sorted(_NOT_HISTOGRAMS))
+def test_adds_of_a_shards_positions_or_statistics_are_refused(tmp_path, data,
+                                                              form):
+  x, y = data
+  estimator = make_estimator(histogram_model_fn, tmp_path, 3, {
+      'forms': {form: _NOT_HISTOGRAMS[form]}, 'resource': True})
+  with pytest.raises(ValueError, match=rf"(?s)variable {form} .*tower's "
+                     r'shard.*once per tower'):
+    estimator.train(dataset_input_fn({'x': x}, y, 10), steps=1)
+
+
 class _SignDescent(tf1.train.GradientDescentOptimizer):
   """Its own dense update: a write the one update makes, not a tower."""
 

@@ -867,10 +867,10 @@ def _folded_row_sum(denominator: tf.Tensor, depends) -> bool:
   return (rows is not None and summed.shape.rank is not None and
           summed.shape.rank >= 1 and _rows(summed.shape) == rows and
           _reduced_axes(op) == set(range(summed.shape.rank)) and
-          _from_shapes(summed) and _same_for_every_row(summed, depends))
+          _from_shapes(summed) and same_for_every_row(summed, depends))
 
 
-def _same_for_every_row(tensor: tf.Tensor, depends) -> bool:
+def same_for_every_row(tensor: tf.Tensor, depends) -> bool:
   """Whether every row of `tensor` holds the same values, whatever the
   number of rows: element-wise ops of constants the model_fn wrote and of
   fills (`ones_like`) shaped like a whole tensor of the shard with the rows

@@ -38,6 +38,7 @@ from typing import (Callable, Collection, Iterable, List, Optional,
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
+from estimator_towers.towers import batch_mixing
 from estimator_towers.towers import loss_reduction
 from estimator_towers.graph import functions
 from estimator_towers.graph import op_ledger
@@ -299,20 +300,23 @@ def _check_adds_up(op: tf.Operation, depends_on_shard) -> None:
   position = _ADDS.get(op.type)
   if position is not None:
     value = op.inputs[position]
-    indices_vary = position == 2 and depends_on_shard(op.inputs[1])
-    if not depends_on_shard(value):  # Computed from the static rows only.
-      if not indices_vary and loss_reduction.static_count(
-          value, depends_on_shard):
+    if position == 2 and depends_on_shard(op.inputs[1]):
+      if _per_example_adds(op.inputs[1], value, depends_on_shard):
+        return  # Each example adds its own row: a histogram, a sum.
+      why = ('it adds at indices computed from the shard, and the indices '
+             'or the values added are not one row per example (a value of '
+             'the whole shard, or the rows\' positions)')
+    elif not depends_on_shard(value):  # From the static rows only.
+      if loss_reduction.static_count(value, depends_on_shard):
         return
       why = ("it adds a value computed from the shard's static size (with "
              'a static batch size tf.size and tf.shape fold into each '
              "tower's own count) that is not a count of the shard's "
              'examples or elements')
+    elif loss_reduction.sums_the_rows(value, depends_on_shard):
+      return  # A sum over the examples, whole or per column.
     else:
       reduction = loss_reduction.analyze(value, depends_on_shard)
-      if (not indices_vary and reduction.kind == loss_reduction.SUM and
-          not reduction.constant_terms):
-        return
       why = (f'it adds {reduction.detail or "a value"}, not only '
              'per-example sums or counts of the shard')
   else:
@@ -323,6 +327,31 @@ def _check_adds_up(op: tf.Operation, depends_on_shard) -> None:
       'replicate_model_fn it would be written once per tower, each time '
       "from that tower's shard, instead of once from the whole batch as on "
       f'one device. {_ADVICE}')
+
+
+def _per_example_adds(indices: tf.Tensor, updates: tf.Tensor,
+                      depends_on_shard) -> bool:
+  """Whether a scatter add adds one row per example at that example's own
+  index (`scatter_add(counts, labels, ones_like(labels))`): over the towers
+  every example adds once, as on one device."""
+  shard, since = depends_on_shard.shard, depends_on_shard.since
+
+  def per_example(tensor: tf.Tensor) -> bool:
+    return (batch_mixing.row_axes(tensor, shard, since) == {0} and
+            batch_mixing.mixing_op(tensor, shard, since,
+                                   report_positions=True) is None)
+
+  if not per_example(indices):
+    return False
+  op = updates.op
+  if op.type == 'Fill' and op.inputs[0].op.type == 'Shape' and not (
+      depends_on_shard(op.inputs[1])):
+    # ones_like of a batch of unknown size: one value per row.
+    return per_example(op.inputs[0].op.inputs[0])
+  if depends_on_shard(updates):
+    return per_example(updates)
+  # Free of the shard's values: ones (or any fill) shaped like the rows.
+  return loss_reduction.same_for_every_row(updates, depends_on_shard)
 
 
 def calls_write(op: tf.Operation) -> bool:
