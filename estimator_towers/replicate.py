@@ -45,6 +45,7 @@ from estimator_towers.cluster import task_sync
 from estimator_towers.cluster import stop_request
 from estimator_towers import tower as tower_lib
 from estimator_towers.towers import tower_effects
+from estimator_towers.towers import tower_weights
 from estimator_towers.merge import tpu_spec
 from estimator_towers.towers import variable_sharing
 from estimator_towers.towers import whole_batch
@@ -415,7 +416,7 @@ class _Step:
   the batch-norm statistics and (batch_norm='global') moments; the
   exchanges of `whole_batch`."""
   split: _Split
-  weights: reduction_lib.TowerWeights
+  weights: tower_weights.TowerWeights
   update: one_update.OneUpdate
   tables: table_sharing.TableSharing
   statistics: Optional[moving_statistics.MovingStatistics]
@@ -569,7 +570,7 @@ class _TowerBuilder:
   def _step(self, split: _Split, has_rows: tf.Tensor) -> _Step:
     """The collaborators that need the split batch."""
     num_towers = len(self._devices)
-    weights = reduction_lib.TowerWeights(
+    weights = tower_weights.TowerWeights(
         self._reduction, split.sizes,
         [split.shard(i) for i in range(num_towers)], self._towers,
         self._task_group, in_advance=self._micro is not None)

@@ -167,7 +167,7 @@ class SharedVariables:
     """The towers' weighted losses, under the current device.
 
     Args:
-      weights: The towers' loss weights (loss_reduction.TowerWeights).
+      weights: The towers' loss weights (tower_weights.TowerWeights).
       losses: The towers' losses of one optimizer call.
 
     Returns:

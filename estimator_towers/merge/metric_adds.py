@@ -53,6 +53,7 @@ import tensorflow as tf
 
 from estimator_towers.towers import loss_reduction
 from estimator_towers.towers import tower_effects
+from estimator_towers.towers import tower_weights
 
 # Adds into a metric's state: position of the value they add.
 _ADDS = {'AssignAdd': 1, 'AssignAddVariableOp': 1,
@@ -159,17 +160,17 @@ def _count_once(metric: str, adds: List[tf.Operation], depends_on_shard,
           'values (a mean of per-example values, a sum), or evaluate without '
           'replicate_model_fn.')
     return
-  spread = loss_reduction.spread_exactly(values, reductions, active,
+  spread = tower_weights.spread_exactly(values, reductions, active,
                                          depends_on_shard)
   if spread is not None:
     for add, value, on in zip(adds, spread, active):
       _replace(add, position, tf.where(on, value, tf.zeros_like(value)),
                'weighted_by_shard')
     return
-  weights = loss_reduction.exact_weights(values, reductions, active,
+  weights = tower_weights.exact_weights(values, reductions, active,
                                          depends_on=depends_on_shard)
   if weights is None:  # Several means (a difference of two): checked shares.
-    weights = loss_reduction.proportional_weights(
+    weights = tower_weights.proportional_weights(
         values, reductions, active,
         f'The metric {metric!r} adds several means whose divisors do not '
         "split over the towers alike (e.g. a plain mean plus a weighted "

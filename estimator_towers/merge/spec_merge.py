@@ -42,7 +42,7 @@ def merge_train(specs, loss: tf.Tensor,
 
   Args:
     specs: The towers' specs (see `check_train`).
-    loss: The global-batch loss (loss_reduction.TowerWeights.merged_loss).
+    loss: The global-batch loss (tower_weights.TowerWeights.merged_loss).
     effects: What earlier towers' train_ops must still run (see
       tower_effects); their updates are the last tower's one update.
 
@@ -77,7 +77,7 @@ def merge_eval(specs, loss: tf.Tensor) -> tf.estimator.EstimatorSpec:
 
   Args:
     specs: The towers' specs (see `check_eval`).
-    loss: The global-batch loss (loss_reduction.TowerWeights.merged_loss).
+    loss: The global-batch loss (tower_weights.TowerWeights.merged_loss).
   """
   metrics = {}
   for name, (value, update) in specs[0].eval_metric_ops.items():

@@ -26,7 +26,7 @@ is; only two things are added here:
   activations): the weights of the gradients are the micro-batches' shares
   of the examples (a sum: one each), known from the split alone, and the
   exact weights (divisors read off the loss) are checked against them
-  before the update writes anything (loss_reduction.TowerWeights).
+  before the update writes anything (tower_weights.TowerWeights).
 
 Under 'all_reduce' (and in a synchronous cluster) a device's micro-batch
 towers share that device's copies (replicas.Replicas maps tower i * M + m

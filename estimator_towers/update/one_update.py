@@ -75,7 +75,7 @@ class OneUpdate:
 
   Args:
     num_towers: How many towers call the model_fn.
-    weights: The towers' loss weights (a loss_reduction.TowerWeights),
+    weights: The towers' loss weights (a tower_weights.TowerWeights),
       whose weighted terms add up to the global-batch loss.
     unshared: A context factory inside which new variables (slots) may be
       created in any tower; see `VariableSharing.unshared`.
