@@ -263,6 +263,16 @@ _SUBSETS = {
                              'Less'),
     'mask_of_positions': (lambda p, l, x: tf.reduce_mean(tf.boolean_mask(
         _squares(p, l), tf.range(tf.shape(p)[0]) >= 1)), 'GreaterEqual'),
+    # Parts of the rows by position: each shard's own parts (halves paired
+    # trained silently off one device with a batch of unknown size).
+    'split_parts_paired': (lambda p, l, x: tf.reduce_mean(tf.square(
+        tf.split(p, 5)[0] - tf.split(p, 5)[1])), 'Split'),
+    'split_first_part': (lambda p, l, x: tf.reduce_mean(
+        tf.split(_squares(p, l), 5)[0]), 'Split'),
+    'split_by_sizes': (lambda p, l, x: tf.reduce_mean(
+        tf.split(_squares(p, l), [2, -1])[1]), 'SplitV'),
+    'unstacked_rows': (lambda p, l, x: tf.reduce_mean(
+        tf.unstack(_squares(p, l))[0]), 'Unpack'),
 }
 
 

@@ -1104,10 +1104,13 @@ def _whole_axis(k: tf.Tensor, values: tf.Tensor) -> bool:
 
 def _joined(op: tf.Operation, inputs: List[Axes]) -> List[Axes]:
   """Split, Unpack, ConcatV2, Pack: one tensor's axes, or several's."""
-  if op.type == 'Split':  # split_dim comes first.
-    return [inputs[1]] * len(op.outputs)
-  if op.type == 'SplitV':
-    return [inputs[0]] * len(op.outputs)
+  if op.type in ('Split', 'SplitV'):
+    # Split: (split_dim, value); SplitV: (value, size_splits, split_dim).
+    value, dim = ((op.inputs[1], op.inputs[0]) if op.type == 'Split' else
+                  (op.inputs[0], op.inputs[2]))
+    axes = inputs[1] if op.type == 'Split' else inputs[0]
+    _check_split(op, value, dim, axes)
+    return [axes] * len(op.outputs)
   if op.type == 'ConcatV2':
     together = frozenset().union(*inputs[:-1])
     if _joins_rows(op, inputs) and not all(inputs[:-1]):
@@ -1119,6 +1122,9 @@ def _joined(op: tf.Operation, inputs: List[Axes]) -> List[Axes]:
   together = frozenset().union(*inputs)
   if op.type == 'Unpack':
     axis %= max(_rank(op.inputs[0]) or 1, 1)
+    if axis in together and len(op.outputs) > 1:
+      raise _subset(op, f'unstacks axis {axis}, which indexes the tower\'s '
+                    'examples, into one tensor per row position')
     kept = frozenset(a - (a > axis) for a in together if a != axis)
     return [kept] * len(op.outputs)
   out = _rank(op.outputs[0])  # Pack
@@ -1126,6 +1132,22 @@ def _joined(op: tf.Operation, inputs: List[Axes]) -> List[Axes]:
     return [_NONE]
   axis %= out
   return [frozenset(a + 1 if a >= axis else a for a in together)]
+
+
+def _check_split(op: tf.Operation, value: tf.Tensor, dim: tf.Tensor,
+                 axes: Axes) -> None:
+  """tf.split along a row axis: each part holds some of the shard's rows,
+  by position (the first half of each tower's shard is not the first half
+  of one device's batch)."""
+  if len(op.outputs) < 2:
+    return
+  axis, rank = _constant(dim), _rank(value)
+  if axis is None or rank is None:
+    return
+  axis = int(axis) % rank
+  if axis in axes:
+    raise _subset(op, f'splits axis {axis}, which indexes the tower\'s '
+                  'examples, into parts by position (tf.split)')
 
 
 def _gather(op: tf.Operation, inputs: List[Axes]) -> Axes:
