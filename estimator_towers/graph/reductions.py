@@ -12,6 +12,10 @@ import numpy as np
 import tensorflow as tf
 
 DIVIDE = frozenset(['RealDiv', 'Div', 'DivNoNan', 'TrueDiv'])
+# Element-wise comparisons, and the logical ops that combine their masks.
+COMPARISONS = frozenset(['Equal', 'NotEqual', 'Greater', 'GreaterEqual',
+                         'Less', 'LessEqual'])
+LOGICAL = frozenset(['LogicalAnd', 'LogicalOr', 'LogicalNot'])
 
 
 def reduced_axes(

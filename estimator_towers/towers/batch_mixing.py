@@ -54,6 +54,7 @@ import tensorflow as tf
 
 from estimator_towers.graph import folded_shapes
 from estimator_towers.graph import op_ledger
+from estimator_towers.graph import reductions
 from estimator_towers.towers import keras_masks
 from estimator_towers.towers import shard_statistics
 from estimator_towers.towers import sharding
@@ -155,7 +156,7 @@ def check_loss(loss: tf.Tensor, shard, since: op_ledger.Mark,
         "centred or scaled by the shard's mean, max or count, a softmax "
         'over the examples) and compute another loss. Reduce first and '
         'divide once (tf.reduce_sum(loss * w) / tf.reduce_sum(w), '
-        f'tf.reduce_mean(loss)); {_batch_norm_remedy(training)}; or run on '
+        f'tf.reduce_mean(loss)); {batch_norm_remedy(training)}; or run on '
         'one device.')
   if found.kind == 'reordered':
     raise ValueError(
@@ -188,7 +189,8 @@ def check_loss(loss: tf.Tensor, shard, since: op_ledger.Mark,
       'on one device.')
 
 
-def _batch_norm_remedy(training: bool) -> str:
+def batch_norm_remedy(training: bool) -> str:
+  """What to do about batch norm's moments of a shard, in or outside TRAIN."""
   if training:
     return ('for batch norm use a tf.keras or tf.compat.v1.layers batch-norm '
             "layer (replicate_model_fn normalises it with the whole batch's "
@@ -401,8 +403,6 @@ def _numbers_positions(op: tf.Operation, trail, positions) -> bool:
       t.name in positions for t in op.inputs)
 
 
-_COMPARISONS = frozenset(['Less', 'LessEqual', 'Greater', 'GreaterEqual',
-                          'Equal', 'NotEqual'])
 
 
 def _compares_positions(op: tf.Operation, inputs: List[Axes],
@@ -411,7 +411,7 @@ def _compares_positions(op: tf.Operation, inputs: List[Axes],
   row (`tf.range(n) < 6`, the first rows of each shard where one device
   masks the batch's; positions against each example's own lengths, a
   sequence mask, hold rows)."""
-  return (op.type in _COMPARISONS and not any(inputs) and
+  return (op.type in reductions.COMPARISONS and not any(inputs) and
           any(t.name in positions for t in op.inputs))
 
 
@@ -982,7 +982,8 @@ def _full_range(op: tf.Operation, i: int, axis: int,
   order (`[:]`); an entry it cannot read counts as full (the check only
   refuses what it proves). `global_rows`: see `check_loss`."""
   begin, strides = _constant(op.inputs[1]), _constant(op.inputs[3])
-  end = _end(op, i)
+  bound = _written_bound(op, i)
+  end = bound if bound is not None else _constant_end(op, i)
   if strides is None or begin is None or end is None:
     return True
   if int(strides[i]) != 1:
@@ -992,7 +993,7 @@ def _full_range(op: tf.Operation, i: int, axis: int,
   # An end bounded by a written number (min(6, n)) is short of one
   # device's batch of more rows, whatever the shard's size folds into.
   short = (global_rows is not None and end < global_rows if
-           _written_bound(op, i) is not None else
+           bound is not None else
            _short_of_the_batch(end, op.inputs[2], global_rows))
   ends = op.get_attr('end_mask') & (1 << i) or (
       size is not None and end >= size and not short)
@@ -1022,8 +1023,10 @@ def _end(op: tf.Operation, i: int) -> Optional[int]:
   # The bound first: under a static batch size min(6, n) folds into the
   # shard's n, every row of it.
   bound = _written_bound(op, i)
-  if bound is not None:
-    return bound
+  return bound if bound is not None else _constant_end(op, i)
+
+
+def _constant_end(op: tf.Operation, i: int) -> Optional[int]:
   end = _constant(op.inputs[2])
   return None if end is None else int(end[i])
 

@@ -79,9 +79,7 @@ _ELEMENTWISE = frozenset([
 _SHAPE_FOLDS = frozenset(folded_shapes.FOLDING_FUNCTIONS)
 _SHAPE_ELEMENT = frozenset(['StridedSlice', 'GatherV2', 'Gather'])
 # Comparisons: element-wise too (tf.compat.v1.losses' present weights).
-_COMPARISONS = frozenset(['Equal', 'NotEqual', 'Greater', 'GreaterEqual',
-                          'Less', 'LessEqual', 'LogicalAnd', 'LogicalOr',
-                          'LogicalNot'])
+_COMPARISONS = reductions.COMPARISONS | reductions.LOGICAL
 _MAX_TERMS = 64  # Reductions a divided numerator may add up.
 MAX_OPS = 2000  # Bound on the walk: losses are small subgraphs at the top.
 # The name of the cast of a divisor the model_fn wrote (a sum of weights, a

@@ -127,12 +127,12 @@ def _message(name: str, found, global_rows: Optional[int]) -> str:
   op, what = found
   where = f'{op.type} {op.name!r} {what}'
   if found.kind == 'statistic':
+    remedy = batch_mixing.batch_norm_remedy(False)
     return (
         f'The prediction {name!r} is computed from its batch as a whole: '
         f'{where}. One device computes it over the whole batch; each tower '
-        'would over its own shard. Call batch-norm layers with '
-        'training=False outside TRAIN (their moving statistics); otherwise '
-        'predict on one device.')
+        f'would over its own shard. {remedy[0].upper()}{remedy[1:]}; '
+        'otherwise predict on one device.')
   if found.kind == 'positions':
     return (
         f'The prediction {name!r} {what} ({op.type} {op.name!r}): each '
