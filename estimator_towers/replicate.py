@@ -652,10 +652,12 @@ class _TowerBuilder:
           {_op_of(u).name for u in update_ops[i]} |
           step.statistics.exact_writes | one_update_ops,
           across_tasks=self._task_group.across_tasks,
-          drawn=self._drawn(graph, self._towers.region(i), one_update_ops))
+          drawn=self._drawn(graph, self._towers.region(i), one_update_ops),
+          global_rows=split.global_rows)
       if i < last:
         effects.extend(found)
       adds.append(tower_effects.adds_in(found))
+      tower_effects.check_adds_read_no_added(adds[-1])
     tower_effects.in_tower_order(adds)
     return effects
 

@@ -319,6 +319,30 @@ def test_a_subset_of_rows_by_position_is_refused(name):
     build_replicated(_regression(loss_of), towers=2, loss_reduction='mean')
 
 
+@pytest.mark.parametrize('static_batch', [True, False])
+def test_rows_weighed_by_their_position_are_refused(static_batch):
+  # Each shard numbers its rows from 0: a loss weighing row i by i trained
+  # silently off one device (found for train_op adds, adversary round 31).
+  def loss_of(p, l, x):
+    ranks = tf.cast(tf.range(tf.shape(p)[0]), tf.float32)
+    return tf.reduce_mean(_squares(p, l) * ranks[:, None])
+  with pytest.raises(ValueError, match='weighs examples by their position in '
+                     "the batch: Mul .*Pass the position in as a feature"):
+    build_replicated(_regression(loss_of), towers=2, loss_reduction='mean',
+                     static_batch=static_batch)
+
+
+def test_indices_built_from_positions_are_not_a_weighting():
+  # The flattened index of each row's own label scales no row.
+  def loss_of(p, l, x):
+    rows = tf.range(tf.shape(p)[0])
+    picked = tf.gather(tf.reshape(p, [-1]), rows * 2 + l)
+    return tf.reduce_mean(tf.square(picked - 1.0))
+  graph, spec = build_replicated(_regression(loss_of), towers=2,
+                                 loss_reduction='mean')
+  assert spec.train_op.graph is graph
+
+
 _REORDERED = {
     # Each trained silently on towers: a shard paired its own rows.
     'mixup_reversed': (lambda p, l, x: tf.reduce_mean(_squares(

@@ -600,7 +600,7 @@ def test_rows_meeting_an_order_or_statistic_of_their_shard_are_refused(name):
   loss_of, kwargs = _REFUSED[name]
   with pytest.raises(ValueError, match=(
       'combines examples with a statistic of their batch|pairs examples of '
-      'its batch by their position')):
+      'its batch by their position|weighs examples by their position')):
     build_replicated(_model_fn(loss_of), 2, static_batch=False, **kwargs)
 
 

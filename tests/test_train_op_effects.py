@@ -376,6 +376,96 @@ def test_adds_of_a_shards_positions_or_statistics_are_refused(tmp_path, data,
     estimator.train(dataset_input_fn({'x': x}, y, 10), steps=1)
 
 
+# Adds a one-device model_fn may make into a counter, by what each adds up
+# to over the towers. Exact: each example adds its own part.
+_PER_EXAMPLE_ADDS = {
+    'fill_of_the_rows': lambda x, labels: tf.reduce_sum(
+        tf.fill([tf.shape(x)[0]], 1.0)),
+    'ones_shaped_like_labels': lambda x, labels: tf.reduce_sum(
+        tf.ones(tf.shape(labels))),
+    'count_of_a_class': lambda x, labels: tf.cast(
+        tf.size(tf.where(tf.equal(labels, 0))), tf.float32),
+    'sum_of_a_partition': lambda x, labels: tf.reduce_sum(
+        tf.dynamic_partition(x[:, 0], labels, 2)[1]),
+}
+# Each silently added its own shard's part until 2026-11 (adversary round
+# 31): values of several rows of the shard, or of their positions.
+_MIXED_ADDS = {
+    'distinct_labels': lambda x, labels: tf.cast(
+        tf.size(tf.unique(labels).y), tf.float32),
+    'softmax_over_the_rows': lambda x, labels: tf.reduce_sum(
+        tf.nn.softmax(x[:, 0]) * x[:, 0]),
+    'cumulative_sum': lambda x, labels: tf.reduce_sum(tf.cumsum(x[:, 0])),
+    'rolled_pairs': lambda x, labels: tf.reduce_sum(
+        tf.roll(x[:, 0], 1, 0) * x[:, 0]),
+    'minus_the_first_row': lambda x, labels: tf.reduce_sum(x - x[0]),
+    'weighed_by_position': lambda x, labels: tf.reduce_sum(
+        x[:, 0] * tf.cast(tf.range(tf.shape(x)[0]), tf.float32)),
+    'count_above_the_mean': lambda x, labels: tf.reduce_sum(
+        tf.cast(x[:, 0] > tf.reduce_mean(x[:, 0]), tf.float32)),
+    'first_row': lambda x, labels: tf.reduce_sum(x[:1]),
+    'gram_matrix': lambda x, labels: tf.reduce_sum(
+        tf.matmul(x, x, transpose_b=True)),
+}
+
+
+def added_model_fn(features, labels, mode, params):
+  """Adds each of `params['forms']` into a counter of its own."""
+  loss = _loss(features, labels)
+  train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  writes = []
+  with tf.control_dependencies([train_op]):
+    for name, form in sorted(params['forms'].items()):
+      counter = tf1.get_variable(name, [], initializer=tf1.zeros_initializer(),
+                                 trainable=False)
+      writes.append(counter.assign_add(form(features['x'], labels)))
+    if params.get('truncated'):
+      counter = tf1.get_variable('truncated', [], tf.int32,
+                                 tf1.zeros_initializer(), trainable=False)
+      writes.append(counter.assign_add(
+          tf.cast(tf.reduce_sum(features['x']), tf.int32)))
+    if params.get('read_back'):
+      # A total scaled by a counter the towers add into: each tower reads
+      # the earlier towers' adds.
+      count = tf1.get_variable('count', [], initializer=tf1.zeros_initializer(),
+                               trainable=False)
+      total = tf1.get_variable('read_back', [],
+                               initializer=tf1.zeros_initializer(),
+                               trainable=False)
+      counted = count.assign_add(tf.cast(tf.size(labels), tf.float32))
+      with tf.control_dependencies([counted]):
+        writes.append(total.assign_add(
+            tf.reduce_sum(features['x'][:, 0]) * count.read_value()))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=tf.group(writes))
+
+
+def test_per_example_counts_and_sums_equal_one_device(tmp_path, data):
+  x, y = data
+  input_fn = dataset_input_fn({'x': x}, y, 10)
+  trained = []
+  for name, towers in (('one', 1), ('many', 3)):
+    estimator = make_estimator(added_model_fn, tmp_path / name, towers,
+                               {'forms': _PER_EXAMPLE_ADDS})
+    estimator.train(input_fn, steps=STEPS)
+    trained.append(variables_of(estimator))
+  one, many = trained
+  assert one['fill_of_the_rows'] == 10 * STEPS
+  assert_same_variables(one, many)
+
+
+@pytest.mark.parametrize('form', sorted(_MIXED_ADDS) + ['truncated',
+                                                         'read_back'])
+def test_adds_of_values_that_mix_the_shards_rows_are_refused(tmp_path, data,
+                                                             form):
+  x, y = data
+  params = ({'forms': {}, form: True} if form in ('truncated', 'read_back')
+            else {'forms': {form: _MIXED_ADDS[form]}})
+  estimator = make_estimator(added_model_fn, tmp_path, 3, params)
+  with pytest.raises(ValueError, match=rf"(?s)variable {form} .*tower"):
+    estimator.train(dataset_input_fn({'x': x}, y, 10), steps=1)
+
+
 class _SignDescent(tf1.train.GradientDescentOptimizer):
   """Its own dense update: a write the one update makes, not a tower."""
 

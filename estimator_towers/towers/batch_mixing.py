@@ -167,6 +167,13 @@ def check_loss(loss: tf.Tensor, shard, since: op_ledger.Mark,
         'another model. Exchange the rows with estimator_towers.whole_batch '
         '(see docs/writing_model_fns.md, "Losses over the whole batch"), '
         'pair examples in the input pipeline, or train on one device.')
+  if found.kind == 'positions':
+    raise ValueError(
+        f'The loss {loss.op.name!r} weighs examples by their position in '
+        f'the batch: {op.type} {op.name!r} {what}. Each tower numbers its '
+        "own shard's rows from 0, one device the whole batch's, and the "
+        'towers would train another model. Pass the position in as a '
+        'feature, or train on one device.')
   if found.kind == 'subset':
     raise ValueError(
         f'The loss {loss.op.name!r} keeps only some examples of its batch '
@@ -285,6 +292,9 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
       return _Found(op, 'compares the positions of the examples in their '
                     'batch with a number: a mask of rows by position',
                     kind='subset')
+    if op in values and _weighs_by_position(op, inputs, positions):
+      return _Found(op, 'scales the rows by their positions (tf.range of '
+                    'the rows)', kind='positions')
     if not any(inputs):
       trail.follow(op, inputs, [_NONE] * len(op.outputs), inputs_held)
       continue
@@ -415,6 +425,17 @@ def _compares_positions(op: tf.Operation, inputs: List[Axes],
           any(t.name in positions for t in op.inputs))
 
 
+def _weighs_by_position(op: tf.Operation, inputs: List[Axes],
+                        positions) -> bool:
+  """Whether `op` scales the shard's rows by their positions
+  (`x * tf.range(n)`: each shard numbers its own rows from 0); indices
+  built from positions (`tf.range(n) * classes + labels`) scale no row."""
+  return (op.type in ('Mul', 'RealDiv', 'TrueDiv', 'Div') and
+          any(t.name in positions for t in op.inputs) and
+          any(axes for t, axes in zip(op.inputs, inputs)
+              if t.name not in positions))
+
+
 def _joins_rows(op: tf.Operation, inputs: List[Axes]) -> bool:
   """Whether a ConcatV2 or Pack puts its inputs' rows after one another."""
   if op.type == 'Pack':
@@ -489,6 +510,10 @@ def _value_ancestors(op: tf.Operation, ops) -> set:
   return seen
 
 
+_UNIQUE = frozenset(['Unique', 'UniqueV2', 'UniqueWithCounts',
+                     'UniqueWithCountsV2'])
+
+
 def _rule(op: tf.Operation, inputs: List[Axes],
           product: Optional['_Product'] = None,
           global_rows: Optional[int] = None,
@@ -524,6 +549,14 @@ def _rule(op: tf.Operation, inputs: List[Axes],
     return _joined(op, inputs)
   if kind in ('Gather', 'GatherV2', 'ResourceGather'):
     return [_gather(op, inputs)]
+  if kind == 'DynamicPartition':  # Rows by a per-row partition: a subset.
+    return [inputs[0]] * len(op.outputs)
+  if kind == 'Switch':  # TF1 cond: the data goes on as it is.
+    return [inputs[0], inputs[0]]
+  if kind in _UNIQUE and 0 in inputs[0]:
+    raise _subset(op, "keeps one row per distinct value of the shard's "
+                  'examples (tf.unique): which rows are distinct depends on '
+                  'the other rows of the shard')
   if kind == 'OneHot':
     return [_one_hot(op, inputs[0])]
   if kind == 'TopKV2':

@@ -379,7 +379,7 @@ def varies(depends) -> Callable[[tf.Tensor], bool]:
 
 def _is_zero(tensor: tf.Tensor) -> bool:
   """Whether `tensor` is zeros whatever the examples."""
-  if _skip_pass_through(tensor).op.type == 'ZerosLike':
+  if skip_pass_through(tensor).op.type == 'ZerosLike':
     return True
   value = tf.get_static_value(tensor)
   return value is not None and not np.any(value)
@@ -406,7 +406,7 @@ def _is_the_rows(denominator: tf.Tensor, depends) -> bool:
   happens to equal the rows (a sequence length) stays a scaling.
   """
   rows = getattr(depends, 'batch_size', None)
-  element = _skip_pass_through(denominator).op
+  element = skip_pass_through(denominator).op
   if rows is None or element.type not in _SHAPE_ELEMENT:
     return False
   shape = element.inputs[0]
@@ -462,7 +462,7 @@ def _times_a_reciprocal(op: tf.Operation, depends, budget: List[int]
   if len(op.inputs) != 2:
     return None
   for scale, summed in (op.inputs, reversed(list(op.inputs))):
-    scale = _skip_pass_through(scale)
+    scale = skip_pass_through(scale)
     if scale.op.type not in _DIVIDE or depends(scale.op.inputs[0]) or (
         not depends(scale.op.inputs[1])):
       continue
@@ -678,7 +678,7 @@ def _size_product(varying: tf.Tensor, fixed: tf.Tensor,
   if value is None or np.size(value) != 1 or _from_shapes(fixed):
     return None  # Folded sizes are _unread_folded_rows' to read.
   value = abs(float(np.reshape(value, [])))
-  reduced = _skip_pass_through(varying).op
+  reduced = skip_pass_through(varying).op
   if not value or reduced.type not in ('Sum', 'Mean'):
     return None
   factor = value if reduced.type == 'Mean' else 1 / value
@@ -704,7 +704,7 @@ def _row_degree(tensor: tf.Tensor, depends) -> Optional[int]:
   shapes (1 for a count of its elements: tf.size, tf.shape(x)[0] times
   other dimensions, a sum of ones over the rows), or None when it is no
   product of such terms."""
-  op = _skip_pass_through(tensor).op
+  op = skip_pass_through(tensor).op
   if op.type == 'Const':
     if not folded_shape(op):
       return 0  # A constant the model_fn wrote.
@@ -800,7 +800,7 @@ def static_count(tensor: tf.Tensor, depends) -> bool:
   """Whether a tensor `from_static_rows` is a count of the shard's examples
   or of their elements (`tf.size(labels)`, `tf.shape(x)[0]`,
   `tf.reduce_sum(tf.ones_like(labels))`), which adds up over shards."""
-  tensor = _skip_pass_through(tensor)
+  tensor = skip_pass_through(tensor)
   op = tensor.op
   if op.type in SCALES:  # A count times a fixed number.
     fixed = [not depends(t) and not from_static_rows(t, depends)
@@ -859,7 +859,7 @@ def _folded_row_sum(denominator: tf.Tensor, depends) -> bool:
   shard's 6 elements). Each tower's is its own rows' count, so the towers'
   divisors add up to one device's; as a scaling (a fixed divisor) the towers'
   losses were added: N times one device's step, silently."""
-  op = _skip_pass_through(denominator).op
+  op = skip_pass_through(denominator).op
   if op.type != 'Sum' or denominator.shape.rank != 0:
     return False
   rows = getattr(depends, 'batch_size', None)
@@ -916,7 +916,7 @@ def _from_static_count(denominator: tf.Tensor, numerator: tf.Tensor,
   numerator sums), folded while building, without being that count."""
   summed = None
   if _reduces_all(numerator, SUM, depends):
-    summed = _skip_pass_through(numerator).op.inputs[0].shape.num_elements()
+    summed = skip_pass_through(numerator).op.inputs[0].shape.num_elements()
   pending, seen = [denominator], set()
   while pending and len(seen) < MAX_OPS:
     tensor = pending.pop()
@@ -1107,7 +1107,7 @@ def reduces_rows(tensor: tf.Tensor, depends) -> bool:
 def _skip_scalings(tensor: tf.Tensor, depends) -> tf.Tensor:
   """`tensor` without pass-through ops and factors that are not examples'."""
   while True:
-    tensor = _skip_pass_through(tensor)
+    tensor = skip_pass_through(tensor)
     op = tensor.op
     varying = [t for t in op.inputs if depends(t)]
     if op.type not in SCALES or len(varying) != 1:
@@ -1198,7 +1198,7 @@ def _reduces_all(tensor: tf.Tensor, how: str, depends) -> bool:
   The batch dimension is unknown while the graph is built, or, when the
   input's batch size is static, the tower's static share of it.
   """
-  op = _skip_pass_through(tensor).op
+  op = skip_pass_through(tensor).op
   wanted = ('Sum', 'L2Loss') if how == SUM else ('Mean',)
   if op.type not in wanted or tensor.shape.rank != 0:
     return False
@@ -1229,7 +1229,7 @@ def sums_the_rows(tensor: tf.Tensor, depends) -> bool:
   reduction = analyze(tensor, depends)
   if reduction.kind == SUM and not reduction.constant_terms:
     return True
-  op = _skip_pass_through(tensor).op
+  op = skip_pass_through(tensor).op
   if op.type != 'Sum':
     return False
   axes = _reduced_axes(op)
@@ -1278,7 +1278,7 @@ def _rows(shape: tf.TensorShape):
   return tf.compat.dimension_value(shape[0])
 
 
-def _skip_pass_through(tensor: tf.Tensor) -> tf.Tensor:
+def skip_pass_through(tensor: tf.Tensor) -> tf.Tensor:
   while tensor.op.type in PASS_THROUGH or reduces_a_scalar(tensor):
     tensor = tensor.op.inputs[0]
   return tensor

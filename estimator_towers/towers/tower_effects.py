@@ -19,9 +19,12 @@ example counter, a running total, the `tf.compat.v1.metrics` accumulators).
 Those run in every tower, one tower after the other (`in_tower_order`), and
 an idle tower (its shard a padding copy) adds zero. A count folded from a
 static batch size (`tf.size(labels)`) is the shard's own count, though it
-reads no op of the shard: it counts as the shard's. Any other such write (an assign, a moving average of a batch
-statistic, an add of a mean, a write inside a conditional or `tf.function`
-run on the shard) is a `ValueError` while the graph is built: it would
+reads no op of the shard: it counts as the shard's. Any other such write
+(an assign, a moving average of a batch statistic, an add of a mean, of
+rows picked, ordered or weighed by position, of a value truncated to an
+integer or read from a variable the towers add into, a write inside a
+conditional or `tf.function` run on the shard) is a `ValueError` while
+the graph is built: it would
 silently differ from one device. The last tower is checked too, since its
 write alone would come from the last shard only. Batch-norm moving
 statistics are combined exactly by moving_statistics (its one update in the
@@ -35,6 +38,7 @@ an EMA of the weights, a constant counter) run once, in the last tower.
 from typing import (Callable, Collection, Iterable, List, Optional,
                     Sequence, Set)
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
@@ -101,7 +105,8 @@ def shard_effects(train_op: tf.Operation, since: op_ledger.Mark,
                   active: tf.Tensor,
                   exempt: Collection[str] = (),
                   across_tasks: bool = False,
-                  drawn: Optional[Callable[[tf.Tensor], bool]] = None
+                  drawn: Optional[Callable[[tf.Tensor], bool]] = None,
+                  global_rows: Optional[int] = None
                   ) -> List[tf.Operation]:
   """The ops of a tower's train_op that act on the tower's shard.
 
@@ -127,6 +132,9 @@ def shard_effects(train_op: tf.Operation, since: op_ledger.Mark,
     drawn: In a synchronous cluster, tells whether a tensor depends on the
       tower's random ops (see `random_draws`): a write from them is refused,
       since each task draws other numbers.
+    global_rows: The batch's static number of rows, or None: the first
+      rows of a shard that are all its rows are still a subset of the
+      batch's (see `batch_mixing.check_loss`).
 
   Returns:
     The ops to group into the merged train_op, without repeats.
@@ -171,7 +179,7 @@ def shard_effects(train_op: tf.Operation, since: op_ledger.Mark,
             'Compute it as a metric (EVAL), or train with ps tasks '
             '(asynchronous) or on one machine.')
       if op.type not in _SHARED:
-        _check_adds_up(op, depends_on_shard)
+        _check_adds_up(op, depends_on_shard, global_rows)
         _add_nothing_when_idle(op, active)
       found.setdefault(op.name, op)
     pending.extend(t.op for t in op.inputs)
@@ -295,7 +303,8 @@ def variable_source(handle: tf.Tensor) -> tf.Operation:
   return op
 
 
-def _check_adds_up(op: tf.Operation, depends_on_shard) -> None:
+def _check_adds_up(op: tf.Operation, depends_on_shard,
+                   global_rows: Optional[int] = None) -> None:
   """Refuses a shard-dependent write that does not add up over shards."""
   position = _ADDS.get(op.type)
   if position is not None:
@@ -313,7 +322,16 @@ def _check_adds_up(op: tf.Operation, depends_on_shard) -> None:
              'a static batch size tf.size and tf.shape fold into each '
              "tower's own count) that is not a count of the shard's "
              'examples or elements')
-    elif loss_reduction.sums_the_rows(value, depends_on_shard):
+    elif _mixing(value, depends_on_shard, global_rows) is not None:
+      found = _mixing(value, depends_on_shard, global_rows)
+      why = (f'it adds a value that {found[1]} ({found[0].type} '
+             f"{found[0].name!r}): each tower's is its own shard's, not a "
+             "part of the whole batch's")
+    elif _truncating_cast(value) is not None:
+      why = (f'it adds a sum cast to an integer ({_truncating_cast(value)}'
+             "): each tower's sum is truncated alone, one device's once")
+    elif (loss_reduction.sums_the_rows(value, depends_on_shard) and
+          _sums_rows_of_examples(value, depends_on_shard)):
       return  # A sum over the examples, whole or per column.
     else:
       reduction = loss_reduction.analyze(value, depends_on_shard)
@@ -327,6 +345,78 @@ def _check_adds_up(op: tf.Operation, depends_on_shard) -> None:
       'replicate_model_fn it would be written once per tower, each time '
       "from that tower's shard, instead of once from the whole batch as on "
       f'one device. {_ADVICE}')
+
+
+def _mixing(value: tf.Tensor, depends_on_shard,
+            global_rows: Optional[int] = None):
+  """Where `value` mixes the shard's examples (batch_mixing's (op, phrase):
+  a subset or an order of rows by position, pairs of rows, rows meeting a
+  statistic of the shard, rows weighed by their position), or None."""
+  shard, since = depends_on_shard.shard, depends_on_shard.since
+  found = batch_mixing.mixing_op(value, shard, since, global_rows=global_rows)
+  if found is not None:
+    return found
+  # Rows weighed by their position: reported with the final tensor's own
+  # kind, whose 'statistic' (a sum over the rows) is what an add may add.
+  found = batch_mixing.mixing_op(value, shard, since, report_positions=True,
+                                 global_rows=global_rows)
+  return found if found is not None and found.kind == 'positions' else None
+
+
+def _sums_rows_of_examples(value: tf.Tensor, depends_on_shard) -> bool:
+  """Whether every sum or count `value` adds runs over a tensor whose first
+  axis holds the shard's examples, one per row (not the distinct labels of
+  `tf.unique`, nor `tf.bincount`'s classes: a function of several rows)."""
+  shard, since = depends_on_shard.shard, depends_on_shard.since
+  reduction = loss_reduction.analyze(value, depends_on_shard)
+  if reduction.kind == loss_reduction.SUM:
+    reductions = [value.graph.get_operation_by_name(n) for n in reduction.sums]
+  else:  # Per column: tf.reduce_sum(x, 0).
+    reductions = [loss_reduction.skip_pass_through(value).op]
+
+  def per_example(tensor: tf.Tensor) -> bool:
+    op = tensor.op
+    if op.type == 'Where' and tensor.shape.rank == 2:
+      tensor = op.inputs[0]  # The positions of a per-example condition.
+    elif op.type == 'Fill':  # ones_like, tf.fill([n], 1.): a row each.
+      shape = op.inputs[0].op
+      if shape.type == 'Pack' and shape.inputs:
+        shape = loss_reduction.skip_pass_through(shape.inputs[0]).op
+        if shape.type != 'StridedSlice' or not _first_element(shape):
+          return False
+        shape = shape.inputs[0].op
+      if shape.type != 'Shape' or depends_on_shard(op.inputs[1]):
+        return False
+      tensor = shape.inputs[0]
+    axes = batch_mixing.row_axes(tensor, shard, since)
+    return axes is not None and 0 in axes
+
+  for op in reductions:
+    if op.type == 'StridedSlice' and op.inputs[0].op.type == 'Shape':
+      op = op.inputs[0].op  # tf.shape(x)[0]: x's rows.
+    if not op.inputs or not per_example(op.inputs[0]):
+      return False
+  return True
+
+
+def _first_element(op: tf.Operation) -> bool:
+  """Whether StridedSlice `op` takes element 0 of a vector (`s[0]`)."""
+  begin = tf.get_static_value(op.inputs[1])
+  return (begin is not None and np.size(begin) == 1 and
+          int(np.ravel(begin)[0]) == 0 and op.get_attr('shrink_axis_mask'))
+
+
+def _truncating_cast(value: tf.Tensor) -> Optional[str]:
+  """The name of a cast from a float to an integer that `value` passes
+  through on its way down to what it adds, or None."""
+  tensor = value
+  while tensor.op.type in loss_reduction.PASS_THROUGH:
+    op = tensor.op
+    if (op.type == 'Cast' and op.inputs[0].dtype.is_floating and
+        tensor.dtype.is_integer):
+      return op.name
+    tensor = op.inputs[0]
+  return None
 
 
 def _per_example_adds(indices: tf.Tensor, updates: tf.Tensor,
@@ -494,6 +584,46 @@ def in_tower_order(adds_per_tower: Sequence[Iterable[tf.Operation]]
         add._add_control_inputs(
             [p for p in previous if p not in add.control_inputs])
       previous = adds
+
+
+def check_adds_read_no_added(adds: Sequence[tf.Operation]) -> None:
+  """Refuses a tower's add whose value reads a variable the towers add into.
+
+  Each tower's adds wait for the previous tower's (`in_tower_order`): a
+  value read from such a variable would hold the earlier towers' adds, and
+  one device's the whole batch's or none.
+
+  Args:
+    adds: One tower's adds into variables from its shard.
+
+  Raises:
+    ValueError: an add's value reads one of those variables.
+  """
+  added = {variable_source(add.inputs[0]) for add in adds}
+  for add in adds:
+    read = added & _data_ancestors(add.inputs[_ADDS[add.type]], adds)
+    if read:
+      raise ValueError(
+          'The train_op adds into variable '
+          f'{variable_source(add.inputs[0]).name} (op {add.name}) a value read from variable '
+          f'{sorted(op.name for op in read)[0]}, which the towers add into '
+          "from their shards. Each tower would read it after the earlier "
+          "towers' adds, one device after the whole batch's (or before it). "
+          'Compute the value from the batch, and combine the variables '
+          'after the step (e.g. in an eval metric), or train on one device.')
+
+
+def _data_ancestors(tensor: tf.Tensor, adds: Sequence[tf.Operation]) -> Set:
+  """The ops whose values `tensor` is computed from (not those it only
+  waits for), stopping at the adds themselves."""
+  found, pending = set(), [tensor.op]
+  while pending:
+    op = pending.pop()
+    if op in found or op in adds:
+      continue
+    found.add(op)
+    pending.extend(t.op for t in op.inputs)
+  return found
 
 
 def adds_in(ops: Iterable[tf.Operation]) -> List[tf.Operation]:
