@@ -251,6 +251,9 @@ _SUBSETS = {
         tf.gather(_squares(p, l), [0, 1])), 'GatherV2'),
     'top_k': (lambda p, l, x: tf.reduce_mean(tf.math.top_k(
         tf.reduce_sum(_squares(p, l), 1), k=2).values), 'TopKV2'),
+    # k a shard's rows, fewer than the batch's 10: each shard kept whole.
+    'top_k_of_a_shards_size': (lambda p, l, x: tf.reduce_mean(tf.math.top_k(
+        tf.reduce_sum(_squares(p, l), 1), k=5).values), 'TopKV2'),
     # The first row as a product (0.26 of the update off, silently).
     'first_row_by_product': (lambda p, l, x: tf.reduce_mean(tf.matmul(
         tf.one_hot([0], tf.shape(p)[0]), _squares(p, l))), 'MatMul'),

@@ -406,6 +406,8 @@ _MIXED_ADDS = {
     'first_row': lambda x, labels: tf.reduce_sum(x[:1]),
     'gram_matrix': lambda x, labels: tf.reduce_sum(
         tf.matmul(x, x, transpose_b=True)),
+    'rows_squared': lambda x, labels: tf.reduce_sum(
+        tf.ones([tf.shape(x)[0], tf.shape(x)[0]])),
 }
 
 
@@ -464,6 +466,34 @@ def test_adds_of_values_that_mix_the_shards_rows_are_refused(tmp_path, data,
   estimator = make_estimator(added_model_fn, tmp_path, 3, params)
   with pytest.raises(ValueError, match=rf"(?s)variable {form} .*tower"):
     estimator.train(dataset_input_fn({'x': x}, y, 10), steps=1)
+
+
+def test_a_write_in_a_tf1_cond_on_the_shard_is_refused(tmp_path, data):
+  # With control flow v1 the branch is no If op: the write's value (a
+  # constant) hid that the shard chose it, and the last tower's choice
+  # stood for the batch (3 for one device's 1, adversary round 31).
+  def model_fn(features, labels, mode):
+    loss = _loss(features, labels)
+    train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    hits = tf1.get_variable('hits', [], initializer=tf1.zeros_initializer(),
+                            trainable=False)
+    with tf.control_dependencies([train_op]):
+      counted = tf1.cond(tf.reduce_any(tf.equal(labels, 0)),
+                         lambda: hits.assign_add(1.0),
+                         lambda: tf.identity(hits))
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=counted.op)
+
+  x, y = data
+  estimator = make_estimator(model_fn, tmp_path, 3)
+  tf1.disable_control_flow_v2()
+  try:
+    with pytest.raises(ValueError, match=r"(?s)variable hits .*tf.compat.v1"
+                       r".cond whose predicate .*depends on the tower's "
+                       'shard'):
+      estimator.train(dataset_input_fn({'x': x}, y, 10), steps=1)
+  finally:
+    tf1.enable_control_flow_v2()
 
 
 class _SignDescent(tf1.train.GradientDescentOptimizer):

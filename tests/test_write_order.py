@@ -485,6 +485,30 @@ def test_a_tf1_while_loop_in_the_step_builds_and_trains_as_one_device():
                                rtol=1e-5)
 
 
+@pytest.mark.training
+@pytest.mark.parametrize('towers', [0, 2])
+def test_a_tf1_cond_add_runs_when_its_branch_is_taken(towers):
+  # The other branch passes the ref variable on (tf.identity): the add was
+  # made to wait for that read, dead whenever the add's branch runs, and on
+  # towers the counter never moved (adversary round 31: 0 for 5).
+  def model_fn(features, labels, mode):
+    predictions = tf1.layers.dense(features['x'], 1)
+    loss = tf1.losses.mean_squared_error(labels, predictions[:, 0])
+    step = tf1.train.get_or_create_global_step()
+    update = tf1.train.GradientDescentOptimizer(0.01).minimize(loss, step)
+    counter = tf1.get_variable('counter', [], use_resource=False,
+                               initializer=tf1.zeros_initializer())
+    with tf.control_dependencies([update]):
+      counted = tf1.cond(tf.equal(step % 2, 0),
+                         lambda: tf1.assign_add(counter, 1.0),
+                         lambda: tf.identity(counter))
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=counted.op)
+
+  with _v1_control_flow():
+    finals = _final_variables(model_fn, towers, runs=1)
+  assert finals[0]['counter'] == (_STEPS + 1) // 2
+
+
 @pytest.mark.fast
 def test_a_running_max_of_the_shard_is_refused():
   # scatter_nd_max of a per-shard value would run once per tower, each from

@@ -560,7 +560,7 @@ def _rule(op: tf.Operation, inputs: List[Axes],
   if kind == 'OneHot':
     return [_one_hot(op, inputs[0])]
   if kind == 'TopKV2':
-    return _top_k(op, inputs[0])
+    return _top_k(op, inputs[0], global_rows)
   if kind in ('SoftmaxCrossEntropyWithLogits',
               'SparseSoftmaxCrossEntropyWithLogits'):
     per_row = frozenset([0]) if any(0 in axes for axes in inputs) else _NONE
@@ -1109,13 +1109,21 @@ def _check_slice(op: tf.Operation, axes: Axes,
                     'examples, to less than its full range', written)
 
 
-def _top_k(op: tf.Operation, axes: Axes) -> List[Axes]:
+def _top_k(op: tf.Operation, axes: Axes,
+           global_rows: Optional[int] = None) -> List[Axes]:
   """TopKV2 over the last axis: a full sort of rows keeps every row (in
-  another order, which a later slice would exploit); fewer is a subset."""
+  another order, which a later slice would exploit); fewer is a subset,
+  also a written k below the batch's rows (`global_rows`, see `check_loss`)
+  that a shard of k rows keeps whole."""
   rank = _rank(op.inputs[0])
   if rank is None:
     return [_NONE, _NONE]
-  if rank - 1 in axes and not _whole_axis(op.inputs[1], op.inputs[0]):
+  written = _constant(op.inputs[1])
+  short = (global_rows is not None and written is not None and
+           not folded_shapes.computed_from(op.inputs[1]) and
+           int(np.ravel(written)[0]) < global_rows)
+  if rank - 1 in axes and (
+      short or not _whole_axis(op.inputs[1], op.inputs[0])):
     raise _subset(op, 'keeps the k largest rows of an axis that indexes the '
                   "tower's examples")
   return [axes, axes]

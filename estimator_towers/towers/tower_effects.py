@@ -164,6 +164,15 @@ def shard_effects(train_op: tf.Operation, since: op_ledger.Mark,
           'Draw them from the global step with a stateless random op '
           '(tf.random.stateless_uniform), or train with ps tasks '
           '(asynchronous) or on one machine.')
+    elif op.type in WRITES and _shard_condition(op, depends_on_shard):
+      raise ValueError(
+          f'The train_op writes variable {variable_source(op.inputs[0]).name}'
+          f' (op {op.name}) inside a tf.compat.v1.cond whose predicate '
+          f"({_shard_condition(op, depends_on_shard)}) depends on the "
+          "tower's shard. Under replicate_model_fn each tower would choose "
+          "the branch from its own shard, and the last tower's choice would "
+          'stand for the whole batch. Move a write that adds a per-example '
+          f'sum or count out of the conditional. {_ADVICE}')
     elif op.type in CALLS and any(map(depends_on_shard, op.inputs)):
       _check_no_writes_inside(op, exempt)
       if op.type in _CONDITIONALS:
@@ -381,6 +390,8 @@ def _sums_rows_of_examples(value: tf.Tensor, depends_on_shard) -> bool:
     elif op.type == 'Fill':  # ones_like, tf.fill([n], 1.): a row each.
       shape = op.inputs[0].op
       if shape.type == 'Pack' and shape.inputs:
+        if any(tf.get_static_value(t) is None for t in shape.inputs[1:]):
+          return False  # tf.ones([n, n]): n rows of n, not a row each.
         shape = loss_reduction.skip_pass_through(shape.inputs[0]).op
         if shape.type != 'StridedSlice' or not _first_element(shape):
           return False
@@ -496,6 +507,17 @@ def _argument_of(reference: str, nodes) -> str:
   while name in nodes and nodes[name].op == 'Identity' and nodes[name].input:
     name = nodes[name].input[0].split(':')[0]
   return name
+
+
+def _shard_condition(op: tf.Operation, depends_on_shard) -> Optional[str]:
+  """The name of the predicate of a TF1 cond around `op` that depends on
+  the shard, or None. (TF2's conds are `If` ops: see CALLS.)"""
+  context = op._control_flow_context  # pylint: disable=protected-access
+  while context is not None:
+    if context.IsCondContext() and depends_on_shard(context.pred):
+      return context.pred.op.name
+    context = context.outer_context
+  return None
 
 
 def _check_no_writes_inside(op: tf.Operation,

@@ -196,8 +196,21 @@ class _Step:
         accesses = self.writes if written else self.reads
         accesses.setdefault(variable, []).append(op)
         if not written:
-          accesses[variable].extend(_aliased_reads(op, self.ops))
+          accesses[variable].extend(self._live_reads(
+              _aliased_reads(op, self.ops)))
     self._position = self._reads_first_order()
+
+  def _live_reads(self, reads: List[tf.Operation]) -> List[tf.Operation]:
+    """`reads`, those that may be skipped replaced by the cond exits that
+    run in every step: a ref variable's value passed into a TF1 cond
+    branch is read there (a write in the other branch made to wait for
+    that read never ran: a counter stayed 0 on towers)."""
+    live = [op for op in reads if not (_in_v1_control_flow(op) or
+                                       op in self._may_be_dead)]
+    dead = [op for op in reads if op not in live]
+    if dead:
+      live.extend(_cond_exits(dead, self.ops, self._may_be_dead))
+    return live
 
   def _add_cond_reads(self, op: tf.Operation) -> None:
     """Counts the reads of an op inside a TF1 cond as reads by the cond's
