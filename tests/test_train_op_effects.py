@@ -317,6 +317,15 @@ _HISTOGRAMS = {
         v, labels, tf.ones_like(labels, tf.float32)),
     'scattered_values': lambda v, x, labels: tf1.scatter_add(
         v, labels, x[:, 0] * 2.0 + 1.0),
+    # Refused as well until the adversary's round 31.
+    'segment_sums': lambda v, x, labels: v.assign_add(
+        tf.math.unsorted_segment_sum(x[:, 0], labels, 4)),
+    'bincount': lambda v, x, labels: v.assign_add(tf.math.bincount(
+        labels, minlength=4, maxlength=4, dtype=tf.float32)),
+    'outer_products': lambda v, x, labels: v.assign_add(tf.reshape(
+        tf.matmul(x[:, :2], x[:, :2], transpose_a=True), [4])),
+    'subtracted': lambda v, x, labels: v.assign_sub(
+        tf.reduce_sum(tf.one_hot(labels, 4), 0)),
 }
 _NOT_HISTOGRAMS = {
     # At the rows' positions: each shard's rows from 0.
@@ -327,6 +336,10 @@ _NOT_HISTOGRAMS = {
         v, labels, x[:, 0] - tf.reduce_mean(x[:, 0])),
     'per_class_mean': lambda v, x, labels: v.assign_add(
         tf.reduce_mean(tf.one_hot(labels, 4), 0)),
+    # Whether a class occurs in the shard: not a sum over examples.
+    'classes_present': lambda v, x, labels: v.assign_add(tf.math.bincount(
+        labels, minlength=4, maxlength=4, binary_output=True,
+        dtype=tf.float32)),
 }
 
 

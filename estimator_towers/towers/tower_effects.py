@@ -13,9 +13,10 @@ the inserts).
 
 A variable write whose value depends on the shard runs once per tower, each
 time from that tower's shard; one device runs it once, from the whole batch.
-That is exact only when the write adds up over shards: an add (`assign_add`,
-`scatter_add`) of a per-example sum or a count of the shard's examples (an
-example counter, a running total, the `tf.compat.v1.metrics` accumulators).
+That is exact only when the write adds up over shards: an add or a
+subtraction (`assign_add`, `scatter_add`, `assign_sub`) of a per-example
+sum or a count of the shard's examples (an example counter, a running
+total, per-class sums, the `tf.compat.v1.metrics` accumulators).
 Those run in every tower, one tower after the other (`in_tower_order`), and
 an idle tower (its shard a padding copy) adds zero. A count folded from a
 static batch size (`tf.size(labels)`) is the shard's own count, though it
@@ -56,22 +57,27 @@ CALLS = frozenset(['If', 'StatelessIf', 'While', 'StatelessWhile', 'Case',
                     'StatelessCase', 'PartitionedCall',
                     'StatefulPartitionedCall'])
 # Writes that add up over shards, when what they add does: position of the
-# value they add.
+# value they add. A subtraction too: v - s0 - s1 is v - (s0 + s1).
 _ADDS = {'AssignAdd': 1, 'AssignAddVariableOp': 1, 'ScatterAdd': 2,
          'ResourceScatterAdd': 2, 'ScatterNdAdd': 2,
-         'ResourceScatterNdAdd': 2}
+         'ResourceScatterNdAdd': 2, 'AssignSub': 1, 'AssignSubVariableOp': 1,
+         'ScatterSub': 2, 'ResourceScatterSub': 2, 'ScatterNdSub': 2,
+         'ResourceScatterNdSub': 2}
+# Sums per class of per-example rows: (op, inputs that must be per example).
+_PER_CLASS_SUMS = {'UnsortedSegmentSum': (0, 1), 'DenseBincount': (0, 2),
+                   'Bincount': (0, 2)}
 # One shared structure per model: run in every tower, as on one device.
 _SHARED = frozenset(['LookupTableInsert', 'LookupTableInsertV2',
                      'LookupTableRemoveV2', 'LookupTableImport',
                      'LookupTableImportV2', 'QueueEnqueue', 'QueueEnqueueV2',
                      'QueueEnqueueMany', 'QueueEnqueueManyV2'])
 _OTHER_WRITES = frozenset([
-    'Assign', 'AssignSub', 'AssignVariableOp', 'AssignSubVariableOp',
-    'ScatterUpdate', 'ScatterSub', 'ScatterMul', 'ScatterDiv', 'ScatterMin',
-    'ScatterMax', 'ScatterNdUpdate', 'ScatterNdSub', 'ResourceScatterUpdate',
-    'ResourceScatterSub', 'ResourceScatterMul', 'ResourceScatterDiv',
+    'Assign', 'AssignVariableOp',
+    'ScatterUpdate', 'ScatterMul', 'ScatterDiv', 'ScatterMin',
+    'ScatterMax', 'ScatterNdUpdate', 'ResourceScatterUpdate',
+    'ResourceScatterMul', 'ResourceScatterDiv',
     'ResourceScatterMin', 'ResourceScatterMax', 'ResourceScatterNdUpdate',
-    'ResourceScatterNdSub', 'ScatterNdMax', 'ScatterNdMin',
+    'ScatterNdMax', 'ScatterNdMin',
     'ResourceScatterNdMax', 'ResourceScatterNdMin',
     # v[i].assign(x), a counter's step.
     'StridedSliceAssign', 'ResourceStridedSliceAssign', 'CountUpTo',
@@ -331,6 +337,8 @@ def _check_adds_up(op: tf.Operation, depends_on_shard,
              'a static batch size tf.size and tf.shape fold into each '
              "tower's own count) that is not a count of the shard's "
              'examples or elements')
+    elif _per_class_sum(value, depends_on_shard):
+      return  # Per-example rows summed per class, or per pair of columns.
     elif _mixing(value, depends_on_shard, global_rows) is not None:
       found = _mixing(value, depends_on_shard, global_rows)
       why = (f'it adds a value that {found[1]} ({found[0].type} '
@@ -415,6 +423,31 @@ def _first_element(op: tf.Operation) -> bool:
   begin = tf.get_static_value(op.inputs[1])
   return (begin is not None and np.size(begin) == 1 and
           int(np.ravel(begin)[0]) == 0 and op.get_attr('shrink_axis_mask'))
+
+
+def _per_class_sum(value: tf.Tensor, depends_on_shard) -> bool:
+  """Whether `value` sums per-example rows per class or per pair of
+  columns: `tf.math.unsorted_segment_sum(x, labels, k)`, `tf.math.bincount(
+  labels)` (with per-example weights, not binary), `tf.matmul(x, y,
+  transpose_a=True)` (a sum over the examples of their outer products)."""
+  shard, since = depends_on_shard.shard, depends_on_shard.since
+
+  def per_example(tensor: tf.Tensor) -> bool:
+    if tensor.shape.num_elements() == 0:
+      return True  # Bincount's absent weights.
+    return (batch_mixing.row_axes(tensor, shard, since) == {0} and
+            batch_mixing.mixing_op(tensor, shard, since,
+                                   report_positions=True) is None)
+
+  op = loss_reduction.skip_pass_through(value).op
+  if op.type in _PER_CLASS_SUMS:
+    if op.type != 'UnsortedSegmentSum' and op.get_attr('binary_output'):
+      return False  # Whether a class occurs: not a sum.
+    return all(per_example(op.inputs[i]) for i in _PER_CLASS_SUMS[op.type])
+  if op.type == 'MatMul':
+    return (op.get_attr('transpose_a') and not op.get_attr('transpose_b')
+            and per_example(op.inputs[0]) and per_example(op.inputs[1]))
+  return False
 
 
 def _truncating_cast(value: tf.Tensor) -> Optional[str]:
