@@ -170,11 +170,12 @@ def shard_effects(train_op: tf.Operation, since: op_ledger.Mark,
           'Draw them from the global step with a stateless random op '
           '(tf.random.stateless_uniform), or train with ps tasks '
           '(asynchronous) or on one machine.')
-    elif op.type in WRITES and _shard_condition(op, depends_on_shard):
+    elif op.type in WRITES and (
+        condition := _shard_condition(op, depends_on_shard)):
       raise ValueError(
           f'The train_op writes variable {variable_source(op.inputs[0]).name}'
           f' (op {op.name}) inside a tf.compat.v1.cond whose predicate '
-          f"({_shard_condition(op, depends_on_shard)}) depends on the "
+          f"({condition}) depends on the "
           "tower's shard. Under replicate_model_fn each tower would choose "
           "the branch from its own shard, and the last tower's choice would "
           'stand for the whole batch. Move a write that adds a per-example '
@@ -339,13 +340,12 @@ def _check_adds_up(op: tf.Operation, depends_on_shard,
              'examples or elements')
     elif _per_class_sum(value, depends_on_shard):
       return  # Per-example rows summed per class, or per pair of columns.
-    elif _mixing(value, depends_on_shard, global_rows) is not None:
-      found = _mixing(value, depends_on_shard, global_rows)
+    elif (found := _mixing(value, depends_on_shard, global_rows)):
       why = (f'it adds a value that {found[1]} ({found[0].type} '
              f"{found[0].name!r}): each tower's is its own shard's, not a "
              "part of the whole batch's")
-    elif _truncating_cast(value) is not None:
-      why = (f'it adds a sum cast to an integer ({_truncating_cast(value)}'
+    elif (cast := _truncating_cast(value)):
+      why = (f'it adds a sum cast to an integer ({cast}'
              "): each tower's sum is truncated alone, one device's once")
     elif (loss_reduction.sums_the_rows(value, depends_on_shard) and
           _sums_rows_of_examples(value, depends_on_shard)):
@@ -430,24 +430,27 @@ def _per_class_sum(value: tf.Tensor, depends_on_shard) -> bool:
   columns: `tf.math.unsorted_segment_sum(x, labels, k)`, `tf.math.bincount(
   labels)` (with per-example weights, not binary), `tf.matmul(x, y,
   transpose_a=True)` (a sum over the examples of their outer products)."""
-  shard, since = depends_on_shard.shard, depends_on_shard.since
-
-  def per_example(tensor: tf.Tensor) -> bool:
-    if tensor.shape.num_elements() == 0:
-      return True  # Bincount's absent weights.
-    return (batch_mixing.row_axes(tensor, shard, since) == {0} and
-            batch_mixing.mixing_op(tensor, shard, since,
-                                   report_positions=True) is None)
-
   op = loss_reduction.skip_pass_through(value).op
   if op.type in _PER_CLASS_SUMS:
     if op.type != 'UnsortedSegmentSum' and op.get_attr('binary_output'):
       return False  # Whether a class occurs: not a sum.
-    return all(per_example(op.inputs[i]) for i in _PER_CLASS_SUMS[op.type])
+    return all(op.inputs[i].shape.num_elements() == 0 or  # No weights.
+               _per_example(op.inputs[i], depends_on_shard)
+               for i in _PER_CLASS_SUMS[op.type])
   if op.type == 'MatMul':
     return (op.get_attr('transpose_a') and not op.get_attr('transpose_b')
-            and per_example(op.inputs[0]) and per_example(op.inputs[1]))
+            and _per_example(op.inputs[0], depends_on_shard)
+            and _per_example(op.inputs[1], depends_on_shard))
   return False
+
+
+def _per_example(tensor: tf.Tensor, depends_on_shard) -> bool:
+  """Whether `tensor` holds one row per example of the shard, in the
+  shard's order, none made from other rows or from the rows' positions."""
+  shard, since = depends_on_shard.shard, depends_on_shard.since
+  return (batch_mixing.row_axes(tensor, shard, since) == {0} and
+          batch_mixing.mixing_op(tensor, shard, since,
+                                 report_positions=True) is None)
 
 
 def _truncating_cast(value: tf.Tensor) -> Optional[str]:
@@ -468,22 +471,15 @@ def _per_example_adds(indices: tf.Tensor, updates: tf.Tensor,
   """Whether a scatter add adds one row per example at that example's own
   index (`scatter_add(counts, labels, ones_like(labels))`): over the towers
   every example adds once, as on one device."""
-  shard, since = depends_on_shard.shard, depends_on_shard.since
-
-  def per_example(tensor: tf.Tensor) -> bool:
-    return (batch_mixing.row_axes(tensor, shard, since) == {0} and
-            batch_mixing.mixing_op(tensor, shard, since,
-                                   report_positions=True) is None)
-
-  if not per_example(indices):
+  if not _per_example(indices, depends_on_shard):
     return False
   op = updates.op
   if op.type == 'Fill' and op.inputs[0].op.type == 'Shape' and not (
       depends_on_shard(op.inputs[1])):
     # ones_like of a batch of unknown size: one value per row.
-    return per_example(op.inputs[0].op.inputs[0])
+    return _per_example(op.inputs[0].op.inputs[0], depends_on_shard)
   if depends_on_shard(updates):
-    return per_example(updates)
+    return _per_example(updates, depends_on_shard)
   # Free of the shard's values: ones (or any fill) shaped like the rows.
   return loss_reduction.same_for_every_row(updates, depends_on_shard)
 
