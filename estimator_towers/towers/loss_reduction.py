@@ -1247,15 +1247,29 @@ def _counts_examples(tensor: tf.Tensor, depends) -> bool:
   """
   op = tensor.op
   if op.type == 'StridedSlice' and op.inputs[0].op.type == 'Shape':
-    if static_value(op.inputs[1]) is None or any(
-        np.ravel(static_value(op.inputs[1]))) or tensor.shape.rank != 0:
+    rows_of = counted_rows(tensor)
+    if rows_of is None:
       return False
-    op = op.inputs[0].op
-  elif op.type != 'Size':
+    counted = rows_of.shape
+  elif op.type == 'Size':
+    counted = op.inputs[0].shape
+  else:
     return False
-  counted = op.inputs[0].shape
   return counted.rank is None or (
       counted.rank >= 1 and _may_be_the_rows(counted, depends))
+
+
+def counted_rows(tensor: tf.Tensor) -> Optional[tf.Tensor]:
+  """x, where `tensor` is `tf.shape(x)[0]` (the first element of x's
+  Shape, a scalar), else None."""
+  op = tensor.op
+  if (op.type != 'StridedSlice' or op.inputs[0].op.type != 'Shape' or
+      tensor.shape.rank != 0):
+    return None
+  begin = static_value(op.inputs[1])
+  if begin is None or any(np.ravel(begin)):
+    return None
+  return op.inputs[0].op.inputs[0]
 
 
 def _may_be_the_rows(shape: tf.TensorShape, depends) -> bool:

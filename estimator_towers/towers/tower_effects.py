@@ -39,7 +39,6 @@ an EMA of the weights, a constant counter) run once, in the last tower.
 from typing import (Callable, Collection, Iterable, List, Optional,
                     Sequence, Set)
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
@@ -397,32 +396,28 @@ def _sums_rows_of_examples(value: tf.Tensor, depends_on_shard) -> bool:
       tensor = op.inputs[0]  # The positions of a per-example condition.
     elif op.type == 'Fill':  # ones_like, tf.fill([n], 1.): a row each.
       shape = op.inputs[0].op
+      if depends_on_shard(op.inputs[1]):
+        return False
       if shape.type == 'Pack' and shape.inputs:
         if any(tf.get_static_value(t) is None for t in shape.inputs[1:]):
           return False  # tf.ones([n, n]): n rows of n, not a row each.
-        shape = loss_reduction.skip_pass_through(shape.inputs[0]).op
-        if shape.type != 'StridedSlice' or not _first_element(shape):
-          return False
-        shape = shape.inputs[0].op
-      if shape.type != 'Shape' or depends_on_shard(op.inputs[1]):
+        tensor = loss_reduction.counted_rows(
+            loss_reduction.skip_pass_through(shape.inputs[0]))
+      else:
+        tensor = shape.inputs[0] if shape.type == 'Shape' else None
+      if tensor is None:
         return False
-      tensor = shape.inputs[0]
     axes = batch_mixing.row_axes(tensor, shard, since)
     return axes is not None and 0 in axes
 
   for op in reductions:
-    if op.type == 'StridedSlice' and op.inputs[0].op.type == 'Shape':
-      op = op.inputs[0].op  # tf.shape(x)[0]: x's rows.
-    if not op.inputs or not per_example(op.inputs[0]):
+    if not op.inputs or not op.outputs:
+      return False
+    # tf.shape(x)[0] counts x's rows; a Sum or Size reduces its input.
+    summed = loss_reduction.counted_rows(op.outputs[0])
+    if not per_example(op.inputs[0] if summed is None else summed):
       return False
   return True
-
-
-def _first_element(op: tf.Operation) -> bool:
-  """Whether StridedSlice `op` takes element 0 of a vector (`s[0]`)."""
-  begin = tf.get_static_value(op.inputs[1])
-  return (begin is not None and np.size(begin) == 1 and
-          int(np.ravel(begin)[0]) == 0 and op.get_attr('shrink_axis_mask'))
 
 
 def _per_class_sum(value: tf.Tensor, depends_on_shard) -> bool:
