@@ -20,6 +20,7 @@ from tensorflow.python.util import function_utils  # pylint: disable=g-direct-te
 from estimator_towers.aggregation import strategies as aggregation_lib
 from estimator_towers.collectives import exchange as exchange_lib
 from estimator_towers.towers import batch_mixing
+from estimator_towers.towers import free_writes
 from estimator_towers.towers import global_batch_norm
 from estimator_towers.towers import loss_reduction as reduction_lib
 from estimator_towers.update import loss_scaling
@@ -640,7 +641,7 @@ class _TowerBuilder:
     last = len(specs) - 1
     step.update.check_batch_free_update(reduction_lib.ExampleDependence(
         split.shard(last), self._towers.start(last), one_update_ops))
-    effects, adds = [], []
+    effects, adds, free = [], [], []
     for i, spec in enumerate(specs):
       # The last tower's effects run in its own train_op; its shard
       # writes are still checked and idle-masked.
@@ -655,9 +656,12 @@ class _TowerBuilder:
           drawn=self._drawn(graph, self._towers.region(i), one_update_ops),
           global_rows=split.global_rows)
       if i < last:
-        effects.extend(found)
-      adds.append(tower_effects.adds_in(found))
+        effects.extend(found.ops)
+      adds.append(tower_effects.adds_in(found.ops))
       tower_effects.check_adds_read_no_added(adds[-1])
+      free.append(found.free_writes)
+    free_writes.check_agree(
+        free, [self._towers.start(i) for i in range(len(specs))])
     tower_effects.in_tower_order(adds)
     return effects
 

@@ -249,6 +249,7 @@ _COUNTS = {
     'elements': lambda x, labels: tf.size(x),
     # Not counts: the same in every tower, added once per step.
     'width': lambda x, labels: tf.shape(x)[1],
+    'python_width': lambda x, labels: x.shape[1],
 }
 _NOT_COUNTS = {
     'assigned_size': lambda v, x: v.assign(tf.size(x)),
@@ -305,6 +306,76 @@ def test_other_writes_of_a_static_shards_size_are_refused(tmp_path, data,
   with pytest.raises(ValueError, match=r"(?s)variable refused .*tower's "
                      r'shard.*once per tower'):
     estimator.train(_static_batches(x, y, 10), steps=1)
+
+
+# Counts of the static shard that read none of its tensors: Python numbers
+# from its static shape, and tf.size inside a function (folded there while
+# the call read nothing of the shard). Until 2026-11 written once, by the
+# last tower, silently (12 of 40 for `x.shape[0]`).
+_HIDDEN_COUNTS = {
+    'python_rows': (lambda v, x: v.assign_add(x.shape[0]),
+                    r"from no value of the tower's shard, yet tower 0 "
+                    r'computes it from the constant 4 and tower 1 from the '
+                    r"constant 3: it comes from the shard's static shape"),
+    'ones_of_python_rows': (
+        lambda v, x: v.assign_add(tf.reduce_sum(tf.ones(x.shape[:1],
+                                                        tf.int32))),
+        r'tower 0 computes it from the constant 4 and tower 1 from the '
+        r'constant 3'),
+    'size_in_a_tf_function': (
+        lambda v, x: tf.function(lambda: v.assign_add(tf.size(x)))(),
+        r"runs StatefulPartitionedCall .* on the tower's shard, and its "
+        r'function writes a variable'),
+    'size_in_a_cond': (
+        lambda v, x: tf.cond(tf1.train.get_global_step() >= 0,
+                             lambda: v.assign_add(tf.size(x)),
+                             lambda: tf.identity(v.read_value())),
+        r"runs If .* on the tower's shard, and its function writes a "
+        r'variable'),
+}
+
+
+def hidden_count_model_fn(features, labels, mode, params):
+  loss = _loss(features, labels)
+  train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  counter = tf1.get_variable('counter', [], tf.int32, tf1.zeros_initializer(),
+                             trainable=False)
+  with tf.control_dependencies([train_op]):
+    count = _HIDDEN_COUNTS[params['count']][0](counter, features['x'])
+  return tf.estimator.EstimatorSpec(mode, loss=loss,
+                                    train_op=tf.group(train_op, count))
+
+
+@pytest.mark.parametrize('count', sorted(_HIDDEN_COUNTS))
+def test_counts_of_a_static_shard_hidden_from_the_walk_are_refused(
+    tmp_path, data, count):
+  x, y = data
+  estimator = make_estimator(hidden_count_model_fn, tmp_path, 3,
+                             {'count': count})
+  with pytest.raises(ValueError, match=_HIDDEN_COUNTS[count][1]):
+    estimator.train(_static_batches(x, y, 10), steps=1)
+
+
+def test_a_towers_adds_into_a_ref_variable_lock_it():
+  # A tower's own two adds into one ref variable run at once: one device's
+  # do too, but four towers lost 4 of 42 counts in one run of 3 steps.
+  def model_fn(features, labels, mode):
+    loss = _loss(features, labels)
+    seen = tf1.get_variable('seen', [], tf.int32, tf1.zeros_initializer(),
+                            trainable=False, use_resource=False)
+    train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=tf.group(
+        train_op, seen.assign_add(tf.size(labels)),
+        seen.assign_add(tf.shape(features['x'])[0])))
+
+  graph, spec = build_replicated(model_fn, 3)
+  with graph.as_default():
+    adds = [op for op in op_ledger.ancestors([spec.train_op])
+            if op.type == 'AssignAdd']
+  assert len(adds) == 6
+  assert all(add.get_attr('use_locking') for add in adds)
 
 
 # Per-example adds into a vector of counts: each example adds its own row,

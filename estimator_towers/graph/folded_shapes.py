@@ -12,6 +12,12 @@ constant came from tells the two apart.
 built (for the build's graph and thread only, see patching.py) and
 remembers, for each constant they fold, the tensor it was folded from and
 what it holds; `source(op)` and `kind(op)` answer afterwards.
+
+Inside a function body (a `tf.function`, a control-flow-v2 branch or loop)
+nothing is folded: the op that calls the function must read the tensors
+the count comes from, or it would look free of the shard and run once, with
+the last tower's count (a write of `tf.size(labels)` inside a `tf.cond`).
+The values are the same; only the constant is not made.
 """
 
 import contextlib
@@ -67,8 +73,9 @@ def _record(constant: tf.Operation, source, kind: str) -> None:
 def _recorder(original, kind: str):
 
   @functools.wraps(original)
-  def folding(input, *args, **kwargs):  # pylint: disable=redefined-builtin
-    result = original(input, *args, **kwargs)
+  def folding(input, name=None, optimize=True, **kwargs):  # pylint: disable=redefined-builtin
+    result = original(input, name=name,
+                      optimize=optimize and not _in_function(), **kwargs)
     if isinstance(result, tf.Tensor):
       _record(result.op, input, kind)
     return result
@@ -79,8 +86,10 @@ def _recorder(original, kind: str):
 def _like_recorder(original):
 
   @functools.wraps(original)
-  def like(array_fn, array_like_fn, tensor, *args, **kwargs):
-    result = original(array_fn, array_like_fn, tensor, *args, **kwargs)
+  def like(array_fn, array_like_fn, tensor, dtype, name, optimize=True,
+           **kwargs):
+    result = original(array_fn, array_like_fn, tensor, dtype, name,
+                      optimize=optimize and not _in_function(), **kwargs)
     if isinstance(result, tf.Tensor):
       if result.op.type == 'Fill':  # Too big for a constant: its shape.
         _record(result.op.inputs[0].op, tensor, SHAPE)
@@ -89,6 +98,10 @@ def _like_recorder(original):
     return result
 
   return like
+
+
+def _in_function() -> bool:
+  return tf.compat.v1.get_default_graph().building_function
 
 
 def source(op: tf.Operation) -> Optional[tf.Tensor]:

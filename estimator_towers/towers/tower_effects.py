@@ -36,8 +36,8 @@ Writes that do not depend on the shard (a manual `global_step` increment,
 an EMA of the weights, a constant counter) run once, in the last tower.
 """
 
-from typing import (Callable, Collection, Iterable, List, Optional,
-                    Sequence, Set)
+from typing import (Callable, Collection, Iterable, List, NamedTuple,
+                    Optional, Sequence, Set)
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
@@ -104,6 +104,15 @@ _ADVICE = (
     'total / count); otherwise train without replicate_model_fn.')
 
 
+class Effects(NamedTuple):
+  """What `shard_effects` found in a tower's train_op."""
+  # The ops to group into the merged train_op, without repeats.
+  ops: List[tf.Operation]
+  # Writes (and function calls that write) reading nothing of the shard,
+  # for free_writes.check_agree.
+  free_writes: List[tf.Operation]
+
+
 def shard_effects(train_op: tf.Operation, since: op_ledger.Mark,
                   depends_on_shard: Callable[[tf.Tensor], bool],
                   call_dependencies: Iterable[tf.Operation],
@@ -112,7 +121,7 @@ def shard_effects(train_op: tf.Operation, since: op_ledger.Mark,
                   across_tasks: bool = False,
                   drawn: Optional[Callable[[tf.Tensor], bool]] = None,
                   global_rows: Optional[int] = None
-                  ) -> List[tf.Operation]:
+                  ) -> Effects:
   """The ops of a tower's train_op that act on the tower's shard.
 
   Call it for every tower: the merged train_op must run an earlier tower's
@@ -142,13 +151,13 @@ def shard_effects(train_op: tf.Operation, since: op_ledger.Mark,
       batch's (see `batch_mixing.check_loss`).
 
   Returns:
-    The ops to group into the merged train_op, without repeats.
+    The tower's Effects.
 
   Raises:
     ValueError: a variable write depends on the shard and does not add up
       over shards.
   """
-  found = {}
+  found, free = {}, []
   pending = [getattr(train_op, 'op', train_op), *call_dependencies]
   seen = set()
   while pending:
@@ -183,6 +192,10 @@ def shard_effects(train_op: tf.Operation, since: op_ledger.Mark,
       _check_no_writes_inside(op, exempt)
       if op.type in _CONDITIONALS:
         found.setdefault(op.name, op)
+    elif op.type in CALLS:
+      if set(_writes_in_functions(op.graph, functions.called(op.node_def),
+                                  set())) - set(exempt):
+        free.append(op)
     elif op.type in WRITES and any(
         _of_the_shard(t, depends_on_shard) for t in op.inputs[1:]):
       if across_tasks:
@@ -197,9 +210,11 @@ def shard_effects(train_op: tf.Operation, since: op_ledger.Mark,
         _check_adds_up(op, depends_on_shard, global_rows)
         _add_nothing_when_idle(op, active)
       found.setdefault(op.name, op)
+    elif op.type in WRITES and op.type not in _SHARED:
+      free.append(op)
     pending.extend(t.op for t in op.inputs)
     pending.extend(op.control_inputs)
-  return [_runnable(op) for op in found.values()]
+  return Effects([_runnable(op) for op in found.values()], free)
 
 
 def random_draws(graph: tf.Graph, tower: op_ledger.Region
@@ -602,9 +617,12 @@ def in_tower_order(adds_per_tower: Sequence[Iterable[tf.Operation]]
   adds in 2 of 2 runs of 1500 steps on a loaded machine). Adds into a
   resource variable lock it, but
   float adds in whatever order the executor picks round differently from
-  run to run. In tower order every run adds alike. An add inside TF1
+  run to run. In tower order every run adds alike. Adds into a ref
+  variable are made to lock as well: a tower's own two adds into one
+  variable run at the same time (one device's too, but N towers lose N
+  times as often: 38 for 42 in one run of 3 steps), and an add inside TF1
   control flow cannot take a control edge from outside it (the step can
-  hang): such adds into a ref variable are made to lock instead.
+  hang).
 
   Args:
     adds_per_tower: Per tower, its adds (`_ADDS` ops) into variables that
@@ -619,10 +637,10 @@ def in_tower_order(adds_per_tower: Sequence[Iterable[tf.Operation]]
   for towers in by_variable.values():
     every = [add for adds in towers for add in adds]
     # pylint: disable=protected-access
+    for add in every:
+      if 'use_locking' in add.node_def.attr:
+        add._set_attr('use_locking', attr_value_pb2.AttrValue(b=True))
     if any(add._control_flow_context for add in every):
-      for add in every:
-        if 'use_locking' in add.node_def.attr:
-          add._set_attr('use_locking', attr_value_pb2.AttrValue(b=True))
       continue
     previous = []
     for adds in filter(None, towers):
