@@ -10,6 +10,7 @@ own (their gRPC servers listen on every interface).
 import glob
 import json
 import os
+import types
 
 import numpy as np
 import pytest
@@ -177,6 +178,33 @@ def test_micro_batches_train_a_cluster_as_one_process(tmp_path):
   # 1+1+1+1, one all-reduce over the tasks per step.
   _assert_pair_trains_as(tmp_path, sync_cluster_task.micro_batch_model_fn,
                          'micro-pair', towers=1)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('dtype', [tf.float32, tf.float16, tf.float64])
+def test_a_sparse_gradient_travels_in_one_gather_with_its_indices(dtype):
+  # The indices ride bitcast in the values' rows: one collective fewer per
+  # step, and every bit back (indices that read as NaN floats included).
+  # A task group of one, in this process: its device is the session's.
+  config = types.SimpleNamespace(num_worker_replicas=1,
+                                 global_id_in_cluster=0, is_chief=True,
+                                 task_type='localhost', task_id=0)
+  indices = np.array([2**62 + 2**31 + 5, 0x7FC00001 << 32, 3, 2**63 - 1],
+                     np.int64)
+  values = np.arange(24).reshape(4, 3, 2).astype(dtype.as_numpy_dtype)
+  graph = tf.Graph()
+  with graph.as_default():
+    group = task_sync.TaskGroup(config, '/device:CPU:0')
+    gathered = group.gather_slices(tf.IndexedSlices(
+        tf.constant(values), tf.constant(indices), tf.constant([9, 3, 2])))
+    with tf.compat.v1.Session() as session:
+      got_values, got_indices = session.run([gathered.values,
+                                             gathered.indices])
+  gathers = [op for op in graph.get_operations()
+             if op.type == 'CollectiveGather']
+  assert len(gathers) == 2  # The rows' count, then rows and indices.
+  np.testing.assert_array_equal(got_values, values)
+  np.testing.assert_array_equal(got_indices, indices)
 
 
 @pytest.mark.fast

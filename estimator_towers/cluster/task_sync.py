@@ -216,18 +216,39 @@ class TaskGroup:
       pad = most - rows[0]
       values = tf.pad(values, [[0, pad]] + [[0, 0]] * (values.shape.rank - 1))
       indices = tf.pad(indices, [[0, pad]])
-      all_values = collective_ops.all_gather(
-          values, self.size, collective_keys.TASK_GROUP,
-          self._instance_key(f'values:{name}'))
-      all_indices = collective_ops.all_gather(
-          indices, self.size, collective_keys.TASK_GROUP,
-          self._instance_key(f'indices:{name}'))
+      if values.dtype in _BITCAST_DTYPES:
+        all_values, all_indices = self._gather_packed(values, indices, name)
+      else:
+        all_values = collective_ops.all_gather(
+            values, self.size, collective_keys.TASK_GROUP,
+            self._instance_key(f'values:{name}'))
+        all_indices = collective_ops.all_gather(
+            indices, self.size, collective_keys.TASK_GROUP,
+            self._instance_key(f'indices:{name}'))
       keep = tf.reshape(
           tf.sequence_mask(counts, most), [-1])
       return tf.IndexedSlices(
           tf.boolean_mask(all_values, keep),
           tf.cast(tf.boolean_mask(all_indices, keep), slices.indices.dtype),
           slices.dense_shape)
+
+  def _gather_packed(self, values: tf.Tensor, indices: tf.Tensor, name: str):
+    """All-gathers a sparse gradient's rows and indices in one collective:
+    each int64 index is bitcast to the values' float type and rides as the
+    row's last columns (a gather moves bits, so they come back exact). One
+    collective fewer per sparse gradient and step: the tasks meet less
+    often."""
+    row_shape = _static_shape(values, first_dim=1)
+    width = _num_elements(row_shape)
+    index_columns = tf.reshape(tf.bitcast(indices, values.dtype),
+                               [tf.shape(indices)[0], -1])
+    packed = tf.concat([tf.reshape(values, [-1, width]), index_columns], 1)
+    gathered = collective_ops.all_gather(
+        packed, self.size, collective_keys.TASK_GROUP,
+        self._instance_key(f'rows_and_indices:{name}'))
+    all_values = tf.reshape(gathered[:, :width], [-1] + row_shape)
+    all_indices = tf.reshape(tf.bitcast(gathered[:, width:], tf.int64), [-1])
+    return all_values, all_indices
 
   # --------------------------------------------------------------------
   # The start.
@@ -393,6 +414,11 @@ def can_broadcast(variable: tf.Variable) -> bool:
   """Whether `broadcast_op` takes `variable`: a known shape and dtype."""
   return (variable.dtype.base_dtype in _BROADCAST_DTYPES and
           variable.shape.is_fully_defined())
+
+
+# Sparse values whose rows can carry their int64 index bitcast (a whole
+# number of elements per index).
+_BITCAST_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
 
 def _static_shape(tensor, first_dim: int = 0) -> List[int]:
