@@ -37,6 +37,20 @@ def test_a_big_fill_names_the_source_of_its_shape():
     assert folded_shapes.kind(shape) == folded_shapes.SHAPE
 
 
+def test_a_function_body_names_the_outer_tensors_it_folded():
+  # The call reads nothing of them: only this record ties them to it.
+  with tf.Graph().as_default() as graph:
+    x = tf.zeros([6, 3]) + 1.0
+    inner = tf.zeros([2]) + 1.0
+    with folded_shapes.recording():
+      call = tf.function(lambda: tf.size(x) + tf.size(inner * 2.0))()
+    body = graph._get_function(call.op.get_attr('f').name).graph  # pylint: disable=protected-access
+    assert x.name not in [t.name for t in call.op.inputs]
+    # `inner * 2.0` is the body's own tensor: its fold is not an outer one.
+    assert [t.name for t in folded_shapes.folded_in(body)] == [x.name]
+    assert folded_shapes.folded_in(graph) == []
+
+
 def test_nothing_is_recorded_outside_the_context_or_for_run_time_shapes():
   with tf.Graph().as_default():
     x = tf.zeros([6, 3]) + 1.0

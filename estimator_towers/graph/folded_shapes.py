@@ -14,15 +14,17 @@ remembers, for each constant they fold, the tensor it was folded from and
 what it holds; `source(op)` and `kind(op)` answer afterwards.
 
 Inside a function body (a `tf.function`, a control-flow-v2 branch or loop)
-nothing is folded: the op that calls the function must read the tensors
-the count comes from, or it would look free of the shard and run once, with
-the last tower's count (a write of `tf.size(labels)` inside a `tf.cond`).
-The values are the same; only the constant is not made.
+a fold of a tensor from outside the body leaves no trace in the op that
+calls the function: the tensor is never captured, so the call reads
+nothing of it (a `tf.size(labels)` written inside a `tf.cond`).
+`folded_in(body)` names such tensors. (Not folding there would also make
+the call read them, but changes the graph one device builds: static shapes
+inside loops and branches that code may rely on.)
 """
 
 import contextlib
 import functools
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, List, Optional
 import weakref
 
 import tensorflow as tf
@@ -73,9 +75,8 @@ def _record(constant: tf.Operation, source, kind: str) -> None:
 def _recorder(original, kind: str):
 
   @functools.wraps(original)
-  def folding(input, name=None, optimize=True, **kwargs):  # pylint: disable=redefined-builtin
-    result = original(input, name=name,
-                      optimize=optimize and not _in_function(), **kwargs)
+  def folding(input, *args, **kwargs):  # pylint: disable=redefined-builtin
+    result = original(input, *args, **kwargs)
     if isinstance(result, tf.Tensor):
       _record(result.op, input, kind)
     return result
@@ -86,10 +87,8 @@ def _recorder(original, kind: str):
 def _like_recorder(original):
 
   @functools.wraps(original)
-  def like(array_fn, array_like_fn, tensor, dtype, name, optimize=True,
-           **kwargs):
-    result = original(array_fn, array_like_fn, tensor, dtype, name,
-                      optimize=optimize and not _in_function(), **kwargs)
+  def like(array_fn, array_like_fn, tensor, *args, **kwargs):
+    result = original(array_fn, array_like_fn, tensor, *args, **kwargs)
     if isinstance(result, tf.Tensor):
       if result.op.type == 'Fill':  # Too big for a constant: its shape.
         _record(result.op.inputs[0].op, tensor, SHAPE)
@@ -100,8 +99,15 @@ def _like_recorder(original):
   return like
 
 
-def _in_function() -> bool:
-  return tf.compat.v1.get_default_graph().building_function
+def folded_in(body: tf.Graph) -> List[tf.Tensor]:
+  """The tensors of enclosing graphs whose static shapes were folded into
+  constants of `body` (a function's graph) while `recording`."""
+  found = []
+  for graph_ref, name, _ in _sources.get(body, {}).values():
+    graph = graph_ref()
+    if graph is not None and graph is not body:
+      found.append(graph.get_tensor_by_name(name))
+  return found
 
 
 def source(op: tf.Operation) -> Optional[tf.Tensor]:

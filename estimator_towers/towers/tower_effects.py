@@ -44,6 +44,7 @@ from tensorflow.core.framework import attr_value_pb2
 
 from estimator_towers.towers import batch_mixing
 from estimator_towers.towers import loss_reduction
+from estimator_towers.graph import folded_shapes
 from estimator_towers.graph import functions
 from estimator_towers.graph import op_ledger
 
@@ -188,7 +189,7 @@ def shard_effects(train_op: tf.Operation, since: op_ledger.Mark,
           "the branch from its own shard, and the last tower's choice would "
           'stand for the whole batch. Move a write that adds a per-example '
           f'sum or count out of the conditional. {_ADVICE}')
-    elif op.type in CALLS and any(map(depends_on_shard, op.inputs)):
+    elif op.type in CALLS and _runs_on_the_shard(op, depends_on_shard):
       _check_no_writes_inside(op, exempt)
       if op.type in _CONDITIONALS:
         found.setdefault(op.name, op)
@@ -557,6 +558,27 @@ def _shard_condition(op: tf.Operation, depends_on_shard) -> Optional[str]:
       return context.pred.op.name
     context = context.outer_context
   return None
+
+
+def _runs_on_the_shard(op: tf.Operation, depends_on_shard) -> bool:
+  """Whether a function call reads the shard: through its inputs, or
+  through a static size folded inside its functions (`tf.size(labels)` in
+  a `tf.cond` branch: the call then reads nothing of the shard)."""
+  if any(map(depends_on_shard, op.inputs)):
+    return True
+  pending, seen = [(op.graph, op.node_def)], set()
+  while pending:
+    graph, node = pending.pop()
+    for name in functions.called(node):
+      body = getattr(functions.function(graph, name), 'graph', None)
+      if body is None or name in seen:
+        continue
+      seen.add(name)
+      if any(map(depends_on_shard, folded_shapes.folded_in(body))):
+        return True
+      pending.extend((body, inner.node_def)
+                     for inner in body.get_operations())
+  return False
 
 
 def _check_no_writes_inside(op: tf.Operation,
