@@ -641,14 +641,15 @@ class _TowerBuilder:
     last = len(specs) - 1
     step.update.check_batch_free_update(reduction_lib.ExampleDependence(
         split.shard(last), self._towers.start(last), one_update_ops))
-    effects, adds, free = [], [], []
+    effects, adds, free, rows = [], [], [], []
     for i, spec in enumerate(specs):
       # The last tower's effects run in its own train_op; its shard
       # writes are still checked and idle-masked.
+      depends = reduction_lib.ExampleDependence(
+          split.shard(i), self._towers.start(i), one_update_ops)
+      rows.append(depends.batch_size)
       found = tower_effects.shard_effects(
-          spec.train_op, self._towers.start(i),
-          reduction_lib.ExampleDependence(
-              split.shard(i), self._towers.start(i), one_update_ops),
+          spec.train_op, self._towers.start(i), depends,
           step.update.call_dependencies[i], split.sizes[i] > 0,
           {_op_of(u).name for u in update_ops[i]} |
           step.statistics.exact_writes | one_update_ops,
@@ -661,7 +662,8 @@ class _TowerBuilder:
       tower_effects.check_adds_read_no_added(adds[-1])
       free.append(found.free_writes)
     free_writes.check_agree(
-        free, [self._towers.start(i) for i in range(len(specs))])
+        free, [self._towers.start(i) for i in range(len(specs))], rows,
+        step.update.routed_gradients())
     tower_effects.in_tower_order(adds)
     return effects
 

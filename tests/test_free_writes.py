@@ -22,8 +22,9 @@ def _towers(write, rows=(4, 3)):
     for count in rows:
       marks.append(op_ledger.position())
       x = tf1.placeholder(tf.float32, [count, 5])
-      writes.append([write(counter, x).op])
-    return writes, marks
+      written = write(counter, x)
+      writes.append([getattr(written, 'op', written)])
+    return writes, marks, list(rows)
 
 
 @pytest.mark.parametrize('write', [
@@ -51,11 +52,48 @@ def test_towers_of_equal_shards_cannot_be_told_apart():
                                    rows=(3, 3)))
 
 
-def test_a_write_computed_differently_is_not_compared():
-  # An earlier tower's update by hand reads a stand-in gradient (zeros),
-  # the last tower's the real one: never run, not a shard's size.
+def test_a_write_from_stand_in_gradients_compares_as_the_real_one():
+  # An earlier tower's update by hand reads zeros standing in for the
+  # gradient (never run), the last tower's the real gradient.
   def write(v, x):
-    if x.shape[0] == 4:
-      return v.assign_sub(0.2 * tf.zeros([]))
-    return v.assign_sub(0.2 * v.read_value())
-  free_writes.check_agree(*_towers(write))
+    gradient = (tf.zeros([], name='stand_in') if x.shape[0] == 4 else
+                tf.identity(v.read_value(), name='gradient'))
+    return v.assign_sub(0.2 * gradient)
+
+  writes, marks, rows = _towers(write)
+  routed = {'stand_in', 'gradient'}
+  names = {op.name for w in writes for op in op_ledger.ancestors(w)}
+  assert routed <= names
+  free_writes.check_agree(writes, marks, rows, routed)
+  with pytest.raises(ValueError, match=r'the constant 0\. and tower 1 from '
+                     'a Mul'):
+    free_writes.check_agree(writes, marks, rows)
+
+
+def test_a_python_loop_over_the_shards_rows_is_refused():
+  def write(v, x):
+    return tf.group([v.assign_add(1.0) for _ in range(x.shape[0])])
+
+  writes, marks, rows = _towers(write)
+  with pytest.raises(ValueError, match=r'tower 0 computes it from 4 such '
+                     r'writes and tower 1 from 3'):
+    free_writes.check_agree(
+        [[op for op in op_ledger.ancestors(w)
+          if op.type == 'AssignAddVariableOp'] for w in writes], marks, rows)
+
+
+def test_a_sum_of_as_many_reads_as_rows_is_refused():
+  def write(v, x):
+    return v.assign_add(sum(v.read_value() for _ in range(x.shape[0])))
+
+  with pytest.raises(ValueError, match='tower 0 computes it from a AddV2'):
+    free_writes.check_agree(*_towers(write))
+
+
+def test_an_attribute_holding_the_shards_size_is_refused():
+  def write(v, x):
+    return v.assign_add(tf.nn.leaky_relu(v.read_value(), 1.0 / x.shape[0]))
+
+  with pytest.raises(ValueError, match='a LeakyRelu op with some '
+                     'attributes'):
+    free_writes.check_agree(*_towers(write))

@@ -286,6 +286,13 @@ class OneUpdate:
     return {op.name for op in graph.get_operations()
             if op_ledger.in_any(op, self._update_regions)}
 
+  def routed_gradients(self) -> Set[str]:
+    """Names of the ops that give the towers' gradient calls their
+    results: the last tower's whole-batch gradients, earlier towers' zeros
+    (which only stand in: what earlier towers compute from them never
+    runs)."""
+    return {op.name for ops in self._routed_outputs for op in ops}
+
   def result_ops(self) -> List[tf.Operation]:
     """The ops that end the one update: what its optimizer calls returned."""
     return [op for result, _ in self._updates
