@@ -87,6 +87,37 @@ def test_in_batch_negatives_are_refused_in_eval_too():
     build_replicated(_in_batch(pairs), towers=2, mode=ModeKeys.EVAL)
 
 
+def _stacked_views(features, pairs):
+  """SimCLR's layout: both views stacked along the rows, one projection
+  for all, split back into the two views; loss over pairs(h1, h2)."""
+  z1, z2 = _views(features)
+  stacked = tf1.layers.dense(tf.concat([z1, z2], 0), 4,
+                             kernel_initializer=seeded(7), name='head')
+  h1, h2 = tf.split(tf.math.l2_normalize(stacked, 1), 2, 0)
+  return pairs(h1, h2)
+
+
+def test_in_batch_negatives_of_stacked_views_are_refused_as_such():
+  # The split takes back the stacked views, each in shard order: refused
+  # for pairing the shard's examples, not as a subset by position.
+  def model_fn(features, labels, mode):
+    del labels
+    logits = _stacked_views(features, lambda h1, h2: tf.matmul(
+        h1, h2, transpose_b=True))
+    rows = tf.shape(logits)[0]
+    return _spec(mode, _nt_xent(logits, tf.one_hot(tf.range(rows), rows)))
+
+  with pytest.raises(ValueError, match='mixes the examples of its batch'):
+    build_replicated(model_fn, towers=2)
+
+
+def _own_views_of_stacked_rows(features, labels, mode):
+  """Each example's two views compared with each other only."""
+  del labels
+  own = _stacked_views(features, lambda h1, h2: tf.reduce_sum(h1 * h2, 1))
+  return _spec(mode, -tf.reduce_mean(own))
+
+
 def _per_example_similarity(features, labels, mode):
   """Cosine similarity of each example's two views, and of each example's
   view with its own k candidates (a batched matmul per example)."""
@@ -121,7 +152,7 @@ def _lookup_and_batch_norm(features, labels, mode):
 
 @pytest.mark.parametrize('model_fn', [
     _per_example_similarity, _attention_within_examples,
-    _lookup_and_batch_norm])
+    _lookup_and_batch_norm, _own_views_of_stacked_rows])
 def test_losses_that_keep_examples_apart_build(model_fn):
   _, spec = build_replicated(model_fn, towers=2)
   assert spec.loss is not None

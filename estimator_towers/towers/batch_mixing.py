@@ -300,8 +300,11 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
       continue
     try:
       product = _product(op, inputs, inputs_held)
-      outputs = _rule(op, inputs, product, global_rows, shard_rows)
-      order = _order(op, inputs, orders, product, positions)
+      undone = _undoes_a_concat(op, inputs, orders)
+      outputs = _rule(op, inputs, product, global_rows, shard_rows, undone)
+      # Each part is one of the joined tensors, its rows in shard order.
+      order = None if undone else _order(op, inputs, orders, product,
+                                         positions)
     except _Subset as subset:
       if op in values:
         found = _Found(subset.op, subset.what, kind='subset')
@@ -517,9 +520,12 @@ _UNIQUE = frozenset(['Unique', 'UniqueV2', 'UniqueWithCounts',
 def _rule(op: tf.Operation, inputs: List[Axes],
           product: Optional['_Product'] = None,
           global_rows: Optional[int] = None,
-          shard_rows: Optional[int] = None) -> Sequence[Axes]:
+          shard_rows: Optional[int] = None,
+          undone: bool = False) -> Sequence[Axes]:
   """The row axes of each of `op`'s outputs (empty where unknown);
-  `global_rows`: see `check_loss`; `shard_rows`: the shard's static rows."""
+  `global_rows`: see `check_loss`; `shard_rows`: the shard's static rows;
+  `undone`: a split that takes apart what a concat joined (see
+  `_undoes_a_concat`)."""
   kind = op.type
   if kind == 'Slice':
     _check_slice(op, inputs[0], global_rows)
@@ -546,7 +552,7 @@ def _rule(op: tf.Operation, inputs: List[Axes],
               'StridedSlice'):
     return [_reshaped(op, inputs[0], global_rows, shard_rows)]
   if kind in ('Split', 'SplitV', 'Unpack', 'ConcatV2', 'Pack'):
-    return _joined(op, inputs)
+    return _joined(op, inputs, undone)
   if kind in ('Gather', 'GatherV2', 'ResourceGather'):
     return [_gather(op, inputs)]
   if kind == 'DynamicPartition':  # Rows by a per-row partition: a subset.
@@ -1146,14 +1152,16 @@ def _whole_axis(k: tf.Tensor, values: tf.Tensor) -> bool:
           len(shape) == _rank(values) and int(shape[-1]) == size)
 
 
-def _joined(op: tf.Operation, inputs: List[Axes]) -> List[Axes]:
+def _joined(op: tf.Operation, inputs: List[Axes],
+            undone: bool = False) -> List[Axes]:
   """Split, Unpack, ConcatV2, Pack: one tensor's axes, or several's."""
   if op.type in ('Split', 'SplitV'):
     # Split: (split_dim, value); SplitV: (value, size_splits, split_dim).
     value, dim = ((op.inputs[1], op.inputs[0]) if op.type == 'Split' else
                   (op.inputs[0], op.inputs[2]))
     axes = inputs[1] if op.type == 'Split' else inputs[0]
-    _check_split(op, value, dim, axes)
+    if not undone:
+      _check_split(op, value, dim, axes)
     return [axes] * len(op.outputs)
   if op.type == 'ConcatV2':
     together = frozenset().union(*inputs[:-1])
@@ -1176,6 +1184,31 @@ def _joined(op: tf.Operation, inputs: List[Axes]) -> List[Axes]:
     return [_NONE]
   axis %= out
   return [frozenset(a + 1 if a >= axis else a for a in together)]
+
+
+def _undoes_a_concat(op: tf.Operation, inputs: List[Axes],
+                     orders: Dict[str, object]) -> bool:
+  """Whether `op` splits rows, in equal parts, that a ConcatV2 stacked
+  from as many tensors of equal static rows, with only row-wise ops
+  between (`tf.split(f(tf.concat([view1, view2], 0)), 2)`, SimCLR's two
+  views): each part is then one of the stacked tensors, in shard order."""
+  if op.type != 'Split' or not inputs[1]:
+    return False
+  order = orders.get(op.inputs[1].name)
+  if not (isinstance(order, tuple) and order[0] == 'op' and
+          order[1].startswith('ConcatV2 ')):
+    return False
+  concat = op.graph.get_operation_by_name(order[1].split(' ', 1)[1][1:-1])
+  axis, rank = _constant(op.inputs[0]), _rank(op.inputs[1])
+  joined, joined_rank = _constant(concat.inputs[-1]), _rank(concat.outputs[0])
+  if None in (axis, rank, joined, joined_rank):
+    return False
+  pieces = concat.inputs[:-1]
+  sizes = {tf.compat.dimension_value(t.shape[0]) if t.shape.rank else None
+           for t in pieces}
+  return (int(axis) % rank == 0 and int(joined) % joined_rank == 0 and
+          len(pieces) == len(op.outputs) and len(sizes) == 1 and
+          None not in sizes)
 
 
 def _check_split(op: tf.Operation, value: tf.Tensor, dim: tf.Tensor,

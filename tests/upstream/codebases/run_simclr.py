@@ -66,7 +66,9 @@ def _data():
 
 
 def train_input_fn():
-  return tf.data.Dataset.from_tensor_slices(_data()).repeat().batch(BATCH)
+  # As SimCLR's data.py batches for training: drop_remainder, a static batch.
+  return tf.data.Dataset.from_tensor_slices(_data()).repeat().batch(
+      BATCH, drop_remainder=True)
 
 
 def eval_input_fn():
