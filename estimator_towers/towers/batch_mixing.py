@@ -372,7 +372,8 @@ def _order(op: tf.Operation, inputs: List[Axes], orders: Dict[str, object],
   if op.type in _ROW_CONSTANT:
     return _ANY
   if op.type in ('ConcatV2', 'Pack') and _joins_rows(op, inputs):
-    return ('op', f'{op.type} {op.name!r}')  # Stacked rows, not paired.
+    # Stacked rows, not paired; the op, for a split that takes them apart.
+    return ('op', f'{op.type} {op.name!r}', op)
   if len(found) > 1:
     reorder = next(o for o in found if o is not None)
     raise _Reordered(
@@ -1195,10 +1196,10 @@ def _undoes_a_concat(op: tf.Operation, inputs: List[Axes],
   if op.type != 'Split' or not inputs[1]:
     return False
   order = orders.get(op.inputs[1].name)
-  if not (isinstance(order, tuple) and order[0] == 'op' and
-          order[1].startswith('ConcatV2 ')):
+  if not (isinstance(order, tuple) and len(order) == 3 and
+          order[2].type == 'ConcatV2'):
     return False
-  concat = op.graph.get_operation_by_name(order[1].split(' ', 1)[1][1:-1])
+  concat = order[2]
   axis, rank = _constant(op.inputs[0]), _rank(op.inputs[1])
   joined, joined_rank = _constant(concat.inputs[-1]), _rank(concat.outputs[0])
   if None in (axis, rank, joined, joined_rank):

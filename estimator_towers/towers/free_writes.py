@@ -10,11 +10,16 @@ count as a constant, which TensorFlow cannot trace back to the shard
 (`tf.size(x)` and `tf.shape(x)` can: see folded_shapes). One device would
 write the whole batch's count.
 
-Each tower's free writes are compared by what they compute: the op types,
-constant values and static shapes their value is built from, within the
-tower. Where towers of different sizes computed different values, the write
-depends on the shard and is refused. Towers of equal sizes hold equal
-constants, and such a write cannot be told from a true constant: the docs
+Each tower's free writes are compared by what they compute within the
+tower: how many it makes into each variable, and for each the op types,
+attributes, constant values and static shapes its value is built from (and
+a TF1 cond's predicate or loop's condition around it). Where two towers of
+different static sizes differ, the write depends on the shard and is
+refused. Gradients compare as gradients: earlier towers get zeros in their
+place, and what they compute from them never runs. Towers of equal sizes
+hold equal constants, and such a write cannot be told from a true
+constant; nor can a number hidden in a `tf.numpy_function`, a random seed
+or a variable's initial value (made once, by tower 0). The docs
 (writing_model_fns.md, rule 6) say to count with `tf.shape(x)[0]`.
 """
 

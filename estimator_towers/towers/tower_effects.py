@@ -33,7 +33,8 @@ last tower is let through), which also refuses other UPDATE_OPS that
 several towers write.
 
 Writes that do not depend on the shard (a manual `global_step` increment,
-an EMA of the weights, a constant counter) run once, in the last tower.
+an EMA of the weights, a constant counter) run once, in the last tower;
+free_writes checks that every tower computes them alike.
 """
 
 from typing import (Callable, Collection, Iterable, List, NamedTuple,
@@ -194,8 +195,7 @@ def shard_effects(train_op: tf.Operation, since: op_ledger.Mark,
       if op.type in _CONDITIONALS:
         found.setdefault(op.name, op)
     elif op.type in CALLS:
-      if set(_writes_in_functions(op.graph, functions.called(op.node_def),
-                                  set())) - set(exempt):
+      if _function_writes(op, exempt):
         free.append(op)
     elif op.type in WRITES and any(
         _of_the_shard(t, depends_on_shard) for t in op.inputs[1:]):
@@ -584,8 +584,7 @@ def _runs_on_the_shard(op: tf.Operation, depends_on_shard) -> bool:
 def _check_no_writes_inside(op: tf.Operation,
                             exempt: Collection[str]) -> None:
   """Refuses a function run on the shard that writes variables."""
-  writes = set(_writes_in_functions(op.graph, functions.called(op.node_def), set()))
-  writes -= set(exempt)
+  writes = _function_writes(op, exempt)
   if writes:
     raise ValueError(
         f'The train_op runs {op.type} {op.name} on the tower\'s shard, and '
@@ -594,6 +593,12 @@ def _check_no_writes_inside(op: tf.Operation,
         "from that tower's shard, instead of once from the whole batch as "
         'on one device. Move a write that adds a per-example sum or count '
         f'out of the conditional or tf.function. {_ADVICE}')
+
+
+def _function_writes(op: tf.Operation, exempt: Collection[str]) -> Set[str]:
+  """The variable writes inside the functions `op` runs, but `exempt`."""
+  return set(_writes_in_functions(op.graph, functions.called(op.node_def),
+                                  set())) - set(exempt)
 
 
 def _writes_in_functions(graph: tf.Graph, names: Iterable[str],
