@@ -118,6 +118,41 @@ def _own_views_of_stacked_rows(features, labels, mode):
   return _spec(mode, -tf.reduce_mean(own))
 
 
+def _vectorized_per_example(features, labels, mode):
+  """Logits computed example by example with tf.vectorized_map, whose
+  loop gathers every row by tf.range of the rows."""
+  w = tf1.get_variable('w', [5, 2], initializer=seeded(8))
+  logits = tf.vectorized_map(
+      lambda row: tf.linalg.matvec(w, row, transpose_a=True), features['x'])
+  return _spec(mode, tf1.losses.sparse_softmax_cross_entropy(labels, logits))
+
+
+@pytest.mark.parametrize('towers', [2, 3])
+def test_a_vectorized_map_over_the_examples_trains_as_one_device(towers):
+  # Refused until 2026-11-28 on a batch of unknown size: "gathers along
+  # axis 0 ... by position" (pfor's gather by tf.range(n) keeps every row).
+  rng = np.random.RandomState(5)
+  x = rng.randn(30, 5).astype(np.float32)
+  y = (x[:, 0] > 0).astype(np.int32)
+  _, one = train_in_session(_vectorized_per_example, x, y, 1, 10, 3)
+  _, replicated = train_in_session(_vectorized_per_example, x, y, towers,
+                                   10, 3)
+  np.testing.assert_allclose(replicated['w'], one['w'], rtol=1e-5)
+
+
+def test_a_gather_by_a_reversed_range_of_the_rows_is_refused():
+  # Every row, but not in order: each shard reversed on its own.
+  def model_fn(features, labels, mode):
+    logits = tf1.layers.dense(features['x'], 2, kernel_initializer=seeded(9))
+    rows = tf.range(tf.shape(logits)[0])
+    return _spec(mode, tf1.losses.sparse_softmax_cross_entropy(
+        labels, tf.gather(logits, tf.reverse(rows, [0]))))
+
+  with pytest.raises(ValueError, match="GatherV2 'GatherV2' gathers along "
+                     'axis 0'):
+    build_replicated(model_fn, towers=2, static_batch=False)
+
+
 def _per_example_similarity(features, labels, mode):
   """Cosine similarity of each example's two views, and of each example's
   view with its own k candidates (a batched matmul per example)."""

@@ -56,6 +56,7 @@ from estimator_towers.graph import folded_shapes
 from estimator_towers.graph import op_ledger
 from estimator_towers.graph import reductions
 from estimator_towers.towers import keras_masks
+from estimator_towers.towers import loss_reduction
 from estimator_towers.towers import shard_statistics
 from estimator_towers.towers import sharding
 
@@ -1245,7 +1246,8 @@ def _gather(op: tf.Operation, inputs: List[Axes]) -> Axes:
     axis = 0
   if axis in inputs[0] and op.type != 'ResourceGather' and (
       not _picked_by_mask(indices)) and not (
-          axis == 0 and _within_each_example(params, indices)):
+          axis == 0 and (_within_each_example(params, indices) or
+                         _every_row_in_order(params, indices))):
     raise _subset(op, f'gathers along axis {axis}, which indexes the '
                   "tower's examples, by position")
   found = set()
@@ -1270,6 +1272,36 @@ def _below_copies(tensor: tf.Tensor) -> tf.Tensor:
   while tensor.op.type in _SAME_VALUES:
     tensor = tensor.op.inputs[0]
   return tensor
+
+
+def _every_row_in_order(params: tf.Tensor, indices: tf.Tensor) -> bool:
+  """Whether `indices` are `tf.range(n)` for n the rows of `params`: every
+  row, in order. tf.vectorized_map gathers so, as
+  `tf.where(n > 1, tf.range(reduce_max([n])), 0)` (0: the one row)."""
+  op = _below_copies(indices).op
+  if op.type == 'SelectV2' and _constant(op.inputs[2]) is not None:
+    pred = op.inputs[0].op
+    if (int(np.max(_constant(op.inputs[2]))) != 0 or
+        pred.type != 'Greater' or _constant(pred.inputs[1]) != 1 or
+        not _counts_rows_of(pred.inputs[0], params)):
+      return False
+    op = _below_copies(op.inputs[1]).op
+  if op.type != 'Range':
+    return False
+  start, delta = _constant(op.inputs[0]), _constant(op.inputs[2])
+  limit = op.inputs[1]
+  if limit.op.type == 'Max' and limit.op.inputs[0].op.type == 'Pack' and (
+      len(limit.op.inputs[0].op.inputs) == 1):
+    limit = limit.op.inputs[0].op.inputs[0]  # The max of [n]: n.
+  return (start is not None and delta is not None and int(start) == 0 and
+          int(delta) == 1 and _counts_rows_of(limit, params))
+
+
+def _counts_rows_of(count: tf.Tensor, params: tf.Tensor) -> bool:
+  """Whether `count` is `tf.shape(params)[0]`."""
+  counted = loss_reduction.counted_rows(_below_copies(count))
+  return counted is not None and (
+      _below_copies(counted) is _below_copies(params))
 
 
 def _within_each_example(params: tf.Tensor, indices: tf.Tensor) -> bool:
