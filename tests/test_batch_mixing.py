@@ -118,6 +118,33 @@ def _own_views_of_stacked_rows(features, labels, mode):
   return _spec(mode, -tf.reduce_mean(own))
 
 
+def _views_of_the_channels(pairs):
+  """SimCLR's input layout: the views side by side in the channels, split
+  apart, stacked along the rows, projected, split back."""
+  def model_fn(features, labels, mode):
+    del labels
+    views = tf.split(features['x'][:, :4], 2, axis=1)
+    stacked = tf1.layers.dense(tf.concat(views, 0), 3,
+                               kernel_initializer=seeded(10), name='head')
+    h1, h2 = tf.split(tf.math.l2_normalize(stacked, 1), 2, 0)
+    return _spec(mode, pairs(h1, h2))
+  return model_fn
+
+
+def test_views_split_from_the_channels_keep_their_rows_on_any_batch():
+  # The views' rows are the batch's, also where their number is unknown:
+  # the split back is not a subset (it was, before 2026-11-28), and
+  # in-batch negatives over them are refused for what they are.
+  own = _views_of_the_channels(
+      lambda h1, h2: -tf.reduce_mean(tf.reduce_sum(h1 * h2, 1)))
+  build_replicated(own, towers=2, static_batch=False)
+  negatives = _views_of_the_channels(lambda h1, h2: _nt_xent(
+      tf.matmul(h1, h2, transpose_b=True),
+      tf.one_hot(tf.range(tf.shape(h1)[0]), tf.shape(h1)[0])))
+  with pytest.raises(ValueError, match='mixes the examples of its batch'):
+    build_replicated(negatives, towers=2, static_batch=False)
+
+
 def _vectorized_per_example(features, labels, mode):
   """Logits computed example by example with tf.vectorized_map, whose
   loop gathers every row by tf.range of the rows."""

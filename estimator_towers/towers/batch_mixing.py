@@ -1208,9 +1208,23 @@ def _undoes_a_concat(op: tf.Operation, inputs: List[Axes],
   pieces = concat.inputs[:-1]
   sizes = {tf.compat.dimension_value(t.shape[0]) if t.shape.rank else None
            for t in pieces}
+  equal_rows = (len(sizes) == 1 and None not in sizes) or _parts_of_rows(
+      pieces)
   return (int(axis) % rank == 0 and int(joined) % joined_rank == 0 and
-          len(pieces) == len(op.outputs) and len(sizes) == 1 and
-          None not in sizes)
+          len(pieces) == len(op.outputs) and equal_rows)
+
+
+def _parts_of_rows(pieces: Sequence[tf.Tensor]) -> bool:
+  """Whether `pieces` are the parts of one tensor split along another
+  axis than its rows (SimCLR's views, split along the channels): each has
+  that tensor's rows, also where their number is not static."""
+  op = pieces[0].op
+  if op.type not in ('Split', 'SplitV') or any(t.op is not op
+                                               for t in pieces):
+    return False
+  dim = op.inputs[0] if op.type == 'Split' else op.inputs[2]
+  axis, rank = _constant(dim), _rank(pieces[0])
+  return axis is not None and rank is not None and int(axis) % rank != 0
 
 
 def _check_split(op: tf.Operation, value: tf.Tensor, dim: tf.Tensor,
