@@ -151,6 +151,7 @@ class _Run:
 
   def __init__(self, name, model_dir):
     params, make_data, steps, batch_size = CASES[name]
+    tf.keras.utils.set_random_seed(1)  # Keras layers' unseeded initializers.
     self.features, self.labels = make_data()
     self.losses = []
     config = run_config(model_dir, 2, tf_random_seed=1,
@@ -285,6 +286,10 @@ def test_exported_model_serves_the_predictions(runs, tmp_path):
 
 @pytest.mark.training
 def test_original_dnn_model_fn_on_x_still_trains(tmp_path):
+  # Keras draws an unseeded layer's initial weights from Python's random
+  # module, not from the graph seed: without this the first losses change
+  # from run to run (CI once saw a ratio of 0.611 against the bound 0.6).
+  tf.keras.utils.set_random_seed(1)
   rng = np.random.RandomState(3)
   x = rng.randn(96, 4).astype(np.float32)
   y = (x[:, 0] + x[:, 1] > 0).astype(np.int32) + (x[:, 2] > 1).astype(np.int32)
