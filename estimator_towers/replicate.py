@@ -34,6 +34,7 @@ from estimator_towers.graph import folded_shapes
 from estimator_towers.graph import op_ledger
 from estimator_towers.towers import optimizer_iterations
 from estimator_towers.towers import predicted_rows
+from estimator_towers.merge import prediction_audit
 from estimator_towers.cluster import peer_watch
 from estimator_towers.towers import random_draws
 from estimator_towers.merge import saved_model_estimator
@@ -535,7 +536,14 @@ class _TowerBuilder:
     if first_rows:
       spec = predicted_rows.guard(spec, first_rows,
                                   tf.reduce_sum(split.sizes))
-    return self._finish_tpu_spec(spec, split)
+    spec = self._finish_tpu_spec(spec, split)
+    unproven = self._unproven(specs[0], split)
+    if not unproven:
+      return spec
+    if _is_serving_graph(features):
+      prediction_audit.refuse_in_serving(unproven)
+    return self._checked_on_first_batch(spec, unproven, step, features,
+                                        labels, kwargs)
 
   # --------------------------------------------------------------------------
   # Phases.
@@ -743,6 +751,67 @@ class _TowerBuilder:
       spec = predicted_rows.guard(spec, first_rows,
                                   tf.reduce_sum(split.sizes))
     return predicted_rows.fail_when_read(spec, wrong) if wrong else spec
+
+  def _unproven(self, first, split: _Split):
+    """{name: op} of tower 0's predictions the walk cannot follow to the
+    end (see prediction_audit), but those drawn at random: one device's
+    copy would draw other numbers."""
+    named = predicted_rows.outputs(first)
+    found = predicted_rows.unproven(named, split.shard(0),
+                                    self._towers.start(0))
+    if not found:
+      return found
+    drawn = reduction_lib.ExampleDependence(
+        tower_effects.random_draws(tf1.get_default_graph(),
+                                   self._towers.region(0)),
+        self._towers.start(0))
+    return {name: op for name, op in found.items() if not drawn(named[name])}
+
+  def _checked_on_first_batch(self, spec, unproven, step: _Step, features,
+                              labels, kwargs) -> tf.estimator.EstimatorSpec:
+    """`spec` with a hook comparing its `unproven` predictions with the
+    model_fn's on the whole batch, on the first batch (prediction_audit)."""
+    merged = predicted_rows.predictions(spec)
+    names = sorted(name for name in unproven if name in merged)
+    if not names:  # Only export outputs: predict never fetches them.
+      return spec
+    one_device = predicted_rows.predictions(
+        self._build_one_device(step, features, labels, kwargs))
+    missing = [name for name in names if name not in one_device]
+    if missing:
+      raise ValueError(
+          f'The model_fn called on the whole batch returns no prediction '
+          f'{missing[0]!r}, which every tower returned: its predictions must '
+          'not depend on the tower (tower_context()).')
+    check = prediction_audit.FirstBatchCheck(
+        {name: merged[name] for name in names},
+        {name: one_device[name] for name in names}, unproven)
+    return spec._replace(
+        prediction_hooks=(*spec.prediction_hooks, check))
+
+  def _build_one_device(self, step: _Step, features, labels, kwargs):
+    """The model_fn called on the whole batch, as one device calls it: on
+    tower 0's device, with tower 0's variables and tables (reused as tower
+    1 reuses them), outside the towers' exchanges."""
+    graph = tf1.get_default_graph()
+    device = self._devices[0]
+    one_kwargs = dict(kwargs)
+    if 'labels' in one_kwargs:
+      one_kwargs['labels'] = labels
+    with contextlib.ExitStack() as stack:
+      stack.enter_context(tower_lib._entered(  # pylint: disable=protected-access
+          tower_lib.TowerContext(0, 1, device)))
+      stack.enter_context(graph.name_scope('one_device_check'))
+      stack.enter_context(scoped_collections.tower('one_device_check'))
+      stack.enter_context(graph.device(_placer(
+          0, device, self._strategy, lambda: False)))
+      stack.enter_context(self._sharing.tower(1))
+      stack.enter_context(step.tables.tower(1))
+      stack.enter_context(_per_tower_collections(graph, 1))
+      spec = self._model_fn(features=features, **one_kwargs)
+    if tpu_spec.is_tpu_spec(spec):
+      spec, _ = tpu_spec.split(spec)
+    return spec
 
   # --------------------------------------------------------------------------
   # One tower.

@@ -237,7 +237,8 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
               per_tower_batch_norm: bool = False,
               report_positions: bool = False,
               rows_of: Optional[Dict[str, Axes]] = None,
-              global_rows: Optional[int] = None):
+              global_rows: Optional[int] = None,
+              untraced: Optional[List[tf.Operation]] = None):
   """The first op `tensor` is computed from that mixes the shard's examples.
 
   Args:
@@ -252,6 +253,9 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
     rows_of: Filled with the row axes of each tensor the walk met (see
       `row_axes`).
     global_rows: See `check_loss`.
+    untraced: Filled with the ops `tensor`'s value is computed from that
+      read the shard's rows but that the walk does not know: past them a
+      mixing goes unseen (see `unproven`).
 
   Returns:
     (op, phrase saying how it mixes), or None; its `kind` says how
@@ -317,6 +321,9 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
       return _Found(reordered.op, reordered.what, kind='reordered')
     except _Mixing as mixing:
       return _Found(mixing.op, mixing.what)
+    if (untraced is not None and isinstance(outputs, _Untraced) and
+        op in values and op.type not in _SHAPE_READS and any(inputs)):
+      untraced.append(op)
     trail.follow(op, inputs, outputs, inputs_held)
     for output, axes in zip(op.outputs, outputs):
       if axes:
@@ -531,6 +538,8 @@ def _rule(op: tf.Operation, inputs: List[Axes],
   kind = op.type
   if kind == 'Slice':
     _check_slice(op, inputs[0], global_rows)
+    if _unread_bounds(op.inputs[1:]):
+      return _Untraced([inputs[0]])
   if kind in _ELEMENTWISE:
     return [inputs[0]]
   if kind in _BROADCASTING:
@@ -549,10 +558,16 @@ def _rule(op: tf.Operation, inputs: List[Axes],
   if kind in shard_statistics.FUSED_BATCH_NORMS:
     return _fused_batch_norm(op, inputs[0])
   if kind in _BATCH_FIRST:
-    return [frozenset([0]) if 0 in inputs[0] else _NONE]
+    axes = [frozenset([0]) if 0 in inputs[0] else _NONE]
+    # Rows along a spatial axis: a window spans neighbouring rows.
+    return _Untraced(axes) if inputs[0] - {0} else axes
   if kind in ('Reshape', 'Squeeze', 'ExpandDims', 'Transpose',
               'StridedSlice'):
-    return [_reshaped(op, inputs[0], global_rows, shard_rows)]
+    axes = [_reshaped(op, inputs[0], global_rows, shard_rows)]
+    if (inputs[0] and not axes[0]) or (
+        kind == 'StridedSlice' and _unread_bounds(op.inputs[1:])):
+      return _Untraced(axes)  # Rows lost on the way, or a slice unread.
+    return axes
   if kind in ('Split', 'SplitV', 'Unpack', 'ConcatV2', 'Pack'):
     return _joined(op, inputs, undone)
   if kind in ('Gather', 'GatherV2', 'ResourceGather'):
@@ -573,7 +588,12 @@ def _rule(op: tf.Operation, inputs: List[Axes],
               'SparseSoftmaxCrossEntropyWithLogits'):
     per_row = frozenset([0]) if any(0 in axes for axes in inputs) else _NONE
     return [per_row, _NONE]
-  return [_NONE] * len(op.outputs)
+  return _Untraced([_NONE] * len(op.outputs))
+
+
+class _Untraced(list):
+  """`_rule`'s answer for an op it does not know: no row axes, because the
+  walk cannot tell where (or whether) the op keeps the rows it reads."""
 
 
 def _fused_batch_norm(op: tf.Operation, axes: Axes) -> List[Axes]:
@@ -1095,6 +1115,27 @@ def _short_of_the_batch(kept: int, written: tf.Tensor,
   [0]]`, every row wherever it runs)."""
   return (global_rows is not None and kept < global_rows and
           not folded_shapes.computed_from(written))
+
+
+def _unread_bounds(bounds: Sequence[tf.Tensor]) -> bool:
+  """Whether a slice's begin, end, size or strides are neither constant
+  nor computed from shapes (`h[:tf.shape(x)[0]]`: the rows wherever it
+  runs): the walk takes such a slice as keeping every row, unproven."""
+  return any(_constant(t) is None and not _reads_a_shape(t)
+             for t in bounds)
+
+
+def _reads_a_shape(tensor: tf.Tensor, max_ops: int = 50) -> bool:
+  pending, seen = [tensor.op], set()
+  while pending and len(seen) < max_ops:
+    op = pending.pop()
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    if op.type in _SHAPE_READS:
+      return True
+    pending.extend(t.op for t in op.inputs)
+  return False
 
 
 def _check_slice(op: tf.Operation, axes: Axes,

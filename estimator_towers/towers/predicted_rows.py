@@ -26,10 +26,13 @@ with a check that fails the step on a batch of more rows than it keeps.
 
 from typing import Dict, Optional
 
+import numpy as np
 import tensorflow as tf
 
+from estimator_towers.graph import folded_shapes
 from estimator_towers.graph import op_ledger
 from estimator_towers.towers import batch_mixing
+from estimator_towers.towers import sharding
 
 _export = tf.estimator.export
 
@@ -38,15 +41,20 @@ def outputs(spec) -> Dict[str, tf.Tensor]:
   """The tensors of `spec`'s predictions and export outputs, by a name for
   messages: 'p' for predictions['p'] ('predictions' for a lone tensor),
   "export_outputs['serving_default']['p']" and the like."""
-  found = {}
-  predictions = spec.predictions
-  if isinstance(predictions, dict):
-    found.update(predictions)
-  elif predictions is not None:
-    found['predictions'] = predictions
+  found = predictions(spec)
   for name, output in (spec.export_outputs or {}).items():
     for part, tensor in _export_parts(output).items():
       found[f'export_outputs[{name!r}]{part}'] = tensor
+  return {name: tensor for name, tensor in found.items()
+          if isinstance(tensor, tf.Tensor)}
+
+
+def predictions(spec) -> Dict[str, tf.Tensor]:
+  """The tensors of `spec`'s predictions alone, named as `outputs` names
+  them."""
+  found = spec.predictions
+  if not isinstance(found, dict):
+    found = {} if found is None else {'predictions': found}
   return {name: tensor for name, tensor in found.items()
           if isinstance(tensor, tf.Tensor)}
 
@@ -117,6 +125,52 @@ def findings(named: Dict[str, tf.Tensor], shard, since: op_ledger.Mark,
       continue
     wrong[name] = _message(name, found, global_rows)
   return first_rows, wrong
+
+
+def unproven(named: Dict[str, tf.Tensor], shard, since: op_ledger.Mark
+             ) -> Dict[str, tf.Operation]:
+  """The outputs whose rows the walk could not follow to the end.
+
+  Args:
+    named, shard, since: As for `check`.
+
+  Returns:
+    {name: the first op on the way that reads the shard's rows and that
+    `batch_mixing` does not know}: past it, a mixing goes unseen.
+  """
+  rows = _static_rows(shard)
+  found = {}
+  for name, tensor in named.items():
+    untraced = []
+    batch_mixing.mixing_op(tensor, shard, since, untraced=untraced)
+    if not untraced and rows and rows > 1:
+      untraced = _sizes_written(tensor, since, rows)
+    if untraced:
+      found[name] = untraced[0]
+  return found
+
+
+def _static_rows(shard) -> Optional[int]:
+  dense = [t for t in sharding.leaves(shard)
+           if isinstance(t, tf.Tensor) and t.shape.rank]
+  return tf.compat.dimension_value(dense[0].shape[0]) if dense else None
+
+
+def _sizes_written(tensor: tf.Tensor, since: op_ledger.Mark, rows: int):
+  """The constants `tensor` is computed from that may be the shard's static
+  size written into the graph (`h * tf.size(x)`, `h * x.shape[0]`): the
+  walk cannot tell them from a number the model_fn wrote."""
+  return [op for op in op_ledger.ancestors([tensor.op], since)
+          if op.type == 'Const' and (
+              folded_shapes.kind(op) in (folded_shapes.SIZE,
+                                         folded_shapes.SHAPE) or
+              _is_scalar(op, rows))]
+
+
+def _is_scalar(op: tf.Operation, value: int) -> bool:
+  constant = tf.get_static_value(op.outputs[0])
+  return constant is not None and np.size(constant) == 1 and (
+      float(np.ravel(constant)[0]) == value)
 
 
 _ADVICE = ('Do it after predicting (on what estimator.predict returns), '
