@@ -39,7 +39,13 @@ def _numpy(fn):
       tf.numpy_function(fn, [h], tf.float32), [-1, 2])
 
 
+def _convolved_over_the_rows(h):
+  rows_as_width = h[None]  # [1, rows, 2]: each window spans 3 rows.
+  return tf.nn.conv1d(rows_as_width, tf.ones([3, 2, 2]), 1, 'SAME')[0]
+
+
 # Each merged silently on towers before; its one-device answer differs.
+# Batches of unknown size, unless the name says static.
 _DIFFER = {
     'tf_function_reverse': lambda h: tf.function(
         lambda a: tf.reverse(a, [0]))(h),
@@ -49,6 +55,11 @@ _DIFFER = {
     'while_loop_first_rows': _first_rows_in_a_loop,
     'scatter_in_reverse': _scattered_in_reverse,
     'cumulative_sum_over_rows': lambda h: tf.scan(lambda a, r: a + r, h),
+    'convolution_over_the_rows': _convolved_over_the_rows,
+    'slice_to_an_unread_end': lambda h: h[:tf.reduce_max([6, 1])],
+    'pairs_through_tensordot': lambda h: tf.tensordot(h, h, [[1], [1]]),
+    'static_python_rows': lambda h: h * h.shape[0],
+    'static_size_of_the_rows': lambda h: h * tf.cast(tf.size(h), tf.float32),
 }
 # Per example through the same opaque ops: one device's rows.
 _SAME = {
@@ -96,7 +107,8 @@ def test_predictions_past_the_walk_that_differ_from_one_device_fail(
       r"(?s)The prediction 'p' is not one device's: on the first batch "
       r'(row \d+ is .* on the towers and .* on one device|the towers give '
       r'shape).*cannot follow.*Do it after predicting')):
-    _predict(tmp_path, _model_fn(_DIFFER[case]), 2)
+    _predict(tmp_path, _model_fn(_DIFFER[case]), 2,
+             static=case.startswith('static'))
 
 
 @pytest.mark.training
@@ -161,3 +173,28 @@ def test_difference_names_the_first_row_that_differs(towers, one, dtype,
                                                      expected):
   found = prediction_audit.difference(np.array(towers), np.array(one), dtype)
   assert (expected in found) if expected else found == ''
+
+
+def _lstm_model_fn(features, mode):
+  # Keras' LSTM runs a while loop over the steps: past the walk, per example.
+  steps = tf.reshape(features['x'], [-1, 3, 1])
+  h = tf.keras.layers.LSTM(
+      4, kernel_initializer=seeded(2), recurrent_initializer=seeded(3))(steps)
+  return tf.estimator.EstimatorSpec(mode, predictions={
+      'p': tf.keras.layers.Dense(2, kernel_initializer=seeded(4))(h)})
+
+
+@pytest.mark.training
+def test_a_keras_lstm_predicts_as_one_device_under_the_check(tmp_path):
+  with tf.Graph().as_default():
+    x = tf.data.Dataset.from_tensor_slices({'x': _X}).batch(4)
+    spec = trainer.replicate_model_fn(_lstm_model_fn)(
+        features=tf1.data.make_one_shot_iterator(x).get_next(),
+        mode=tf.estimator.ModeKeys.PREDICT,
+        config=trainer.make_run_config(cpu_devices=2))
+    assert any(isinstance(hook, prediction_audit.FirstBatchCheck)
+               for hook in spec.prediction_hooks)
+  one = _predict(tmp_path, _lstm_model_fn, 0, batch=7)
+  many = _predict(tmp_path, _lstm_model_fn, 3, batch=7)
+  assert len(np.unique(one)) > 10
+  np.testing.assert_allclose(many, one, rtol=1e-5)

@@ -42,7 +42,10 @@ max or count over them: normalised weights, centred values, a softmax over
 the examples, batch norm by hand) are refused too; shard_statistics
 follows those. An op the walk does not know ends the trail: the check
 only refuses what it proves, so a mixing it cannot follow (a
-`tf.gather_nd` of rows, a custom op, control flow) is not caught.
+`tf.gather_nd` of rows, a custom op, control flow) is not caught here.
+`mixing_op(untraced=...)` names such ops (and slices whose bounds it
+cannot read, windows along a row axis, reshapes that lose the rows): a
+prediction past one is compared with one device (prediction_audit).
 """
 
 import dataclasses

@@ -22,6 +22,10 @@ One slice stays ambiguous: the first rows kept by a written number where
 the batch's size is unknown (`h[:1000]` keeps every row of any batch of at
 most 1000; `h[:6]` of a batch of 8 keeps each 4-row shard whole). It runs,
 with a check that fails the step on a batch of more rows than it keeps.
+
+What the walk cannot follow it cannot refuse: `unproven` names the outputs
+computed past such a step, which prediction_audit compares with one device
+on the first batch.
 """
 
 from typing import Dict, Optional
