@@ -88,7 +88,8 @@ def replicate_model_fn(model_fn: ModelFn,
                            task_sync.DEFAULT_TIMEOUT_SECS),
                        task_agreement: Optional[Mapping[str, Any]] = None,
                        random_ops: str = 'per_tower',
-                       micro_batches: int = 1) -> ModelFn:
+                       micro_batches: int = 1,
+                       check_predictions: bool = True) -> ModelFn:
   """Wraps a one-device `model_fn` so that it uses several devices.
 
   The returned function is a `model_fn` for `tf.estimator.Estimator`. In
@@ -202,6 +203,15 @@ def replicate_model_fn(model_fn: ModelFn,
       as a tower of its own (the graph grows that many times); EVAL and
       PREDICT are not split. Batch norm in training is refused with more
       than 1; see micro_batches.py and docs/writing_model_fns.md.
+    check_predictions: In PREDICT, compare the predictions whose rows the
+      graph check cannot prove to be each computed from its own example (a
+      step inside a tf.function, py_function or while loop, a scatter, ...)
+      with one device's on the first batch: the model_fn is built once more
+      and runs once on the whole first batch on tower 0's device, and
+      `predict` fails before returning a row when they differ (see
+      prediction_audit); a serving graph with `replicate_serving=True`
+      refuses them. False merges them unchecked: for a first batch too
+      large for one device's memory.
 
   Returns:
     A model_fn that takes `(features, labels, mode, params, config)` and
@@ -240,6 +250,9 @@ def replicate_model_fn(model_fn: ModelFn,
   aggregation_lib.check(aggregation, variables_device)
   random_draws.check(random_ops)
   micro_batches_lib.check(micro_batches, aggregation)
+  if not isinstance(check_predictions, bool):
+    raise TypeError(f'check_predictions must be True or False, got '
+                    f'{check_predictions!r}.')
   if variables_device is not None:
     variables_device = _canonical_variables_device(variables_device)
   if aggregation == 'global_loss' and variables_device is None:
@@ -326,7 +339,8 @@ def replicate_model_fn(model_fn: ModelFn,
                             loss_reduction, mode,
                             loss_scaling.automatic(config),
                             random_draws.make(random_ops, task_group),
-                            micro=micro, batch_norm=batch_norm)
+                            micro=micro, batch_norm=batch_norm,
+                            check_predictions=check_predictions)
     spec = builder.build(features, labels, kwargs)
     if task_group.across_tasks:
       # A stuck or dead peer must end this task, not hang it.
@@ -448,6 +462,7 @@ class _TowerBuilder:
       then each device's micro-batches are towers of their own, run one
       after another.
     batch_norm: 'global' or 'per_tower' (see replicate_model_fn).
+    check_predictions: See replicate_model_fn.
   """
 
   def __init__(self, model_fn, devices: Sequence[str],
@@ -455,8 +470,10 @@ class _TowerBuilder:
                loss_reduction: str, mode, automatic_loss_scale: bool,
                draws,
                micro: Optional[micro_batches_lib.MicroBatches] = None,
-               batch_norm: str = global_batch_norm.DEFAULT):
+               batch_norm: str = global_batch_norm.DEFAULT,
+               check_predictions: bool = True):
     self._model_fn = model_fn
+    self._check_predictions = check_predictions
     self._draws = draws
     self._micro = micro
     self._devices = micro.tower_devices if micro else devices
@@ -538,7 +555,7 @@ class _TowerBuilder:
                                   tf.reduce_sum(split.sizes))
     spec = self._finish_tpu_spec(spec, split)
     unproven = self._unproven(specs[0], split)
-    if not unproven:
+    if not unproven or not self._check_predictions:
       return spec
     if _is_serving_graph(features):
       prediction_audit.refuse_in_serving(unproven)

@@ -83,13 +83,14 @@ def _model_fn(rows, record=None):
   return model_fn
 
 
-def _predict(tmp_path, model_fn, towers, batch=8, static=False):
+def _predict(tmp_path, model_fn, towers, batch=8, static=False, **kwargs):
   """`model_fn`'s predictions of _X in batches of `batch`: itself
-  (`towers=0`) or on `towers` virtual CPUs."""
+  (`towers=0`) or on `towers` virtual CPUs (`kwargs` for
+  replicate_model_fn)."""
   config = trainer.make_run_config(str(tmp_path / f'{towers}'),
                                    cpu_devices=max(towers, 1))
   if towers:
-    model_fn = trainer.replicate_model_fn(model_fn)
+    model_fn = trainer.replicate_model_fn(model_fn, **kwargs)
 
   def input_fn():
     return tf.data.Dataset.from_tensor_slices({'x': _X}).batch(
@@ -198,3 +199,20 @@ def test_a_keras_lstm_predicts_as_one_device_under_the_check(tmp_path):
   many = _predict(tmp_path, _lstm_model_fn, 3, batch=7)
   assert len(np.unique(one)) > 10
   np.testing.assert_allclose(many, one, rtol=1e-5)
+
+
+@pytest.mark.training
+def test_the_check_can_be_turned_off(tmp_path):
+  # The user's choice: the towers' rows, each shard reversed on its own.
+  reversed_shards = _predict(tmp_path, _model_fn(_DIFFER['scatter_in_reverse']),
+                             2, check_predictions=False)
+  rows = _predict(tmp_path, _model_fn(lambda h: h), 0)
+  np.testing.assert_allclose(reversed_shards[:4], rows[:4][::-1], rtol=1e-6)
+
+
+@pytest.mark.fast
+def test_check_predictions_must_be_a_bool():
+  with pytest.raises(TypeError, match="check_predictions must be True or "
+                     "False, got 'yes'"):
+    trainer.replicate_model_fn(_model_fn(lambda h: h),
+                               check_predictions='yes')
