@@ -1124,21 +1124,9 @@ def _unread_bounds(bounds: Sequence[tf.Tensor]) -> bool:
   """Whether a slice's begin, end, size or strides are neither constant
   nor computed from shapes (`h[:tf.shape(x)[0]]`: the rows wherever it
   runs): the walk takes such a slice as keeping every row, unproven."""
-  return any(_constant(t) is None and not _reads_a_shape(t)
+  return any(_constant(t) is None and not folded_shapes.computed_from(
+      t, folded=lambda op: op.type in _SHAPE_READS, max_ops=50)
              for t in bounds)
-
-
-def _reads_a_shape(tensor: tf.Tensor, max_ops: int = 50) -> bool:
-  pending, seen = [tensor.op], set()
-  while pending and len(seen) < max_ops:
-    op = pending.pop()
-    if op.name in seen:
-      continue
-    seen.add(op.name)
-    if op.type in _SHAPE_READS:
-      return True
-    pending.extend(t.op for t in op.inputs)
-  return False
 
 
 def _check_slice(op: tf.Operation, axes: Axes,
