@@ -414,9 +414,7 @@ def _numbers_positions(op: tf.Operation, trail, positions) -> bool:
   `tf.range(n)` or `tf.linspace(a, b, n)` of the shard's row count n, or
   arithmetic of such positions."""
   if op.type == 'Range':
-    start, delta = _constant(op.inputs[0]), _constant(op.inputs[2])
-    return (start is not None and delta is not None and int(start) == 0
-            and int(delta) == 1 and trail.counts_rows(op.inputs[1]))
+    return _counts_from_zero(op) and trail.counts_rows(op.inputs[1])
   if op.type in ('LinSpace', 'LinSpaceV2'):
     return trail.counts_rows(op.inputs[2])
   if op.type == 'StridedSlice' and op.inputs[0].name in positions:
@@ -1190,10 +1188,8 @@ def _joined(op: tf.Operation, inputs: List[Axes],
             undone: bool = False) -> List[Axes]:
   """Split, Unpack, ConcatV2, Pack: one tensor's axes, or several's."""
   if op.type in ('Split', 'SplitV'):
-    # Split: (split_dim, value); SplitV: (value, size_splits, split_dim).
-    value, dim = ((op.inputs[1], op.inputs[0]) if op.type == 'Split' else
-                  (op.inputs[0], op.inputs[2]))
-    axes = inputs[1] if op.type == 'Split' else inputs[0]
+    value, dim = _split_operands(op)
+    axes = inputs[1] if op.type == 'Split' else inputs[0]  # The value's.
     if not undone:
       _check_split(op, value, dim, axes)
     return [axes] * len(op.outputs)
@@ -1220,6 +1216,14 @@ def _joined(op: tf.Operation, inputs: List[Axes],
   return [frozenset(a + 1 if a >= axis else a for a in together)]
 
 
+def _split_operands(op: tf.Operation):
+  """(value, axis) of a Split, (split_dim, value), or a SplitV, (value,
+  size_splits, split_dim)."""
+  if op.type == 'Split':
+    return op.inputs[1], op.inputs[0]
+  return op.inputs[0], op.inputs[2]
+
+
 def _undoes_a_concat(op: tf.Operation, inputs: List[Axes],
                      orders: Dict[str, object]) -> bool:
   """Whether `op` splits rows, in equal parts, that a ConcatV2 stacked
@@ -1228,12 +1232,13 @@ def _undoes_a_concat(op: tf.Operation, inputs: List[Axes],
   views): each part is then one of the stacked tensors, in shard order."""
   if op.type != 'Split' or not inputs[1]:
     return False
-  order = orders.get(op.inputs[1].name)
+  value, dim = _split_operands(op)
+  order = orders.get(value.name)
   if not (isinstance(order, tuple) and len(order) == 3 and
           order[2].type == 'ConcatV2'):
     return False
   concat = order[2]
-  axis, rank = _constant(op.inputs[0]), _rank(op.inputs[1])
+  axis, rank = _constant(dim), _rank(value)
   joined, joined_rank = _constant(concat.inputs[-1]), _rank(concat.outputs[0])
   if None in (axis, rank, joined, joined_rank):
     return False
@@ -1254,7 +1259,7 @@ def _parts_of_rows(pieces: Sequence[tf.Tensor]) -> bool:
   if op.type not in ('Split', 'SplitV') or any(t.op is not op
                                                for t in pieces):
     return False
-  dim = op.inputs[0] if op.type == 'Split' else op.inputs[2]
+  _, dim = _split_operands(op)
   axis, rank = _constant(dim), _rank(pieces[0])
   return axis is not None and rank is not None and int(axis) % rank != 0
 
@@ -1334,13 +1339,11 @@ def _every_row_in_order(params: tf.Tensor, indices: tf.Tensor) -> bool:
     op = _below_copies(op.inputs[1]).op
   if op.type != 'Range':
     return False
-  start, delta = _constant(op.inputs[0]), _constant(op.inputs[2])
   limit = op.inputs[1]
   if limit.op.type == 'Max' and limit.op.inputs[0].op.type == 'Pack' and (
       len(limit.op.inputs[0].op.inputs) == 1):
     limit = limit.op.inputs[0].op.inputs[0]  # The max of [n]: n.
-  return (start is not None and delta is not None and int(start) == 0 and
-          int(delta) == 1 and _counts_rows_of(limit, params))
+  return _counts_from_zero(op) and _counts_rows_of(limit, params)
 
 
 def _counts_rows_of(count: tf.Tensor, params: tf.Tensor) -> bool:
@@ -1381,11 +1384,17 @@ def _row_numbers_times(tensor: tf.Tensor) -> Optional[int]:
     scale = _constant(factor)
     if numbers.type != 'Range' or scale is None or np.size(scale) != 1:
       continue
-    start, delta = _constant(numbers.inputs[0]), _constant(numbers.inputs[2])
-    if start is not None and delta is not None and (
-        int(start) == 0 and int(delta) == 1):
+    if _counts_from_zero(numbers):
       return int(np.reshape(scale, []))
   return None
+
+
+def _counts_from_zero(op: tf.Operation) -> bool:
+  """Whether Range `op` starts at the constant 0 and steps by 1: tf.range(n),
+  the positions 0 .. n - 1."""
+  start, delta = _constant(op.inputs[0]), _constant(op.inputs[2])
+  return (start is not None and delta is not None and int(start) == 0 and
+          int(delta) == 1)
 
 
 def _picked_by_mask(indices: tf.Tensor) -> bool:
