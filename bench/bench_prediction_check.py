@@ -4,7 +4,7 @@ A prediction the graph walk cannot follow (here a Keras LSTM's while loop)
 makes replicate_model_fn build the model_fn once more, on the whole batch,
 and run that copy on the first batch (see prediction_audit). This times one
 `Estimator.predict` over the whole input, from one checkpoint, on 2 virtual
-CPU towers with `check_predictions=True` and `False`, and unwrapped on one
+CPU towers with `check_first_batch=True` and `False`, and unwrapped on one
 device for scale. Each round runs every variant once in a shuffled order
 (the machine is shared: only ratios measured side by side mean anything);
 it prints per round and the medians, with two times per variant:
@@ -86,9 +86,9 @@ def main():
 
   variants = {
       'checked': estimator_towers.replicate_model_fn(
-          _model_fn, check_predictions=True),
+          _model_fn, check_first_batch=True),
       'unchecked': estimator_towers.replicate_model_fn(
-          _model_fn, check_predictions=False),
+          _model_fn, check_first_batch=False),
       'one_device': _model_fn,
   }
   times = {name: [] for name in variants}

@@ -89,7 +89,7 @@ def replicate_model_fn(model_fn: ModelFn,
                        task_agreement: Optional[Mapping[str, Any]] = None,
                        random_ops: str = 'per_tower',
                        micro_batches: int = 1,
-                       check_predictions: bool = True) -> ModelFn:
+                       check_first_batch: bool = True) -> ModelFn:
   """Wraps a one-device `model_fn` so that it uses several devices.
 
   The returned function is a `model_fn` for `tf.estimator.Estimator`. In
@@ -203,15 +203,16 @@ def replicate_model_fn(model_fn: ModelFn,
       as a tower of its own (the graph grows that many times); EVAL and
       PREDICT are not split. Batch norm in training is refused with more
       than 1; see micro_batches.py and docs/writing_model_fns.md.
-    check_predictions: In PREDICT, compare the predictions whose rows the
+    check_first_batch: In PREDICT, compare the predictions whose rows the
       graph check cannot prove to be each computed from its own example (a
       step inside a tf.function, py_function or while loop, a scatter, ...)
       with one device's on the first batch: the model_fn is built once more
       and runs once on the whole first batch on tower 0's device, and
       `predict` fails before returning a row when they differ (see
       prediction_audit); a serving graph with `replicate_serving=True`
-      refuses them. False merges them unchecked: for a first batch too
-      large for one device's memory.
+      refuses them. In EVAL, the same for a loss computed past such a
+      step: `evaluate` fails after the first batch. False merges them
+      unchecked: for a first batch too large for one device's memory.
 
   Returns:
     A model_fn that takes `(features, labels, mode, params, config)` and
@@ -250,9 +251,9 @@ def replicate_model_fn(model_fn: ModelFn,
   aggregation_lib.check(aggregation, variables_device)
   random_draws.check(random_ops)
   micro_batches_lib.check(micro_batches, aggregation)
-  if not isinstance(check_predictions, bool):
-    raise TypeError(f'check_predictions must be True or False, got '
-                    f'{check_predictions!r}.')
+  if not isinstance(check_first_batch, bool):
+    raise TypeError(f'check_first_batch must be True or False, got '
+                    f'{check_first_batch!r}.')
   if variables_device is not None:
     variables_device = _canonical_variables_device(variables_device)
   if aggregation == 'global_loss' and variables_device is None:
@@ -340,7 +341,7 @@ def replicate_model_fn(model_fn: ModelFn,
                             loss_scaling.automatic(config),
                             random_draws.make(random_ops, task_group),
                             micro=micro, batch_norm=batch_norm,
-                            check_predictions=check_predictions)
+                            check_first_batch=check_first_batch)
     spec = builder.build(features, labels, kwargs)
     if task_group.across_tasks:
       # A stuck or dead peer must end this task, not hang it.
@@ -462,7 +463,7 @@ class _TowerBuilder:
       then each device's micro-batches are towers of their own, run one
       after another.
     batch_norm: 'global' or 'per_tower' (see replicate_model_fn).
-    check_predictions: See replicate_model_fn.
+    check_first_batch: See replicate_model_fn.
   """
 
   def __init__(self, model_fn, devices: Sequence[str],
@@ -471,9 +472,9 @@ class _TowerBuilder:
                draws,
                micro: Optional[micro_batches_lib.MicroBatches] = None,
                batch_norm: str = global_batch_norm.DEFAULT,
-               check_predictions: bool = True):
+               check_first_batch: bool = True):
     self._model_fn = model_fn
-    self._check_predictions = check_predictions
+    self._check_first_batch = check_first_batch
     self._draws = draws
     self._micro = micro
     self._devices = micro.tower_devices if micro else devices
@@ -542,7 +543,9 @@ class _TowerBuilder:
             step.update.result_ops(), step.weights.checks)
       return spec
     if self._mode == ModeKeys.EVAL:
-      return self._merge_eval(step, specs)
+      return self._loss_checked_on_first_batch(
+          self._merge_eval(step, specs), specs[0], step, features, labels,
+          kwargs)
     first_rows = predicted_rows.check(
         predicted_rows.outputs(specs[0]), split.shard(0),
         self._towers.start(0), self._batch_norm == 'per_tower',
@@ -555,7 +558,7 @@ class _TowerBuilder:
                                   tf.reduce_sum(split.sizes))
     spec = self._finish_tpu_spec(spec, split)
     unproven = self._unproven(specs[0], split)
-    if not unproven or not self._check_predictions:
+    if not unproven or not self._check_first_batch:
       return spec
     if _is_serving_graph(features):
       prediction_audit.refuse_in_serving(unproven)
@@ -778,11 +781,33 @@ class _TowerBuilder:
                                     self._towers.start(0))
     if not found:
       return found
-    drawn = reduction_lib.ExampleDependence(
+    drawn = self._drawn_in_tower_0()
+    return {name: op for name, op in found.items() if not drawn(named[name])}
+
+  def _drawn_in_tower_0(self) -> reduction_lib.ExampleDependence:
+    """Whether a tensor depends on tower 0's random draws."""
+    return reduction_lib.ExampleDependence(
         tower_effects.random_draws(tf1.get_default_graph(),
                                    self._towers.region(0)),
         self._towers.start(0))
-    return {name: op for name, op in found.items() if not drawn(named[name])}
+
+  def _loss_checked_on_first_batch(self, spec, first, step: _Step, features,
+                                   labels, kwargs):
+    """EVAL's `spec` with a hook comparing its loss with the model_fn's on
+    the whole batch, on the first batch, when the loss is computed past a
+    step the walk cannot follow (prediction_audit)."""
+    if not self._check_first_batch or first.loss is None:
+      return spec
+    untraced = []
+    batch_mixing.mixing_op(first.loss, step.split.shard(0),
+                           self._towers.start(0), untraced=untraced)
+    if not untraced or self._drawn_in_tower_0()(first.loss):
+      return spec
+    one_device = self._build_one_device(step, features, labels, kwargs)
+    check = prediction_audit.FirstBatchCheck(
+        {'loss': spec.loss}, {'loss': one_device.loss},
+        {'loss': untraced[0]}, loss=True)
+    return spec._replace(evaluation_hooks=(*spec.evaluation_hooks, check))
 
   def _checked_on_first_batch(self, spec, unproven, step: _Step, features,
                               labels, kwargs) -> tf.estimator.EstimatorSpec:

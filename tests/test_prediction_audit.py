@@ -205,14 +205,68 @@ def test_a_keras_lstm_predicts_as_one_device_under_the_check(tmp_path):
 def test_the_check_can_be_turned_off(tmp_path):
   # The user's choice: the towers' rows, each shard reversed on its own.
   reversed_shards = _predict(tmp_path, _model_fn(_DIFFER['scatter_in_reverse']),
-                             2, check_predictions=False)
+                             2, check_first_batch=False)
   rows = _predict(tmp_path, _model_fn(lambda h: h), 0)
   np.testing.assert_allclose(reversed_shards[:4], rows[:4][::-1], rtol=1e-6)
 
 
 @pytest.mark.fast
-def test_check_predictions_must_be_a_bool():
-  with pytest.raises(TypeError, match="check_predictions must be True or "
+def test_check_first_batch_must_be_a_bool():
+  with pytest.raises(TypeError, match="check_first_batch must be True or "
                      "False, got 'yes'"):
     trainer.replicate_model_fn(_model_fn(lambda h: h),
-                               check_predictions='yes')
+                               check_first_batch='yes')
+
+
+def _loss_model_fn(loss_of):
+
+  def model_fn(features, labels, mode):
+    h = tf1.layers.dense(features['x'], 2, kernel_initializer=seeded(1))
+    loss = loss_of(h) + 0.0 * tf.reduce_mean(labels)
+    train_op = None
+    if mode == tf.estimator.ModeKeys.TRAIN:
+      train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+          loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  return model_fn
+
+
+def _evaluate(tmp_path, model_fn, towers):
+  config = trainer.make_run_config(str(tmp_path / f'eval_{towers}'),
+                                   cpu_devices=max(towers, 1))
+  if towers:
+    model_fn = trainer.replicate_model_fn(model_fn)
+
+  def input_fn():
+    return tf.data.Dataset.from_tensor_slices(
+        ({'x': _X}, np.zeros(10, np.float32))).batch(6)
+
+  return tf.estimator.Estimator(model_fn, config=config).evaluate(input_fn)
+
+
+@pytest.mark.training
+@pytest.mark.parametrize('case', ['numpy_function_reverse',
+                                  'cumulative_sum_over_rows'])
+def test_an_eval_loss_past_the_walk_that_differs_from_one_device_fails(
+    tmp_path, case):
+  # Both trained silently 0.25-0.51 off one device's weights in 2 steps.
+  def loss_of(h):
+    return tf.reduce_mean(tf.square(h - _DIFFER[case](h)))
+
+  with pytest.raises(ValueError, match=(
+      r"(?s)The loss is not one device's: on the first batch the towers "
+      r'give [-\d.e]+ and one device [-\d.e]+\. .*cannot follow.*in training '
+      'too: train and evaluate it on one device')):
+    _evaluate(tmp_path, _loss_model_fn(loss_of), 2)
+
+
+@pytest.mark.training
+def test_an_eval_loss_past_the_walk_per_example_is_one_devices(tmp_path):
+  def loss_of(h):
+    return tf.reduce_mean(h * _SAME['numpy_function_scaled'](h))
+
+  one = _evaluate(tmp_path, _loss_model_fn(loss_of), 0)['loss']
+  np.testing.assert_allclose(
+      _evaluate(tmp_path, _loss_model_fn(loss_of), 3)['loss'], one,
+      rtol=1e-5)

@@ -17,6 +17,10 @@ pass on the first batch.
 
 A SavedModel has no first batch to check: an export serving towers
 (`replicate_serving=True`) refuses such outputs instead.
+
+EVAL's loss gets the same check: a loss past such a step (a py_function of
+the batch, a tf.scan over its rows) is evaluated, and trained, on each
+tower's shard; the first evaluation batch names it.
 """
 
 from typing import Dict, Mapping
@@ -38,6 +42,11 @@ ADVICE = ('A step that picks, orders, pairs or numbers the rows of its '
           'shard instead of the batch. Do it after predicting (on what '
           'estimator.predict returns), pass what it needs in as a feature, '
           'or predict on one device.')
+LOSS_ADVICE = ('A loss that picks, orders, pairs or numbers the rows of its '
+               "batch, or uses a statistic of the batch, is computed on each "
+               "tower's shard instead of the batch, in training too: train "
+               'and evaluate it on one device, or give it every tower\'s '
+               'rows with estimator_towers.whole_batch.')
 
 
 def refuse_in_serving(unproven: Mapping[str, tf.Operation]) -> None:
@@ -61,21 +70,24 @@ def refuse_in_serving(unproven: Mapping[str, tf.Operation]) -> None:
 
 
 class FirstBatchCheck(tf1.train.SessionRunHook):
-  """Compares the merged predictions with one device's on the first batch.
+  """Compares merged tensors with one device's on the first batch.
 
   Args:
-    merged: {name: the merged prediction tensor the Estimator fetches}.
-    one_device: {name: the same prediction of the model_fn run once on the
+    merged: {name: the merged prediction (or EVAL loss) the Estimator
+      fetches}.
+    one_device: {name: the same tensor of the model_fn run once on the
       whole batch}.
     unproven: {name: the op the walk could not follow}, for messages.
+    loss: Whether the tensors are the EVAL loss (for the message).
   """
 
   def __init__(self, merged: Dict[str, tf.Tensor],
                one_device: Dict[str, tf.Tensor],
-               unproven: Mapping[str, tf.Operation]):
+               unproven: Mapping[str, tf.Operation], loss: bool = False):
     self._merged = merged
     self._one_device = one_device
     self._unproven = dict(unproven)
+    self._loss = loss
     self._checked = False
 
   def before_run(self, run_context):
@@ -93,12 +105,13 @@ class FirstBatchCheck(tf1.train.SessionRunHook):
                          self._merged[name].dtype)
       if found:
         op = self._unproven[name]
+        what = 'The loss' if self._loss else f'The prediction {name!r}'
         raise ValueError(
-            f"The prediction {name!r} is not one device's: on the first "
-            f'batch {found}. It is computed through {op.type} {op.name!r}, '
-            'which replicate_model_fn cannot follow, so it compared the '
-            'first batch with the model_fn run once on the whole batch. '
-            + ADVICE)
+            f"{what} is not one device's: on the first batch {found}. It is "
+            f'computed through {op.type} {op.name!r}, which '
+            'replicate_model_fn cannot follow, so it compared the first '
+            'batch with the model_fn run once on the whole batch. '
+            + (LOSS_ADVICE if self._loss else ADVICE))
 
 
 def difference(towers: np.ndarray, one: np.ndarray, dtype: tf.DType) -> str:
@@ -115,7 +128,7 @@ def difference(towers: np.ndarray, one: np.ndarray, dtype: tf.DType) -> str:
             f'{list(one.shape)}')
   if towers.ndim == 0:
     return '' if _close(towers, one, dtype) else (
-        f'the towers give {towers!r} and one device {one!r}')
+        f'the towers give {towers.item()!r} and one device {one.item()!r}')
   for row in range(towers.shape[0]):
     if not _close(towers[row], one[row], dtype).all():
       return (f'row {row} is {_shown(towers[row])} on the towers and '
