@@ -278,7 +278,7 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
   values = _value_ancestors(tensor.op, ops)
   # Tensors whose values depend on the shard's (not only on its shape).
   held = set(rows)
-  shard_rows = _static_rows(sharding.leaves(shard))
+  shard_rows = dense_rows(shard)
   trail = shard_statistics.Trail(per_tower_batch_norm, shard_rows,
                                  keras_masks.scalings(ops))
   # Positions in the shard's order (`tf.range` of its row count), which
@@ -350,9 +350,11 @@ def mixing_op(tensor: tf.Tensor, shard, since: op_ledger.Mark,
   return None
 
 
-def _static_rows(leaves) -> Optional[int]:
-  """The shard's static number of rows, or None."""
-  dense = [t for t in leaves if isinstance(t, tf.Tensor) and t.shape.rank]
+def dense_rows(shard) -> Optional[int]:
+  """The shard's static number of rows as its first dense tensor of rank
+  1 or more holds it, or None."""
+  dense = [t for t in sharding.leaves(shard)
+           if isinstance(t, tf.Tensor) and t.shape.rank]
   return tf.compat.dimension_value(dense[0].shape[0]) if dense else None
 
 

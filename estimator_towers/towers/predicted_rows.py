@@ -36,7 +36,6 @@ import tensorflow as tf
 from estimator_towers.graph import folded_shapes
 from estimator_towers.graph import op_ledger
 from estimator_towers.towers import batch_mixing
-from estimator_towers.towers import sharding
 
 _export = tf.estimator.export
 
@@ -142,7 +141,7 @@ def unproven(named: Dict[str, tf.Tensor], shard, since: op_ledger.Mark
     {name: the first op on the way that reads the shard's rows and that
     `batch_mixing` does not know}: past it, a mixing goes unseen.
   """
-  rows = _static_rows(shard)
+  rows = batch_mixing.dense_rows(shard)
   found = {}
   for name, tensor in named.items():
     untraced = []
@@ -152,12 +151,6 @@ def unproven(named: Dict[str, tf.Tensor], shard, since: op_ledger.Mark
     if untraced:
       found[name] = untraced[0]
   return found
-
-
-def _static_rows(shard) -> Optional[int]:
-  dense = [t for t in sharding.leaves(shard)
-           if isinstance(t, tf.Tensor) and t.shape.rank]
-  return tf.compat.dimension_value(dense[0].shape[0]) if dense else None
 
 
 def _sizes_written(tensor: tf.Tensor, since: op_ledger.Mark, rows: int):
