@@ -14,6 +14,7 @@ into what the wrapper multiplies each tower's loss by:
 `TowerWeights` is the object the tower build asks, once per loss.
 """
 
+import contextlib
 from typing import Callable, Dict, List, Optional
 
 import tensorflow as tf
@@ -23,6 +24,8 @@ from estimator_towers.graph import reductions as graph_reductions
 from estimator_towers.towers import divisor_totals
 from estimator_towers.towers import keras_masks
 from estimator_towers.towers import loss_reduction
+
+tf1 = tf.compat.v1
 
 
 def exact_weights(losses: List[tf.Tensor],
@@ -331,6 +334,17 @@ def _spread(tensor: tf.Tensor, ratios: Dict[str, tf.Tensor], weight: tf.Tensor,
   return _rebuild(op, tensor, inner)
 
 
+def _outside_control_inputs(losses: List[tf.Tensor]):
+  """Where the weights of `losses` are built: outside the control inputs
+  the model_fn wrapped its optimizer call in (its batch-norm updates), which
+  counting examples never waits for, so the merged loss can be computed
+  without running them (first_step_check). Inside a loop or a conditional
+  the weights stay in its context."""
+  if any(loss.op._control_flow_context is not None for loss in losses):  # pylint: disable=protected-access
+    return contextlib.nullcontext()
+  return tf1.get_default_graph().control_dependencies(None)
+
+
 def _keeping_control_inputs(loss: tf.Tensor, rebuilt: tf.Tensor,
                             since: op_ledger.Mark) -> tf.Tensor:
   """`rebuilt`, run after what the ops of `loss` it replaced waited for.
@@ -458,7 +472,8 @@ class TowerWeights:
     """
     key = tuple(id(loss) for loss in losses)
     if key not in self._cache:
-      self._cache[key] = self._weights(losses, key)
+      with _outside_control_inputs(losses):
+        self._cache[key] = self._weights(losses, key)
     return self._cache[key]
 
   def terms(self, losses: List[tf.Tensor],
