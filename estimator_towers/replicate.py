@@ -20,6 +20,7 @@ from tensorflow.python.util import function_utils  # pylint: disable=g-direct-te
 from estimator_towers.aggregation import strategies as aggregation_lib
 from estimator_towers.collectives import exchange as exchange_lib
 from estimator_towers.towers import batch_mixing
+from estimator_towers.update import first_step_check
 from estimator_towers.towers import free_writes
 from estimator_towers.towers import global_batch_norm
 from estimator_towers.towers import loss_reduction as reduction_lib
@@ -69,6 +70,9 @@ _VARIABLE_OPS = frozenset([
 _PER_TOWER_COLLECTIONS = (tf1.GraphKeys.LOSSES, tf1.GraphKeys.UPDATE_OPS,
                           tf1.GraphKeys.SUMMARIES)
 _LOSS_REDUCTIONS = ('auto', 'mean', 'sum')
+# The name scope of the model_fn's copy on the whole batch (prediction_audit,
+# first_step_check).
+_ONE_DEVICE_SCOPE = 'one_device_check'
 _INPUT_PIPELINE_OPS = frozenset(['IteratorGetNext', 'IteratorGetNextSync',
                                  'QueueDequeueV2', 'QueueDequeueManyV2',
                                  'QueueDequeueUpToV2'])
@@ -211,8 +215,13 @@ def replicate_model_fn(model_fn: ModelFn,
       `predict` fails before returning a row when they differ (see
       prediction_audit); a serving graph with `replicate_serving=True`
       refuses them. In EVAL, the same for a loss computed past such a
-      step: `evaluate` fails after the first batch. False merges them
-      unchecked: for a first batch too large for one device's memory.
+      step: `evaluate` fails after the first batch. In TRAIN, such a loss
+      (and each optimizer call's loss) is compared before the first step,
+      with the copy's optimizer calls discarded: `train` fails before any
+      update (see first_step_check); not with micro_batches > 1,
+      batch_norm='per_tower' or in a synchronous cluster. False merges and
+      trains them unchecked: for a first batch too large for one device's
+      memory.
 
   Returns:
     A model_fn that takes `(features, labels, mode, params, config)` and
@@ -341,7 +350,9 @@ def replicate_model_fn(model_fn: ModelFn,
                             loss_scaling.automatic(config),
                             random_draws.make(random_ops, task_group),
                             micro=micro, batch_norm=batch_norm,
-                            check_first_batch=check_first_batch)
+                            check_first_batch=check_first_batch and not (
+                                mode == ModeKeys.TRAIN and
+                                _trains_with_other_tasks(config)))
     spec = builder.build(features, labels, kwargs)
     if task_group.across_tasks:
       # A stuck or dead peer must end this task, not hang it.
@@ -541,7 +552,8 @@ class _TowerBuilder:
             self._towers, one_update_ops,
             [step.split.shard(i) for i in range(len(self._devices))],
             step.update.result_ops(), step.weights.checks)
-      return spec
+      return self._loss_checked_on_first_step(spec, specs, step, features,
+                                              labels, kwargs)
     if self._mode == ModeKeys.EVAL:
       return self._loss_checked_on_first_batch(
           self._merge_eval(step, specs), specs[0], step, features, labels,
@@ -803,7 +815,7 @@ class _TowerBuilder:
                            self._towers.start(0), untraced=untraced)
     if not untraced or self._drawn_in_tower_0()(first.loss):
       return spec
-    one_device = self._build_one_device(step, features, labels, kwargs)
+    one_device, _ = self._build_one_device(step, features, labels, kwargs)
     check = prediction_audit.FirstBatchCheck(
         {'loss': spec.loss}, {'loss': one_device.loss},
         {'loss': untraced[0]}, loss=True)
@@ -818,7 +830,7 @@ class _TowerBuilder:
     if not names:  # Only export outputs: predict never fetches them.
       return spec
     one_device = predicted_rows.predictions(
-        self._build_one_device(step, features, labels, kwargs))
+        self._build_one_device(step, features, labels, kwargs)[0])
     missing = [name for name in names if name not in one_device]
     if missing:
       raise ValueError(
@@ -834,26 +846,102 @@ class _TowerBuilder:
   def _build_one_device(self, step: _Step, features, labels, kwargs):
     """The model_fn called on the whole batch, as one device calls it: on
     tower 0's device, with tower 0's variables and tables (reused as tower
-    1 reuses them), outside the towers' exchanges."""
+    1 reuses them), outside the towers' exchanges, with its optimizer calls
+    discarded; recorded as one more tower, whose collection entries are
+    dropped afterwards.
+
+    Returns:
+      (its EstimatorSpec, the losses of its optimizer calls in order).
+    """
     graph = tf1.get_default_graph()
     device = self._devices[0]
+    index = self._towers.count
     one_kwargs = dict(kwargs)
     if 'labels' in one_kwargs:
       one_kwargs['labels'] = labels
     with contextlib.ExitStack() as stack:
       stack.enter_context(tower_lib._entered(  # pylint: disable=protected-access
           tower_lib.TowerContext(0, 1, device)))
-      stack.enter_context(graph.name_scope('one_device_check'))
-      stack.enter_context(scoped_collections.tower('one_device_check'))
+      stack.enter_context(graph.name_scope(_ONE_DEVICE_SCOPE))
+      stack.enter_context(scoped_collections.tower(_ONE_DEVICE_SCOPE))
+      stack.enter_context(self._towers.tower(index))
+      stack.enter_context(regularization_losses.tower(
+          index, self._towers, scope=_ONE_DEVICE_SCOPE))
       stack.enter_context(graph.device(_placer(
           0, device, self._strategy, lambda: False)))
       stack.enter_context(self._sharing.tower(1))
       stack.enter_context(step.tables.tower(1))
-      stack.enter_context(_per_tower_collections(graph, 1))
+      losses = stack.enter_context(first_step_check.discarding_updates())
+      stack.enter_context(_per_tower_collections(graph, index, keep=False))
+      stack.enter_context(_additions_dropped(
+          graph, tf1.GraphKeys.REGULARIZATION_LOSSES))
       spec = self._model_fn(features=features, **one_kwargs)
     if tpu_spec.is_tpu_spec(spec):
       spec, _ = tpu_spec.split(spec)
-    return spec
+    return spec, losses
+
+  def _loss_checked_on_first_step(self, spec, specs, step: _Step, features,
+                                  labels, kwargs):
+    """TRAIN's `spec` with a hook comparing its losses with the model_fn's
+    on the whole batch before the first step, for losses computed past a
+    step the walk cannot follow (first_step_check).
+
+    Not on one tower, with micro-batches (the whole batch may not fit one
+    device) or with per-tower batch norm (the towers differ from one device
+    by choice); nor in a cluster (see _trains_with_other_tasks).
+    """
+    if (not self._check_first_batch or len(specs) < 2 or self._micro or
+        self._batch_norm == 'per_tower'):
+      return spec
+    # name: (each tower's loss, the copy's optimizer call or None).
+    candidates = {}
+    for k, losses in enumerate(step.update.tower_losses()):
+      name = ('loss' if losses[0] is specs[0].loss
+              else f'loss of optimizer call {k + 1}')
+      candidates[name] = (losses, k)
+    if specs[0].loss is not None and 'loss' not in candidates:
+      candidates['loss'] = ([s.loss for s in specs], None)
+    unproven = self._untraced_losses(
+        {name: losses[0] for name, (losses, _) in candidates.items()}, step)
+    if not unproven:
+      return spec
+    one_device, one_calls = self._build_one_device(step, features, labels,
+                                                   kwargs)
+    calls = len(step.update.tower_losses())
+    if len(one_calls) != calls:
+      raise ValueError(
+          f'The model_fn called on the whole batch made {len(one_calls)} '
+          f'optimizer call(s), and each tower {calls}: its training must '
+          'not depend on the tower (tower_context()).')
+    merged, one = {}, {}
+    for name in unproven:
+      losses, k = candidates[name]
+      merged[name] = step.weights.merged_loss(losses)
+      one[name] = one_device.loss if k is None else one_calls[k]
+    inputs = [t for t in tf.nest.flatten((features, labels),
+                                         expand_composites=True)
+              if isinstance(t, tf.Tensor)]
+    why = first_step_check.refusal(
+        [*merged.values(), *one.values(), *inputs],
+        [spec.train_op, spec.loss,
+         *tf1.get_collection(tf1.GraphKeys.SUMMARIES)], inputs)
+    if why:
+      first_step_check.skipped(why, unproven)
+      return spec
+    check = first_step_check.FirstStepCheck(inputs, merged, one, unproven)
+    return spec._replace(training_hooks=(*spec.training_hooks, check))
+
+  def _untraced_losses(self, losses, step: _Step):
+    """{name: the op the walk could not follow} of tower 0's `losses`
+    computed past one, but those drawn at random."""
+    drawn, found = self._drawn_in_tower_0(), {}
+    for name, loss in losses.items():
+      untraced = []
+      batch_mixing.mixing_op(loss, step.split.shard(0),
+                             self._towers.start(0), untraced=untraced)
+      if untraced and not drawn(loss):
+        found[name] = untraced[0]
+    return found
 
   # --------------------------------------------------------------------------
   # One tower.
@@ -927,6 +1015,14 @@ class _TowerBuilder:
     return spec, added
 
 
+def _trains_with_other_tasks(config) -> bool:
+  """Whether other tasks train the model too: then the first-step check
+  (first_step_check) is not built, as a task of a synchronous cluster has
+  its share of the batch only and, with ps tasks, other workers update the
+  variables between the check's reads."""
+  return (getattr(config, 'num_worker_replicas', 1) or 1) > 1
+
+
 def _task_group(mode, config, tower_device: str, timeout_secs: float,
                 strategy: aggregation_lib.Strategy,
                 agreement: Optional[Mapping[str, Any]]):
@@ -989,12 +1085,13 @@ def _read_device(op: tf.Operation) -> str:
 
 
 @contextlib.contextmanager
-def _per_tower_collections(graph, index):
+def _per_tower_collections(graph, index, keep: bool = True):
   """Shows each tower only its own losses, update ops and summaries.
 
   Yields a dict that, on exit, holds what the tower added to each collection.
   Afterwards the collections hold every tower's entries again, except that
   summaries of towers after the first are dropped: TensorBoard shows tower 0.
+  With `keep` False, nothing the tower added is kept.
   """
   saved = {key: list(graph.get_collection(key)) for key in _PER_TOWER_COLLECTIONS}
   for key in _PER_TOWER_COLLECTIONS:
@@ -1006,8 +1103,19 @@ def _per_tower_collections(graph, index):
     for key in _PER_TOWER_COLLECTIONS:
       ref = graph.get_collection_ref(key)
       added[key] = list(ref)
-      keep = added[key] if (index == 0 or key != tf1.GraphKeys.SUMMARIES) else []
-      ref[:] = saved[key] + keep
+      kept = added[key] if keep and (
+          index == 0 or key != tf1.GraphKeys.SUMMARIES) else []
+      ref[:] = saved[key] + kept
+
+
+@contextlib.contextmanager
+def _additions_dropped(graph, key):
+  """Drops what is added to the collection `key` inside."""
+  before = list(graph.get_collection(key))
+  try:
+    yield
+  finally:
+    graph.get_collection_ref(key)[:] = before
 
 
 def _canonical_devices(devices) -> List[str]:

@@ -50,12 +50,14 @@ _KEY = tf1.GraphKeys.REGULARIZATION_LOSSES
 
 
 @contextlib.contextmanager
-def tower(index: int, ledger: op_ledger.TowerLedger) -> Iterator[None]:
+def tower(index: int, ledger: op_ledger.TowerLedger,
+          scope: Optional[str] = None) -> Iterator[None]:
   """Inside, tower `index` sees one device's REGULARIZATION_LOSSES.
 
   Args:
     index: The tower being built (0 sees the collection as it is).
     ledger: The towers' regions, to tell which tower made an entry.
+    scope: The tower's name scope; `tower_<index>` if None.
 
   Yields:
     Nothing.
@@ -64,13 +66,14 @@ def tower(index: int, ledger: op_ledger.TowerLedger) -> Iterator[None]:
     yield
     return
   original = tf.Graph.get_collection
-  progress = _Progress(index, ledger)
+  prefix = f'{scope or f"tower_{index}"}/'
+  progress = _Progress(index, ledger, prefix)
 
   def get_collection(graph, name, scope=None):
     items = original(graph, name, scope)
     if name != _KEY:
       return items
-    return _one_devices(items, index, ledger, progress)
+    return _one_devices(items, index, ledger, progress, prefix)
 
   with patching.Patcher() as patcher:
     patcher.set(tf.Graph, 'get_collection',
@@ -92,10 +95,11 @@ class _Progress:
   Args:
     index: The tower (> 0).
     ledger: The towers' regions.
+    prefix: The tower's name scope, with its '/'.
   """
 
-  def __init__(self, index: int, ledger: op_ledger.TowerLedger):
-    self._prefix = f'tower_{index}/'
+  def __init__(self, index: int, ledger: op_ledger.TowerLedger, prefix: str):
+    self._prefix = prefix
     self._ledger = ledger
     self._index = index
     self._next = None  # The id of the next of the tower's ops to scan.
@@ -156,9 +160,8 @@ class _Progress:
 
 
 def _one_devices(items: List, index: int, ledger: op_ledger.TowerLedger,
-                 progress: _Progress) -> List:
+                 progress: _Progress, prefix: str) -> List:
   """`items` as tower `index` should see them (see the module docstring)."""
-  prefix = f'tower_{index}/'
   firsts = [item for item in items if _tower_of(item, ledger) == 0]
   own = {}  # Tower 0's entry name -> the tower's entry standing for it.
   unscoped = []  # Own entries not named under the tower's scope.

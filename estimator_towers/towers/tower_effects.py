@@ -90,7 +90,7 @@ _ASSIGNS = frozenset(['Assign', 'AssignVariableOp', 'ScatterUpdate',
                       'ResourceScatterNdUpdate', 'StridedSliceAssign',
                       'ResourceStridedSliceAssign'])
 # Optimizer kernels a model_fn may run itself: each run steps again.
-_APPLIES = ('Apply', 'ResourceApply', 'SparseApply', 'ResourceSparseApply')
+APPLIES = ('Apply', 'ResourceApply', 'SparseApply', 'ResourceSparseApply')
 # Stateful random ops: each task of a synchronous cluster draws its own, and
 # each tower draws its own for its shard (equivalence names them), unless
 # random_draws makes them one device's.
@@ -301,7 +301,7 @@ def _repeats_wrongly(write: tf.Operation, depends_on_shard) -> str:
                          lambda kind: kind in WRITES and kind not in _SHARED
                          and kind not in _ASSIGNS)
     return f'adding to it inside the function ({adds[0]})' if adds else ''
-  if write.type.startswith(_APPLIES):
+  if write.type.startswith(APPLIES):
     return 'an optimizer step, which steps again each time it runs'
   if write.type not in WRITES or write.type in _SHARED:
     return ''  # A shared structure runs in every tower, as on one device.

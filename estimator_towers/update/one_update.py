@@ -179,7 +179,7 @@ class OneUpdate:
   def _outer_loss_call(self, call: calls.Call) -> Any:
     """minimize, get_updates or a gradient call, as the towers' one call."""
     tower = self._tower
-    loss = _loss_of(call)
+    loss = loss_of(call)
     index = self._counts['losses'][tower]
     self._counts['losses'][tower] += 1
     if call.kind == calls.UPDATE:
@@ -190,7 +190,7 @@ class OneUpdate:
     self._record_call(tower, key)
     self._losses.setdefault(index, {})[tower] = loss
     if tower < self._num_towers - 1:
-      result = _placeholder(call)
+      result = placeholder(call)
       if call.kind == calls.GRADIENTS:
         self._routed_outputs[tower].extend(_ops_of(result))
       else:
@@ -293,6 +293,11 @@ class OneUpdate:
     runs)."""
     return {op.name for ops in self._routed_outputs for op in ops}
 
+  def tower_losses(self) -> List[List[tf.Tensor]]:
+    """Per optimizer call, in call order, each tower's loss."""
+    return [[self._losses[call][t] for t in range(self._num_towers)]
+            for call in sorted(self._losses)]
+
   def result_ops(self) -> List[tf.Operation]:
     """The ops that end the one update: what its optimizer calls returned."""
     return [op for result, _ in self._updates
@@ -354,7 +359,7 @@ class OneUpdate:
     if call.kind == calls.GRADIENTS:
       if call.overriding:
         return call.run()
-      return self._differentiate(call, _loss_of(call))
+      return self._differentiate(call, loss_of(call))
     return self._update(call)
 
   def _differentiate(self, call: calls.Call, loss: tf.Tensor) -> Any:
@@ -566,7 +571,8 @@ def _trainable_variables_written(train_op) -> List[str]:
   return sorted(written)
 
 
-def _loss_of(call: calls.Call) -> tf.Tensor:
+def loss_of(call: calls.Call) -> tf.Tensor:
+  """The loss an optimizer or gradients call differentiates."""
   loss = call.get(0)
   if call.name == 'gradients':
     return tf.nest.flatten(loss)[0]
@@ -594,7 +600,7 @@ def _gradient_variables(call: calls.Call) -> List:
   return tf.nest.flatten(var_list)
 
 
-def _placeholder(call: calls.Call) -> Any:
+def placeholder(call: calls.Call) -> Any:
   """What an earlier tower's call returns: zeros shaped like the gradients,
   or a no-op for an update (the update they would feed is not made)."""
   if call.kind == calls.UPDATE:
