@@ -1,22 +1,25 @@
-"""What the first-batch prediction check costs `estimator.predict`.
+"""What the first-batch checks cost `estimator.predict` and `train`.
 
-A prediction the graph walk cannot follow (here a Keras LSTM's while loop)
-makes replicate_model_fn build the model_fn once more, on the whole batch,
-and run that copy on the first batch (see prediction_audit). This times one
-`Estimator.predict` over the whole input, from one checkpoint, on 2 virtual
-CPU towers with `check_first_batch=True` and `False`, and unwrapped on one
-device for scale. Each round runs every variant once in a shuffled order
-(the machine is shared: only ratios measured side by side mean anything);
-it prints per round and the medians, with two times per variant:
+A prediction or a training loss the graph walk cannot follow (here a Keras
+LSTM's while loop) makes replicate_model_fn build the model_fn once more, on
+the whole batch, and run that copy on the first batch (see prediction_audit
+and first_step_check). This times one `Estimator.predict` over the whole
+input from one checkpoint (`--mode=predict`), or one `Estimator.train` of
+`--batches` steps from scratch (`--mode=train`), on 2 virtual CPU towers
+with `check_first_batch=True` and `False`, and unwrapped on one device for
+scale. Each round runs every variant once in a shuffled order (the machine
+is shared: only ratios measured side by side mean anything); it prints per
+round and the medians, with two times per variant:
 
-  first row   from the predict call to its first row: graph build, session
-              start, checkpoint restore and the first batch (the check's
-              whole cost lands here);
-  total       the whole predict call.
+  first       from the call to its first row (predict) or to the end of its
+              first step (train): graph build, session start and the first
+              batch (the check's whole cost lands here);
+  total       the whole call.
 
 No timing is asserted anywhere.
 
   .venv/bin/python bench/bench_prediction_check.py            # ~2 min
+  .venv/bin/python bench/bench_prediction_check.py --mode=train
   .venv/bin/python bench/bench_prediction_check.py --rounds=2 --batches=5
 """
 
@@ -66,11 +69,30 @@ def _timed(estimator, input_fn):
   return first, time.perf_counter() - start, count
 
 
+class _FirstStepTime(tf1.train.SessionRunHook):
+  """Records when the first training step has run."""
+
+  def __init__(self):
+    self.finished = None
+
+  def after_run(self, run_context, run_values):
+    if self.finished is None:
+      self.finished = time.perf_counter()
+
+
+def _timed_training(estimator, input_fn, steps):
+  start, first = time.perf_counter(), _FirstStepTime()
+  estimator.train(input_fn, steps=steps, hooks=[first])
+  return first.finished - start, time.perf_counter() - start, steps
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--rounds', type=int, default=5)
   parser.add_argument('--batches', type=int, default=20)
   parser.add_argument('--batch-size', type=int, default=256)
+  parser.add_argument('--mode', choices=('predict', 'train'),
+                      default='predict')
   args = parser.parse_args()
   tf1.logging.set_verbosity(tf1.logging.ERROR)
   rows = args.batches * args.batch_size
@@ -84,6 +106,11 @@ def main():
   def input_fn():
     return tf.data.Dataset.from_tensor_slices({'x': x}).batch(args.batch_size)
 
+  def train_input_fn():
+    labels = (x[:, 0] > 0).astype(np.int32)
+    return tf.data.Dataset.from_tensor_slices(({'x': x}, labels)).batch(
+        args.batch_size)
+
   variants = {
       'checked': estimator_towers.replicate_model_fn(
           _model_fn, check_first_batch=True),
@@ -92,21 +119,27 @@ def main():
       'one_device': _model_fn,
   }
   times = {name: [] for name in variants}
-  print(f'{args.batches} batches of {args.batch_size}, LSTM({_UNITS}) over '
-        f'{_STEPS} steps, 2 towers (one_device: 1)')
+  print(f'{args.mode}: {args.batches} batches of {args.batch_size}, '
+        f'LSTM({_UNITS}) over {_STEPS} steps, 2 towers (one_device: 1)')
   for round_index in range(args.rounds):
     order = list(variants)
     random.Random(round_index).shuffle(order)
     for name in order:
-      estimator = tf.estimator.Estimator(
-          variants[name],
-          config=_config(model_dir, 1 if name == 'one_device' else 2))
-      first, total, count = _timed(estimator, input_fn)
-      assert count == rows, (name, count)
+      devices = 1 if name == 'one_device' else 2
+      if args.mode == 'predict':
+        estimator = tf.estimator.Estimator(
+            variants[name], config=_config(model_dir, devices))
+        first, total, count = _timed(estimator, input_fn)
+        assert count == rows, (name, count)
+      else:
+        estimator = tf.estimator.Estimator(
+            variants[name], config=_config(tempfile.mkdtemp(), devices))
+        first, total, _ = _timed_training(estimator, train_input_fn,
+                                          args.batches)
       times[name].append((first, total))
     print(f'round {round_index + 1}: ' + ', '.join(
         f'{n} {times[n][-1][0]:.2f}/{times[n][-1][1]:.2f} s' for n in order))
-  print(f'{"variant":>12} {"first row s":>12} {"total s":>9} '
+  print(f'{"variant":>12} {"first s":>12} {"total s":>9} '
         f'{"first vs unchecked":>19} {"total vs unchecked":>19}')
   base = [statistics.median(t[i] for t in times['unchecked'])
           for i in (0, 1)]
