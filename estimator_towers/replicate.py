@@ -810,15 +810,12 @@ class _TowerBuilder:
     step the walk cannot follow (prediction_audit)."""
     if not self._check_first_batch or first.loss is None:
       return spec
-    untraced = []
-    batch_mixing.mixing_op(first.loss, step.split.shard(0),
-                           self._towers.start(0), untraced=untraced)
-    if not untraced or self._drawn_in_tower_0()(first.loss):
+    unproven = self._untraced_losses({'loss': first.loss}, step)
+    if not unproven:
       return spec
     one_device, _ = self._build_one_device(step, features, labels, kwargs)
     check = prediction_audit.FirstBatchCheck(
-        {'loss': spec.loss}, {'loss': one_device.loss},
-        {'loss': untraced[0]}, loss=True)
+        {'loss': spec.loss}, {'loss': one_device.loss}, unproven, loss=True)
     return spec._replace(evaluation_hooks=(*spec.evaluation_hooks, check))
 
   def _checked_on_first_batch(self, spec, unproven, step: _Step, features,
