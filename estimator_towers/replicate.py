@@ -883,12 +883,12 @@ class _TowerBuilder:
     on the whole batch before the first step, for losses computed past a
     step the walk cannot follow (first_step_check).
 
-    Not on one tower, with micro-batches (the whole batch may not fit one
-    device) or with per-tower batch norm (the towers differ from one device
-    by choice); nor in a cluster (see _trains_with_other_tasks).
+    Not on one tower, nor in a cluster (see _trains_with_other_tasks); with
+    micro-batches (the whole batch may not fit one device) or per-tower
+    batch norm (the towers differ from one device by choice) the log says
+    the loss goes unchecked.
     """
-    if (not self._check_first_batch or len(specs) < 2 or self._micro or
-        self._batch_norm == 'per_tower'):
+    if not self._check_first_batch or len(specs) < 2:
       return spec
     # name: (each tower's loss, the copy's optimizer call or None).
     candidates = {}
@@ -901,6 +901,14 @@ class _TowerBuilder:
     unproven = self._untraced_losses(
         {name: losses[0] for name, (losses, _) in candidates.items()}, step)
     if not unproven:
+      return spec
+    if self._micro:
+      first_step_check.skipped('with micro_batches > 1 the whole batch may '
+                               'not fit one device', unproven)
+      return spec
+    if self._batch_norm == 'per_tower':
+      first_step_check.skipped("with batch_norm='per_tower' the towers "
+                               'differ from one device by choice', unproven)
       return spec
     one_device, one_calls = self._build_one_device(step, features, labels,
                                                    kwargs)

@@ -220,3 +220,17 @@ def test_the_copy_leaves_no_variable_or_collection_entry():
       copied = [item.name for item in graph.get_collection(key)
                 if 'one_device_check' in item.name]
       assert not copied, key
+
+
+@pytest.mark.training
+@pytest.mark.parametrize('kwargs,why', [
+    ({'micro_batches': 2}, 'with micro_batches > 1'),
+    ({'batch_norm': 'per_tower'}, "with batch_norm='per_tower'"),
+])
+def test_a_loss_that_goes_unchecked_is_named_in_the_log(tmp_path, caplog,
+                                                        kwargs, why):
+  with caplog.at_level(logging.WARNING, logger='absl'):
+    _train(tmp_path, _model_fn(_DIFFER['numpy_function_reverse']), 2,
+           steps=1, **kwargs)
+  assert ('cannot check the training loss against one device on the first '
+          f'batch: {why}') in caplog.text
