@@ -51,6 +51,7 @@ from estimator_towers.towers import tower_effects
 from estimator_towers.towers import tower_weights
 from estimator_towers.merge import tpu_spec
 from estimator_towers.towers import variable_sharing
+from estimator_towers.towers import variable_views
 from estimator_towers.towers import whole_batch
 from estimator_towers.update import write_order
 from estimator_towers.run_config import session_device_counts
@@ -797,10 +798,11 @@ class _TowerBuilder:
     return {name: op for name, op in found.items() if not drawn(named[name])}
 
   def _drawn_in_tower_0(self) -> reduction_lib.ExampleDependence:
-    """Whether a tensor depends on tower 0's random draws."""
+    """Whether a tensor depends on tower 0's random draws (in its while
+    loops and functions too)."""
     return reduction_lib.ExampleDependence(
-        tower_effects.random_draws(tf1.get_default_graph(),
-                                   self._towers.region(0)),
+        tower_effects.every_draw(tf1.get_default_graph(),
+                                 self._towers.region(0)),
         self._towers.start(0))
 
   def _loss_checked_on_first_batch(self, spec, first, step: _Step, features,
@@ -866,6 +868,8 @@ class _TowerBuilder:
           index, self._towers, scope=_ONE_DEVICE_SCOPE))
       stack.enter_context(graph.device(_placer(
           0, device, self._strategy, lambda: False)))
+      # Before the sharing's views, which keep what they find hidden.
+      stack.enter_context(variable_views.hidden(self._update_variables(step)))
       stack.enter_context(self._sharing.tower(1))
       stack.enter_context(step.tables.tower(1))
       losses = stack.enter_context(first_step_check.discarding_updates())
@@ -876,6 +880,15 @@ class _TowerBuilder:
     if tpu_spec.is_tpu_spec(spec):
       spec, _ = tpu_spec.split(spec)
     return spec, losses
+
+  def _update_variables(self, step: _Step) -> List[tf.Variable]:
+    """The variables the one update made (optimizer slots, Adam's powers):
+    none in EVAL and PREDICT."""
+    if self._mode != ModeKeys.TRAIN:
+      return []
+    made = step.update.update_op_names()
+    return [v for v in tf1.global_variables() + tf1.local_variables()
+            if v.op.name in made]
 
   def _loss_checked_on_first_step(self, spec, specs, step: _Step, features,
                                   labels, kwargs):

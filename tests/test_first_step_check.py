@@ -56,10 +56,39 @@ _SAME = {
 }
 
 
-def _model_fn(target_of, batch_norm=False, keras=False, record=None):
+def _clipped_update(loss, step):
+  """compute_gradients, clip by global norm, apply_gradients."""
+  optimizer = tf1.train.MomentumOptimizer(0.1, 0.9)
+  gradients, variables = zip(*optimizer.compute_gradients(loss))
+  clipped, _ = tf.clip_by_global_norm(gradients, 1.0)
+  return optimizer.apply_gradients(zip(clipped, variables), step)
+
+
+def _bert_style_update(loss, step):
+  """tf.gradients, clipped, applied without the step, which is then
+  advanced by hand (BERT's optimization.py)."""
+  variables = tf1.trainable_variables()
+  gradients, _ = tf.clip_by_global_norm(tf.gradients(loss, variables), 1.0)
+  update = tf1.train.MomentumOptimizer(0.1, 0.9).apply_gradients(
+      zip(gradients, variables))
+  return tf.group(update, step.assign(step + 1))
+
+
+_UPDATES = {
+    'minimize': lambda loss, step: tf1.train.MomentumOptimizer(
+        0.1, 0.9).minimize(loss, step),
+    'clipped': _clipped_update,
+    'bert_style': _bert_style_update,
+}
+
+
+def _model_fn(target_of, batch_norm=False, keras=False, record=None,
+              update='minimize', penalty=None, warm_start=None):
   """A 2-layer regressor whose loss pulls its output towards
   `target_of(output)` (held fixed) and its first unit towards the label;
-  momentum, kernel and activity regularizers, batch norm if asked."""
+  momentum (`update`: how it is applied), kernel and activity
+  regularizers, batch norm if asked, `penalty()` added to the loss, and
+  the first layer warm-started from the checkpoint `warm_start`."""
 
   def model_fn(features, labels, mode):
     training = mode == tf.estimator.ModeKeys.TRAIN
@@ -76,14 +105,18 @@ def _model_fn(target_of, batch_norm=False, keras=False, record=None):
     if record is not None:
       h = tf.numpy_function(record, [h], tf.float32)
       h.set_shape([None, 2])
+    if warm_start:
+      tf1.train.init_from_checkpoint(warm_start, {'dense/': 'dense/'})
     target = tf.stop_gradient(target_of(h))
     loss = (tf.reduce_mean(tf.square(h - target)) +
             tf.reduce_mean(tf.square(h[:, 0] - labels)) +
             tf1.losses.get_regularization_loss())
+    if penalty is not None:
+      loss += penalty()
     with tf1.control_dependencies(
         tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
-      train_op = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(
-          loss, tf1.train.get_or_create_global_step())
+      train_op = _UPDATES[update](loss,
+                                  tf1.train.get_or_create_global_step())
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
   return model_fn
@@ -202,6 +235,14 @@ def test_the_check_says_why_it_cannot_run():
         first_step_check.refusal([loss, *inputs], [step], inputs))
     assert 'no features or labels' in first_step_check.refusal(
         [loss], [loss], [])
+    # A draw inside a function: the check's run would advance its state.
+    drawn = loss + tf.function(lambda: tf.random.uniform([], seed=1))()
+    assert 'would draw random numbers again (StatefulPartitionedCall' in (
+        first_step_check.refusal([drawn, *inputs], [drawn], inputs))
+    # Features a hook may feed (a FeedFnHook): the check would feed them too.
+    fed = tf1.placeholder_with_default(features['x'], [None, 3])
+    assert 'which another hook may feed' in first_step_check.refusal(
+        [tf.reduce_mean(fed), fed], [fed], [fed])
 
 
 @pytest.mark.fast
@@ -234,3 +275,73 @@ def test_a_loss_that_goes_unchecked_is_named_in_the_log(tmp_path, caplog,
            steps=1, **kwargs)
   assert ('cannot check the training loss against one device on the first '
           f'batch: {why}') in caplog.text
+
+
+def _global_variables_penalty():
+  """Weight decay over every global variable, as some model_fns write it:
+  one device has no optimizer slot yet when it reads the collection."""
+  return 1e-3 * tf.add_n([tf.reduce_sum(tf.square(v))
+                          for v in tf1.global_variables()
+                          if v.dtype.base_dtype == tf.float32])
+
+
+@pytest.mark.training
+@pytest.mark.parametrize('update', ['clipped', 'bert_style'])
+def test_a_checked_loss_applied_by_hand_trains_as_one_device(
+    tmp_path, caplog, update):
+  model_fn = _model_fn(_SAME['numpy_function_scaled'], update=update)
+  one = _weights(_train(tmp_path, model_fn, 0))
+  with caplog.at_level(logging.INFO, logger='absl'):
+    many = _weights(_train(tmp_path, model_fn, 2))
+  assert "the towers' loss equal one device's" in caplog.text
+  assert many['global_step'] == one['global_step'] == 3
+  for name, value in one.items():
+    np.testing.assert_allclose(many[name], value, rtol=2e-5, atol=1e-6,
+                               err_msg=name)
+
+
+@pytest.mark.training
+def test_the_copy_sees_no_optimizer_slot_in_scopes_or_collections(tmp_path):
+  # Momentum slots under 'dense/' in the checkpoint: a warm start by scope
+  # after the one update made its slots would start them from there, and a
+  # penalty over global_variables() would count them.
+  source = _train(tmp_path, _model_fn(lambda h: h), 0, name='source')
+  model_fn = _model_fn(_SAME['numpy_function_scaled'],
+                       penalty=_global_variables_penalty,
+                       warm_start=source.latest_checkpoint())
+  one = _weights(_train(tmp_path, model_fn, 0))
+  many = _weights(_train(tmp_path, model_fn, 2))
+  assert np.abs(one['dense/kernel/Momentum']).max() > 1e-3
+  for name, value in one.items():
+    np.testing.assert_allclose(many[name], value, rtol=2e-5, atol=1e-6,
+                               err_msg=name)
+
+
+def _lstm_dropout_loss(h):
+  steps = tf.reshape(tf.tile(h, [1, 3]), [-1, 3, 2])
+  return tf.keras.layers.LSTM(2, dropout=0.3)(steps, training=True)
+
+
+# Losses drawn where a plain random op is not: one device's copy would
+# draw other numbers, so they are not compared (nor refused).
+_DRAWN_INSIDE = {
+    'dropout_in_a_tf_function': lambda h: tf.function(
+        lambda a: tf.nn.dropout(a, 0.5))(h),
+    'keras_lstm_dropout': _lstm_dropout_loss,
+    'generator_noise': lambda h: h + tf.random.Generator.from_seed(1).normal(
+        tf.shape(h)),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('case', sorted(_DRAWN_INSIDE))
+def test_a_loss_drawn_inside_a_function_or_generator_is_not_compared(case):
+  with tf.Graph().as_default():
+    features, labels = _graph_with_input()
+    target_of = lambda h: _DIFFER['numpy_function_reverse'](  # pylint: disable=g-long-lambda
+        _DRAWN_INSIDE[case](h))
+    spec = trainer.replicate_model_fn(_model_fn(target_of))(
+        features=features, labels=labels, mode=tf.estimator.ModeKeys.TRAIN,
+        config=trainer.make_run_config(cpu_devices=2))
+    assert not any(isinstance(hook, first_step_check.FirstStepCheck)
+                   for hook in spec.training_hooks)

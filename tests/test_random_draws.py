@@ -199,6 +199,14 @@ def test_an_unknown_choice_is_refused_naming_it(value):
                        lambda: tf.random.normal(tf.shape(x)),
                        lambda: tf.zeros_like(x)),
      'inside its function'),
+    # Candidates drawn by a sampler (nce_loss, sampled softmax), and a
+    # tf.random.Generator's draw: each tower drew its own, silently.
+    (lambda x: x + tf.cast(tf.random.log_uniform_candidate_sampler(
+        tf.zeros([1, 1], tf.int64), 1, 1, True, 5)[0][0], tf.float32),
+     'LogUniformCandidateSampler .* draws random numbers \\(a candidate '
+     'sampler'),
+    (lambda x: tf.random.Generator.from_seed(1).normal(tf.shape(x)),
+     'RngReadAndSkip .* draws random numbers'),
 ])
 def test_draws_it_cannot_match_are_refused(draw, refusal):
   with pytest.raises(ValueError, match=refusal) as raised:

@@ -215,6 +215,7 @@ class OneDevice:
   def _match(self, index: int, built: op_ledger.Region,
              on_shard: loss_reduction.ExampleDependence) -> None:
     _refuse_draws_in_functions(self._graph, built, index)
+    _refuse_other_draws(self._graph, built, index)
     initializers = _initializer_ops(self._graph, built)
     draws = [t.op for t in tower_effects.random_draws(self._graph, built)
              if t.op.name not in initializers]
@@ -330,6 +331,19 @@ def _refuse_draws_in_functions(graph: tf.Graph, built: op_ledger.Region,
             f'{index} draws random numbers inside its function '
             f'({", ".join(inside)}), where they cannot be made one '
             "device's. " + _FIX)
+
+
+def _refuse_other_draws(graph: tf.Graph, built: op_ledger.Region,
+                        index: int) -> None:
+  """Refuses draws the rewrite does not know: candidate samplers (nce_loss,
+  sampled softmax) and tf.random.Generator ops, which drew per tower."""
+  for op in graph.get_operations():
+    if op.type in tower_effects.OTHER_DRAWS and built.contains(op):
+      raise ValueError(
+          f"random_ops='one_device': {op.type} {op.name} of tower {index} "
+          'draws random numbers (a candidate sampler such as nce_loss or '
+          "sampled_softmax_loss uses, or a tf.random.Generator's op) that "
+          "cannot be made one device's. " + _FIX)
 
 
 def _initializer_ops(graph: tf.Graph, built: op_ledger.Region) -> Set[str]:

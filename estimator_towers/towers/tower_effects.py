@@ -236,6 +236,37 @@ def random_draws(graph: tf.Graph, tower: op_ledger.Region
 
 # Ops that hand a variable's handle (or ref) on unchanged: an Identity, a
 # TF1 cond's Switch, a while loop's Enter.
+# Draws RANDOM does not name: candidate samplers (nce_loss, sampled
+# softmax) and the ops of a tf.random.Generator.
+OTHER_DRAWS = frozenset([
+    'AllCandidateSampler', 'FixedUnigramCandidateSampler',
+    'LearnedUnigramCandidateSampler', 'LogUniformCandidateSampler',
+    'ThreadUnsafeUnigramCandidateSampler', 'UniformCandidateSampler',
+    'RngReadAndSkip', 'RngSkip', 'StatefulRandomBinomial',
+    'StatefulStandardNormal', 'StatefulStandardNormalV2',
+    'StatefulTruncatedNormal', 'StatefulUniform', 'StatefulUniformFullInt',
+    'StatefulUniformInt'])
+
+
+def draws(op: tf.Operation) -> bool:
+  """Whether running `op` draws random numbers: a stateful random op, a
+  candidate sampler, a tf.random.Generator's op, or a function-calling op
+  (a while loop, a tf.function) whose functions hold one."""
+  if op.type in RANDOM or op.type in OTHER_DRAWS:
+    return True
+  return op.type in CALLS and bool(_in_functions(
+      op.graph, functions.called(op.node_def), set(),
+      lambda kind: kind in RANDOM or kind in OTHER_DRAWS))
+
+
+def every_draw(graph: tf.Graph, tower: op_ledger.Region) -> List[tf.Tensor]:
+  """The outputs of the ops made in `tower` that draw random numbers
+  (`draws`), for an ExampleDependence: what one device's copy of the
+  model_fn would draw differently."""
+  return [t for op in graph.get_operations()
+          if tower.contains(op) and draws(op) for t in op.outputs]
+
+
 _FORWARDING = frozenset(['Identity', 'RefIdentity', 'Enter', 'RefEnter',
                          'Switch', 'RefSwitch'])
 

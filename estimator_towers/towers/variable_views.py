@@ -23,6 +23,7 @@ import contextlib
 from typing import Dict, Iterator, List, Optional, Set
 
 import tensorflow as tf
+from tensorflow.python.ops import variable_scope as vs  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import variables as variables_lib
 
 tf1 = tf.compat.v1
@@ -95,6 +96,42 @@ class VariableViews:
       visible = [v for v in self._saved[key]
                  if id(v) not in self._tower0 or id(v) in self._shown]
       ref[:] = visible + _added(ref, self._saved[key])
+
+
+@contextlib.contextmanager
+def hidden(variables: List) -> Iterator[None]:
+  """Hides `variables` from the collections and from get_variable's store.
+
+  The model_fn's copy on the whole batch (first_step_check) is built after
+  the one update made its optimizer slots; one device's model_fn, at the
+  same point of its build, has none. Code that picks variables by scope
+  (`init_from_checkpoint(ckpt, {'dense/': 'dense/'})` would warm-start the
+  slots) or by collection (a penalty over `tf.global_variables()`) must
+  not see them.
+
+  Args:
+    variables: The variables to hide.
+
+  Yields:
+    Nothing.
+  """
+  graph = tf1.get_default_graph()
+  ids = {id(v) for v in variables}
+  saved = {key: list(graph.get_collection(key)) for key in KEYS}
+  store = vs._get_default_variable_store()._vars  # pylint: disable=protected-access
+  # Slots are stored as 'dense/kernel/Adam/': found by identity, not name.
+  taken = {name: store.pop(name) for name, v in list(store.items())
+           if id(v) in ids}
+  for key in KEYS:
+    graph.get_collection_ref(key)[:] = [v for v in saved[key]
+                                        if id(v) not in ids]
+  try:
+    yield
+  finally:
+    for key in KEYS:
+      ref = graph.get_collection_ref(key)
+      ref[:] = saved[key] + _added(ref, saved[key])
+    store.update(taken)
 
 
 def _parts(variable) -> List:

@@ -16,11 +16,16 @@ on that batch as it would have. No weight has changed when it raises.
 
 What the check cannot do it says in the log and leaves out: a loss that
 waits for a write or a random draw (the extra forward pass would run it
-again, or draw other numbers), and a step that would read the input
-pipeline past the fed batch. Only the first batch is compared, and the
-check runs once per training session: a loss that differs on a batch of
-another size only (a last partial batch) is not caught, and a py_function
-in the loss runs once more on the first batch.
+again, or draw other numbers), features a hook may feed, and a step that
+would read the input pipeline past the fed batch. A loss drawn at random
+(dropout, in a while loop or a tf.function too, a candidate sampler, a
+tf.random.Generator) is not compared: the copy would draw other numbers.
+Only the first batch is compared, by the losses' values: a loss that
+differs on a batch of another size only (a last partial batch), by less
+than 1e-4 of itself (a small mixing term beside a large loss), or in its
+gradients only (`c - tf.stop_gradient(c)`) is not caught. A py_function in
+the loss runs once more on the first batch, and one that draws with
+np.random fails the check: pass check_first_batch=False.
 """
 
 import contextlib
@@ -44,16 +49,19 @@ INPUT_OPS = frozenset([
     'QueueDequeue', 'QueueDequeueV2', 'QueueDequeueMany',
     'QueueDequeueManyV2', 'QueueDequeueUpTo', 'QueueDequeueUpToV2',
     'ReaderRead', 'ReaderReadV2', 'ReaderReadUpTo', 'ReaderReadUpToV2'])
-_FEEDS = frozenset(['Placeholder', 'PlaceholderV2'])
+# A placeholder needs a hook's feed (the check's run has none); one with a
+# default may get one, and then the check must not feed what it feeds.
+_NEEDS_FEED = frozenset(['Placeholder'])
+_MAY_BE_FED = frozenset(['Placeholder', 'PlaceholderWithDefault'])
 
 
 @contextlib.contextmanager
 def discarding_updates() -> Iterator[List[tf.Tensor]]:
   """Inside, optimizer calls build no update and record their loss.
 
-  A gradient call returns zeros and an update call a no-op, as for a tower
-  before the last (one_update): the copy of the model_fn built inside only
-  computes its losses. Gradients with respect to tensors are the model's
+  A gradient call returns zeros and an update or apply call a no-op, as for
+  a tower before the last (one_update): the copy of the model_fn built
+  inside only computes its losses. Gradients with respect to tensors are the model's
   own and are computed.
 
   Yields:
@@ -69,8 +77,9 @@ def discarding_updates() -> Iterator[List[tf.Tensor]]:
     if call.name == 'gradients' and (
         calls.variables_of_gradients_call(call) is None):
       return call.run()
-    if call.kind != calls.APPLY:
-      losses.append(one_update.loss_of(call))
+    if call.kind == calls.APPLY:
+      return tf.no_op(name='update_discarded')
+    losses.append(one_update.loss_of(call))
     return one_update.placeholder(call)
 
   with calls.routed(handle):
@@ -96,6 +105,10 @@ def refusal(fetched: Iterable[tf.Tensor], step: Iterable,
     why = _repeats(op)
     if why:
       return f'its run would {why} ({op.type} {op.name})'
+  for op in _closure([t.op for t in inputs], frozenset()):
+    if op.type in _MAY_BE_FED:
+      return (f'the features or labels come from {op.type} {op.name}, '
+              'which another hook may feed')
   fed = frozenset(t.name for t in inputs)
   for op in _closure([getattr(s, 'op', s) for s in step], fed):
     if op.type in INPUT_OPS:
@@ -110,9 +123,9 @@ def _repeats(op: tf.Operation) -> Optional[str]:
       tower_effects.APPLIES) or (op.type in tower_effects.CALLS and
                                  tower_effects.calls_write(op)):
     return 'write a variable'
-  if op.type in tower_effects.RANDOM:
+  if tower_effects.draws(op):
     return 'draw random numbers again'
-  if op.type in _FEEDS:
+  if op.type in _NEEDS_FEED:
     return 'need a value fed by another hook'
   return None
 
@@ -168,7 +181,10 @@ class FirstStepCheck(tf1.train.SessionRunHook):
             f'{found}. It is computed through {op.type} {op.name!r}, which '
             'replicate_model_fn cannot follow, so it compared the first '
             'batch with the model_fn run once on the whole batch, before '
-            'any update. ' + prediction_audit.LOSS_ADVICE)
+            'any update. ' + prediction_audit.LOSS_ADVICE + ' (A loss that '
+            'draws random numbers where the wrapper cannot see them, such '
+            'as np.random in a py_function, differs by its draws alone: '
+            'pass check_first_batch=False.)')
     logging.info('First training batch: the towers\' %s equal one '
                  "device's.", ', '.join(sorted(merged)))
     return tf1.train.SessionRunArgs(
