@@ -381,18 +381,21 @@ def save_start_checkpoint(model_fn, input_fn, model_dirs, params=None):
 
 
 def train_in_session(model_fn, x, y, towers, batch, steps, start=None,
-                     static_batch=False, **wrapper_kwargs):
+                     static_batch=False, graph_seed=None, **wrapper_kwargs):
   """Trains `steps` batches in a Session from the `start` variable values.
 
   The features are {'x': x} (or `x` itself, a dict) batched in order, of a
   static size with `static_batch` (drop_remainder); `towers` > 1 wraps
   `model_fn` in replicate_model_fn(**wrapper_kwargs) on that many virtual
-  CPUs.
+  CPUs; `graph_seed` seeds the graph (unseeded initializers draw a new
+  start in every process otherwise).
 
   Returns:
     (start, end): every global variable's value before and after.
   """
   with tf.Graph().as_default():
+    if graph_seed is not None:
+      tf1.set_random_seed(graph_seed)
     features = x if isinstance(x, dict) else {'x': x}
     features, labels = tf1.data.make_one_shot_iterator(
         tf.data.Dataset.from_tensor_slices((features, y)).repeat()
