@@ -904,8 +904,8 @@ class _TowerBuilder:
     if not self._check_first_batch or len(specs) < 2:
       return spec
     # name: (each tower's loss, the copy's optimizer call or None).
-    candidates = {}
-    for k, losses in enumerate(step.update.tower_losses()):
+    candidates, calls = {}, step.update.tower_losses()
+    for k, losses in enumerate(calls):
       name = ('loss' if losses[0] is specs[0].loss
               else f'loss of optimizer call {k + 1}')
       candidates[name] = (losses, k)
@@ -925,12 +925,11 @@ class _TowerBuilder:
       return spec
     one_device, one_calls = self._build_one_device(step, features, labels,
                                                    kwargs)
-    calls = len(step.update.tower_losses())
-    if len(one_calls) != calls:
+    if len(one_calls) != len(calls):
       raise ValueError(
           f'The model_fn called on the whole batch made {len(one_calls)} '
-          f'optimizer call(s), and each tower {calls}: its training must '
-          'not depend on the tower (tower_context()).')
+          f'optimizer call(s), and each tower {len(calls)}: its training '
+          'must not depend on the tower (tower_context()).')
     merged, one = {}, {}
     for name in unproven:
       losses, k = candidates[name]

@@ -234,8 +234,6 @@ def random_draws(graph: tf.Graph, tower: op_ledger.Region
           if op.type in RANDOM and tower.contains(op)]
 
 
-# Ops that hand a variable's handle (or ref) on unchanged: an Identity, a
-# TF1 cond's Switch, a while loop's Enter.
 # Draws RANDOM does not name: candidate samplers (nce_loss, sampled
 # softmax) and the ops of a tf.random.Generator.
 OTHER_DRAWS = frozenset([
@@ -267,6 +265,8 @@ def every_draw(graph: tf.Graph, tower: op_ledger.Region) -> List[tf.Tensor]:
           if tower.contains(op) and draws(op) for t in op.outputs]
 
 
+# Ops that hand a variable's handle (or ref) on unchanged: an Identity, a
+# TF1 cond's Switch, a while loop's Enter.
 _FORWARDING = frozenset(['Identity', 'RefIdentity', 'Enter', 'RefEnter',
                          'Switch', 'RefSwitch'])
 

@@ -61,8 +61,8 @@ def discarding_updates() -> Iterator[List[tf.Tensor]]:
 
   A gradient call returns zeros and an update or apply call a no-op, as for
   a tower before the last (one_update): the copy of the model_fn built
-  inside only computes its losses. Gradients with respect to tensors are the model's
-  own and are computed.
+  inside only computes its losses. Gradients with respect to tensors are
+  the model's own and are computed.
 
   Yields:
     The losses of the optimizer calls made inside, in call order.
