@@ -48,6 +48,15 @@ def test_the_restart_guard_says_its_own_line():
         'aborted by: Delete called on non-empty BufRendezvous\n\t [[{{node '
         'tower_1/batch_normalization/global_moments/CollectiveReduce_1}}]]'),
      'is unreachable'),
+    # The same, reported as the worker's cancelled receive (one CI run in
+    # ten under load: the first error the chief's step saw).
+    (tf.errors.CancelledError(
+        None, None, 'From /job:chief/replica:0/task:0:\nCollective ops is '
+        'aborted by: op cancelled\nThe error could be from a previous '
+        'operation. Restart your program to reset.\nAdditional GRPC error '
+        'information from remote target /job:worker/replica:0/task:0 while '
+        'calling /tensorflow.WorkerService/RecvBuf'),
+     'is unreachable'),
 ])
 def test_a_peer_that_failed_or_stopped_is_one_line(error, says):
   message = sync_errors.cli_message(error, _SYNC)

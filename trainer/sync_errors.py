@@ -123,9 +123,12 @@ def cli_message(error: BaseException,
   if (isinstance(error, tf.errors.FailedPreconditionError) and
       _RESTARTED_ALONE in error.message):
     return _restarted_alone(task, tf_config, model_dir)
+  # A peer that ended aborts the step's collectives; which of their errors
+  # the step reports first (its own, a receive the peer cancelled) depends
+  # on timing.
   if isinstance(error, tf.errors.UnavailableError) or (
-      isinstance(error, tf.errors.InternalError) and
-      _ABORTED_BY_PEER in error.message):
+      isinstance(error, (tf.errors.InternalError, tf.errors.CancelledError))
+      and _ABORTED_BY_PEER in error.message):
     return (f'{task}: another task of the synchronous cluster is '
             f'unreachable: it failed, or {_ENDED_EARLY}. {_REMEDY}')
   return None
