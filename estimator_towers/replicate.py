@@ -34,6 +34,7 @@ from estimator_towers.update import one_update
 from estimator_towers.graph import folded_shapes
 from estimator_towers.graph import op_ledger
 from estimator_towers.towers import optimizer_iterations
+from estimator_towers.towers import own_collections
 from estimator_towers.towers import predicted_rows
 from estimator_towers.merge import prediction_audit
 from estimator_towers.cluster import peer_watch
@@ -443,7 +444,7 @@ class _Step:
   """What one model_fn call builds around its towers, once the batch is
   split: the loss weights, the one update, the shared tables and (TRAIN)
   the batch-norm statistics and (batch_norm='global') moments; the
-  exchanges of `whole_batch`."""
+  exchanges of `whole_batch`; each tower's view of the collections."""
   split: _Split
   weights: tower_weights.TowerWeights
   update: one_update.OneUpdate
@@ -451,6 +452,7 @@ class _Step:
   statistics: Optional[moving_statistics.MovingStatistics]
   moments: Optional[global_batch_norm.GlobalMoments]
   rows: whole_batch.TowerRows
+  collections: own_collections.OwnCollections
 
 
 class _TowerBuilder:
@@ -631,7 +633,8 @@ class _TowerBuilder:
     return _Step(split, weights, update,
                  table_sharing.TableSharing(split.sizes), statistics, moments,
                  whole_batch.TowerRows(self._devices, split.sizes,
-                                       self._strategy, self._rows_refusal()))
+                                       self._strategy, self._rows_refusal()),
+                 own_collections.OwnCollections())
 
   def _rows_refusal(self) -> Optional[str]:
     """Why `whole_batch` cannot exchange rows between these towers."""
@@ -874,6 +877,7 @@ class _TowerBuilder:
       stack.enter_context(step.tables.tower(1))
       losses = stack.enter_context(first_step_check.discarding_updates())
       stack.enter_context(_per_tower_collections(graph, index, keep=False))
+      stack.enter_context(step.collections.tower(index, keep=False))
       stack.enter_context(_additions_dropped(
           graph, tf1.GraphKeys.REGULARIZATION_LOSSES))
       spec = self._model_fn(features=features, **one_kwargs)
@@ -1016,6 +1020,7 @@ class _TowerBuilder:
         stack.enter_context(step.statistics.tower(index))
       stack.enter_context(step.rows.tower(index))
       added = stack.enter_context(_per_tower_collections(graph, index))
+      stack.enter_context(step.collections.tower(index))
       # As the Estimator calls it: features by keyword, so that any order
       # of the arguments works.
       spec = self._model_fn(features=features, **tower_kwargs)
@@ -1103,7 +1108,8 @@ def _read_device(op: tf.Operation) -> str:
 
 @contextlib.contextmanager
 def _per_tower_collections(graph, index, keep: bool = True):
-  """Shows each tower only its own losses, update ops and summaries.
+  """Shows each tower only its own losses, update ops and summaries (the
+  model_fn's other collections: own_collections).
 
   Yields a dict that, on exit, holds what the tower added to each collection.
   Afterwards the collections hold every tower's entries again, except that

@@ -1,0 +1,102 @@
+"""A later tower sees only its own entries of the model_fn's collections.
+
+A model_fn may file tensors in a collection and read them back while it
+builds: `tf.compat.v1.add_to_collection('my_losses', ce)` and then
+`tf.add_n(tf.compat.v1.get_collection('my_losses'))`. On one device the read
+returns the one entry it filed. The towers are built one after another in
+one graph, so tower 1's read also returned tower 0's entry: its loss held
+both shards' terms, and training drifted from one device without a word
+(0.13 off after 3 steps; EVAL's loss 1.47 for 0.90). A shared variable the
+model_fn files (`add_to_collection('weights', w)`) was filed again by every
+tower, so a penalty summed over the collection counted it once per tower
+built so far.
+
+So while a later tower builds (and the model_fn's copy on the whole batch,
+see first_step_check), each collection shows the entries made before tower
+0, then the ones that tower files itself: what one device sees at the same
+point. On exit the collection holds every earlier tower's entries again,
+then this tower's that it does not hold yet (a shared variable is filed
+once, as on one device: the v1 feature columns' shared embeddings require
+one entry); the copy's are dropped.
+
+Left as they are: the collections with a per-tower view of their own
+(`OWN_VIEWS`: losses, update ops and summaries in replicate, regularization
+losses, the variable collections in variable_views), TensorFlow's records
+of state every tower shares (`SHARED`: the global step, local and metric
+variables, tables, savers, resources, control-flow contexts), and keys that
+are not strings (get_variable's store).
+"""
+
+import contextlib
+from typing import Dict, Iterator, List, Optional
+
+import tensorflow as tf
+
+from estimator_towers.towers import variable_views
+
+tf1 = tf.compat.v1
+_Keys = tf1.GraphKeys
+OWN_VIEWS = frozenset([_Keys.LOSSES, _Keys.UPDATE_OPS, _Keys.SUMMARIES,
+                       _Keys.REGULARIZATION_LOSSES, *variable_views.KEYS])
+SHARED = frozenset([
+    _Keys.GLOBAL_STEP, _Keys.EVAL_STEP, _Keys.LOCAL_VARIABLES,
+    _Keys.METRIC_VARIABLES, _Keys.TRAINABLE_RESOURCE_VARIABLES,
+    _Keys.CONCATENATED_VARIABLES, _Keys.RESOURCES, _Keys.LOCAL_RESOURCES,
+    _Keys.TABLE_INITIALIZERS, _Keys.SAVEABLE_OBJECTS, _Keys.ASSET_FILEPATHS,
+    _Keys.SAVERS, _Keys.QUEUE_RUNNERS, _Keys.INIT_OP, _Keys.LOCAL_INIT_OP,
+    _Keys.READY_OP, _Keys.READY_FOR_LOCAL_INIT_OP, _Keys.SUMMARY_OP,
+    _Keys.TRAIN_OP, _Keys.COND_CONTEXT, _Keys.WHILE_CONTEXT,
+    _Keys._SUMMARY_COLLECTION, _Keys._STREAMING_MODEL_PORTS,  # pylint: disable=protected-access
+])
+
+
+def viewed(key) -> bool:
+  """Whether a later tower sees only its own entries of collection `key`."""
+  return isinstance(key, str) and key not in OWN_VIEWS and key not in SHARED
+
+
+class OwnCollections:
+  """Shows each tower of one model_fn call only its own collection entries
+  (module docstring)."""
+
+  def __init__(self):
+    # How many entries each viewed collection held when tower 0 started.
+    self._before: Optional[Dict[str, int]] = None
+
+  @contextlib.contextmanager
+  def tower(self, index: int, keep: bool = True) -> Iterator[None]:
+    """Scopes one tower's model_fn call.
+
+    Args:
+      index: The tower index; what the collections hold when tower 0 starts
+        is what every tower sees besides its own entries.
+      keep: Whether the tower's entries stay in the collections afterwards
+        (False for the model_fn's copy on the whole batch).
+
+    Yields:
+      Nothing.
+    """
+    graph = tf1.get_default_graph()
+    if index == 0 or self._before is None:
+      self._before = {key: len(graph.get_collection(key))
+                      for key in _viewed_keys(graph)}
+    # Collections only grow: entries past the count are the towers'.
+    earlier = {}
+    for key in _viewed_keys(graph):
+      ref = graph.get_collection_ref(key)
+      count = self._before.get(key, 0)
+      earlier[key] = ref[count:]
+      del ref[count:]
+    try:
+      yield
+    finally:
+      for key in _viewed_keys(graph):
+        ref = graph.get_collection_ref(key)
+        count = self._before.get(key, 0)
+        own = ref[count:] if keep else []
+        filed = {id(item) for item in earlier.get(key, [])}
+        ref[count:] = earlier.get(key, []) + [
+            item for item in own if id(item) not in filed]
+
+def _viewed_keys(graph: tf.Graph) -> List[str]:
+  return [key for key in graph.get_all_collection_keys() if viewed(key)]
