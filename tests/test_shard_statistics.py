@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 from helpers import build_replicated, seeded, train_in_session
+import trainer
 
 tf1 = tf.compat.v1
 ModeKeys = tf.estimator.ModeKeys
@@ -190,3 +191,109 @@ def test_the_proposed_forms_train_as_one_device():
     for name, value in one_device.items():
       np.testing.assert_allclose(towers[name], value, rtol=1e-5, atol=1e-6,
                                  err_msg=name)
+
+
+def _rnn_model_fn(run):
+  """A classifier of the final state of `run(cell, x, lengths)`, trained
+  by Adam (its slots carry the steps)."""
+
+  def model_fn(features, labels, mode):
+    cell = tf1.nn.rnn_cell.LSTMCell(4, initializer=seeded(1))
+    state = run(cell, features['x'], features['len'])
+    logits = tf1.layers.dense(state, 3, kernel_initializer=seeded(2))
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    train_op = tf1.train.AdamOptimizer(0.05).minimize(
+        loss, tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  return model_fn
+
+
+def _dynamic_rnn(cell, x, lengths):
+  outputs, state = tf1.nn.dynamic_rnn(cell, x, sequence_length=lengths,
+                                      dtype=tf.float32)
+  # The outputs past a row's length are zeros, as on one device.
+  return tf.concat([state.h, tf.reduce_sum(outputs, 1)], 1)
+
+
+def _bidirectional(cell, x, lengths):
+  backward = tf1.nn.rnn_cell.GRUCell(4, kernel_initializer=seeded(3))
+  (forward_out, backward_out), (forward, back) = (
+      tf1.nn.bidirectional_dynamic_rnn(cell, backward, x,
+                                       sequence_length=lengths,
+                                       dtype=tf.float32))
+  return tf.concat([forward.h, back,
+                    tf.reduce_sum(forward_out + backward_out, 1)], 1)
+
+
+def _static_rnn(cell, x, lengths):
+  _, state = tf1.nn.static_rnn(cell, tf.unstack(x, 5, 1),
+                               sequence_length=lengths, dtype=tf.float32)
+  return state.h
+
+
+def _loop_to_the_longest(cell, x, lengths):
+  """A loop to the shard's longest length that does not mask the rows
+  past their own: each row reads the padding up to that length."""
+  del cell
+  steps = tf.reduce_max(lengths)
+  _, total = tf.while_loop(lambda t, s: t < steps,
+                           lambda t, s: (t + 1, s + x[:, t]),
+                           [tf.constant(0), tf.zeros_like(x[:, 0])])
+  return total
+
+
+def _sequences():
+  x = ((np.arange(240, dtype=np.float32).reshape(16, 5, 3) % 7) - 3) / 3
+  lengths = np.array([5, 1, 2, 1, 3, 2, 1, 2, 4, 1, 2, 3, 1, 5, 2, 1],
+                     np.int32)
+  return {'x': x, 'len': lengths}, (np.arange(16) % 3).astype(np.int32)
+
+
+@pytest.mark.training
+@pytest.mark.parametrize('run,towers', [
+    (_dynamic_rnn, 2), (_dynamic_rnn, 3), (_bidirectional, 2)])
+def test_dynamic_rnn_bounded_by_the_shards_longest_trains_as_one_device(
+    run, towers):
+  # A batch of 8 splits into shards whose longest sequences differ (5 and
+  # 4 on 2 towers): dynamic_rnn's loop runs to each shard's longest, and
+  # masks every row past its own length.
+  features, labels = _sequences()
+  model_fn = _rnn_model_fn(run)
+  start, one_device = train_in_session(model_fn, features, labels, 1, 8, 3)
+  for _ in range(2):
+    _, actual = train_in_session(model_fn, features, labels, towers, 8, 3,
+                                 start=start)
+    for name, value in one_device.items():
+      np.testing.assert_allclose(actual[name], value, rtol=2e-5, atol=1e-6,
+                                 err_msg=name)
+
+
+@pytest.mark.fast
+def test_a_loop_bounded_by_the_shards_longest_without_masks_is_refused():
+  def model_fn(features, labels, mode):
+    total = _loop_to_the_longest(None, tf.reshape(features['x'], [-1, 5, 1]),
+                                 tf.cast(features['x'][:, 0] % 5,
+                                         tf.int32) + 1)
+    logits = tf1.layers.dense(total, 3)
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    return tf.estimator.EstimatorSpec(
+        mode, loss=loss, train_op=tf1.train.GradientDescentOptimizer(
+            0.1).minimize(loss, tf1.train.get_or_create_global_step()))
+
+  with pytest.raises(ValueError, match=r"a statistic of the shard's rows"):
+    build_replicated(model_fn, 2, static_batch=False)
+
+
+@pytest.mark.fast
+def test_static_rnn_with_lengths_is_refused_with_the_rnn_to_use():
+  # Its tf.cond shortcuts on the shard's shortest and longest lengths are
+  # not followed; the refusal names dynamic_rnn.
+  features, labels = _sequences()
+  with tf.Graph().as_default(), pytest.raises(
+      ValueError, match=r"Max 'rnn/Max'.*static_rnn with sequence_length.*"
+      r'dynamic_rnn'):
+    trainer.replicate_model_fn(_rnn_model_fn(_static_rnn))(
+        {k: tf.constant(v[:6]) for k, v in features.items()},
+        tf.constant(labels[:6]), ModeKeys.TRAIN, {},
+        trainer.make_run_config(cpu_devices=2))

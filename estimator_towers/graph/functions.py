@@ -8,6 +8,9 @@ from typing import List, Optional
 
 import tensorflow as tf
 
+# What a tf.while_loop is in the graph: v2 control flow, or v1's frames.
+LOOPS = frozenset(['While', 'StatelessWhile', 'Enter', 'RefEnter'])
+
 
 def called(node_def) -> List[str]:
   """Names the op of `node_def` may run as functions: its type (a function

@@ -23,12 +23,11 @@ from typing import Any
 
 import tensorflow as tf
 
+from estimator_towers.graph import functions
 from estimator_towers.graph import op_ledger
 from estimator_towers.towers import loss_reduction
 from estimator_towers.towers import sharding
 
-# What a tf.while_loop is in the graph: v2 control flow, or v1's frames.
-_LOOPS = frozenset(['While', 'StatelessWhile', 'Enter', 'RefEnter'])
 # Consumers followed from a mask before giving up (a loop is near it).
 _MAX_WALK = 2000
 
@@ -77,7 +76,7 @@ def _read_by_a_loop(op: tf.Operation, tower: op_ledger.Region) -> bool:
     if current.name in seen or not tower.contains(current):
       continue
     seen.add(current.name)
-    if current.type in _LOOPS:
+    if current.type in functions.LOOPS:
       return True
     pending.extend(consumer for t in current.outputs
                    for consumer in t.consumers())

@@ -38,6 +38,7 @@ from typing import AbstractSet, Dict, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers.graph import functions
 from estimator_towers.graph import reductions
 from estimator_towers.towers import loss_reduction
 
@@ -253,7 +254,8 @@ class Trail:
       if any(inputs) and all(axes or not h for axes, h in zip(inputs, held)):
         return (op, not any(held))
       return None
-    if op.type not in _REDUCTIONS or not inputs[0]:
+    if (op.type not in _REDUCTIONS or not inputs[0] or
+        _bounds_a_masked_rnn(op)):
       return None
     reduced = reductions.reduced_axes(op)
     if reduced is None or not reduced & set(inputs[0]):
@@ -299,6 +301,45 @@ class Trail:
         int(np.reshape(shape, [-1])[0]) == self._rows)
 
 
+def _bounds_a_masked_rnn(op: tf.Operation) -> bool:
+  """Whether `op` is `tf.compat.v1.nn.dynamic_rnn`'s longest (or shortest)
+  sequence length, read only as its loop's bound.
+
+  The loop runs to the batch's longest length (a tower's: its shard's) and,
+  past a row's own length, copies the row's state through and writes zeros
+  as its output: each row's result is the same for any bound at least as
+  long as the row, so the shard's bound gives it one device's.
+  """
+  source = op.inputs[0].op
+  return (op.type in ('Max', 'Min') and source.type == 'Identity' and
+          source.name.rsplit('/', 1)[-1] == 'CheckSeqLen' and
+          _only_bounds_a_loop(op.outputs[0]))
+
+
+def _only_bounds_a_loop(tensor: tf.Tensor, depth: int = 3) -> bool:
+  """Whether `tensor` reaches nothing but loops, through max/min with
+  others (dynamic_rnn's `min(steps, max(1, longest))`)."""
+  for consumer in tensor.consumers():
+    if consumer.type in functions.LOOPS:
+      continue
+    if not (consumer.type in ('Maximum', 'Minimum') and depth and
+            _only_bounds_a_loop(consumer.outputs[0], depth - 1)):
+      return False
+  return True
+
+
+def _decides_a_cond(tensor: tf.Tensor) -> bool:
+  """Whether `tensor`, or a comparison of it, goes into a tf.cond."""
+  for consumer in tensor.consumers():
+    if consumer.type in ('If', 'StatelessIf'):
+      return True
+    if consumer.type in ('LessEqual', 'Less', 'GreaterEqual', 'Greater') and (
+        any(c.type in ('If', 'StatelessIf')
+            for c in consumer.outputs[0].consumers())):
+      return True
+  return False
+
+
 def channel_axis(op: tf.Operation) -> int:
   """The channel axis of a fused batch norm's input (NHWC or NCHW)."""
   rank = op.inputs[0].shape.rank or 4
@@ -317,6 +358,10 @@ def _hint(source: tf.Operation) -> str:
   if 'SequenceMask' in source.name:
     return (" (tf.sequence_mask without maxlen pads to the shard's longest "
             'sequence: pass maxlen)')
+  if source.type in ('Max', 'Min') and _decides_a_cond(source.outputs[0]):
+    return (' (tf.compat.v1.nn.static_rnn with sequence_length branches on '
+            "the shortest and longest lengths: tf.compat.v1.nn.dynamic_rnn, "
+            'which masks each row past its own length, trains on towers)')
   if source.type == 'Size':
     return (' (Keras weighs a masked loss by tf.size / sum(mask): give the '
             "Keras loss reduction='sum' and divide by tf.reduce_sum(mask) "
