@@ -42,6 +42,7 @@ from estimator_towers.towers import random_draws
 from estimator_towers.merge import saved_model_estimator
 from estimator_towers.towers import scoped_collections
 from estimator_towers.towers import sequence_masks
+from estimator_towers.towers import shared_placeholders
 from estimator_towers.towers import sharding
 from estimator_towers.merge import spec_merge
 from estimator_towers.towers import table_sharing
@@ -866,6 +867,8 @@ class _TowerBuilder:
           tower_lib.TowerContext(0, 1, device)))
       stack.enter_context(graph.name_scope(_ONE_DEVICE_SCOPE))
       stack.enter_context(scoped_collections.tower(_ONE_DEVICE_SCOPE))
+      stack.enter_context(shared_placeholders.tower(
+          _ONE_DEVICE_SCOPE, self._towers.region(0)))
       stack.enter_context(self._towers.tower(index))
       stack.enter_context(regularization_losses.tower(
           index, self._towers, scope=_ONE_DEVICE_SCOPE))
@@ -1008,6 +1011,8 @@ class _TowerBuilder:
       if name_scope:
         stack.enter_context(graph.name_scope(name_scope))
       stack.enter_context(scoped_collections.tower(name_scope))
+      stack.enter_context(shared_placeholders.tower(
+          name_scope, self._towers.region(0)))
       stack.enter_context(regularization_losses.tower(index, self._towers))
       stack.enter_context(graph.device(_placer(
           index, device, self._strategy, lambda: update.applying)))

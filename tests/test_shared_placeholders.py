@@ -1,0 +1,70 @@
+"""A placeholder the model_fn makes, fed by a hook, reaches every tower.
+
+A later tower made its own copy (`tower_1/lr`), which the hook feeding
+'lr:0' did not feed: every step failed (shared_placeholders).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import helpers
+from helpers import seeded
+
+tf1 = tf.compat.v1
+
+_X = (np.arange(72, dtype=np.float32).reshape(24, 3) % 7) - 3
+_Y = np.arange(24, dtype=np.float32) % 5
+
+
+def _model_fn(features, labels, mode):
+  """A regression whose Momentum learning rate is a placeholder."""
+  net = tf1.layers.dense(features['x'], 4, kernel_initializer=seeded(1))
+  out = tf1.layers.dense(net, 1, kernel_initializer=seeded(2))[:, 0]
+  loss = tf.reduce_mean(tf.square(out - labels))
+  learning_rate = tf1.placeholder(tf.float32, [], name='lr')
+  train_op = tf1.train.MomentumOptimizer(learning_rate, 0.9).minimize(
+      loss, tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+class _FeedLearningRate(tf1.train.SessionRunHook):
+  """Feeds 'lr:0' by name, a smaller rate every step."""
+
+  def __init__(self):
+    self._step = 0
+
+  def before_run(self, run_context):
+    del run_context
+    self._step += 1
+    rate = tf1.get_default_graph().get_tensor_by_name('lr:0')
+    return tf1.train.SessionRunArgs(None, feed_dict={rate: 0.1 / self._step})
+
+
+def _input_fn():
+  return tf.data.Dataset.from_tensor_slices(({'x': _X}, _Y)).batch(9)
+
+
+@pytest.mark.training
+@pytest.mark.parametrize('towers,kwargs', [
+    (2, {}), (3, {}), (2, {'aggregation': 'all_reduce'}),
+    (2, {'micro_batches': 2})])
+def test_a_placeholder_fed_by_a_hook_trains_as_one_device(tmp_path, towers,
+                                                          kwargs):
+  one = helpers.make_estimator(_model_fn, tmp_path / 'one', 1)
+  one.train(_input_fn, steps=3, hooks=[_FeedLearningRate()])
+  expected = helpers.variables_of(one)
+  for run in range(2):
+    replicated = helpers.make_estimator(_model_fn, tmp_path / str(run),
+                                        towers, **kwargs)
+    replicated.train(_input_fn, steps=3, hooks=[_FeedLearningRate()])
+    helpers.assert_same_variables(expected,
+                                  helpers.variables_of(replicated), rtol=2e-5)
+
+
+@pytest.mark.training
+def test_an_unfed_placeholder_fails_naming_the_one_devices(tmp_path):
+  replicated = helpers.make_estimator(_model_fn, tmp_path, 2)
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match=r"placeholder tensor 'lr'"):
+    replicated.train(_input_fn, steps=1)
