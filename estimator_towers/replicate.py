@@ -635,7 +635,7 @@ class _TowerBuilder:
                  table_sharing.TableSharing(split.sizes), statistics, moments,
                  whole_batch.TowerRows(self._devices, split.sizes,
                                        self._strategy, self._rows_refusal()),
-                 own_collections.OwnCollections())
+                 own_collections.OwnCollections(self._path.primary_of))
 
   def _rows_refusal(self) -> Optional[str]:
     """Why `whole_batch` cannot exchange rows between these towers."""

@@ -72,7 +72,21 @@ def _filed_once_model_fn(features, labels, mode):
       labels, logits, weights=weights), mode)
 
 
+def _filed_at_creation_model_fn(features, labels, mode):
+  """A penalty over the variables get_variable filed when it made them:
+  a later tower reuses them and files nothing."""
+  hidden = tf1.get_variable(
+      'w', [5, 4], initializer=seeded(3),
+      collections=[tf1.GraphKeys.GLOBAL_VARIABLES,
+                   tf1.GraphKeys.TRAINABLE_VARIABLES, 'my_vars'])
+  _, cross_entropy = _classifier({'x': tf.matmul(features['x'], hidden)},
+                                 labels)
+  penalty = tf.add_n([tf.nn.l2_loss(v) for v in tf1.get_collection('my_vars')])
+  return _trained(cross_entropy + 0.05 * penalty, mode)
+
+
 _MODEL_FNS = {
+    'penalty_over_variables_filed_at_creation': _filed_at_creation_model_fn,
     'loss_from_collection': _collected_loss_model_fn,
     'penalty_over_filed_weights': _filed_weights_model_fn('my_weights'),
     'penalty_over_graphkeys_weights': _filed_weights_model_fn(

@@ -38,6 +38,10 @@ class ReplicaPath:
     """`name` without tower `tower`'s copy prefix (see Replicas)."""
     return self._replicas.primary_name(name, tower)
 
+  def primary_of(self, variable):
+    """The primary a tower's copy stands for (`variable` if none)."""
+    return self._replicas.primary_of(variable)
+
   def on_tower_devices(self, fn: Callable[[int], Any]) -> List[Any]:
     """[fn(i) built on tower i's device for every tower i]."""
     return self._replicas.on_tower_devices(fn)

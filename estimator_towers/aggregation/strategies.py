@@ -162,6 +162,10 @@ class SharedVariables:
     del tower
     return name
 
+  def primary_of(self, variable):
+    """`variable`: every tower uses the primaries."""
+    return variable
+
   def weighted_terms(self, weights, losses: List[tf.Tensor]
                      ) -> List[tf.Tensor]:
     """The towers' weighted losses, under the current device.

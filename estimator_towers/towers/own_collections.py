@@ -17,7 +17,11 @@ see first_step_check), each collection shows the entries made before tower
 point. On exit the collection holds every earlier tower's entries again,
 then this tower's that it does not hold yet (a shared variable is filed
 once, as on one device: the v1 feature columns' shared embeddings require
-one entry); the copy's are dropped.
+one entry); the copy's are dropped. Variables are the exception: every
+tower shares tower 0's, which a later tower reuses without filing them
+again (`get_variable(..., collections=['my_vars'])` files a variable when
+it is made), so tower 0's stay in view, and a later tower filing one of
+them again files nothing, as one device files it once.
 
 Left as they are: the collections with a per-tower view of their own
 (`OWN_VIEWS`: losses, update ops and summaries in replicate, regularization
@@ -28,10 +32,12 @@ are not strings (get_variable's store).
 """
 
 import contextlib
-from typing import Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import tensorflow as tf
+from tensorflow.python.ops import variables as variables_lib  # pylint: disable=g-direct-tensorflow-import
 
+from estimator_towers.graph import patching
 from estimator_towers.towers import variable_views
 
 tf1 = tf.compat.v1
@@ -59,7 +65,12 @@ class OwnCollections:
   """Shows each tower of one model_fn call only its own collection entries
   (module docstring)."""
 
-  def __init__(self):
+  def __init__(self, primary_of: Callable[[Any], Any] = lambda v: v):
+    """Args:
+      primary_of: The variable a tower's copy stands for (all_reduce's
+        copies: see replica_path), the variable itself if none.
+    """
+    self._primary_of = primary_of
     # How many entries each viewed collection held when tower 0 started.
     self._before: Optional[Dict[str, int]] = None
 
@@ -81,22 +92,59 @@ class OwnCollections:
       self._before = {key: len(graph.get_collection(key))
                       for key in _viewed_keys(graph)}
     # Collections only grow: entries past the count are the towers'.
-    earlier = {}
+    earlier, shown = {}, {}
     for key in _viewed_keys(graph):
       ref = graph.get_collection_ref(key)
       count = self._before.get(key, 0)
       earlier[key] = ref[count:]
-      del ref[count:]
+      ref[count:] = [item for item in earlier[key] if _is_variable(item)]
+      shown[key] = list(ref[count:])
     try:
-      yield
+      with _refiling_skipped(graph, shown, self._primary_of):
+        yield
     finally:
       for key in _viewed_keys(graph):
         ref = graph.get_collection_ref(key)
-        count = self._before.get(key, 0)
-        own = ref[count:] if keep else []
+        mine = self._before.get(key, 0) + len(shown.get(key, []))
+        own = ref[mine:] if keep else []
         filed = {id(item) for item in earlier.get(key, [])}
-        ref[count:] = earlier.get(key, []) + [
+        ref[self._before.get(key, 0):] = earlier.get(key, []) + [
             item for item in own if id(item) not in filed]
+
+
+@contextlib.contextmanager
+def _refiling_skipped(graph: tf.Graph, shown: Dict[str, List],
+                      primary_of: Callable[[Any], Any]) -> Iterator[None]:
+  """Inside, filing a variable `shown` in a collection (or a tower's copy
+  of one) files nothing: the tower reuses tower 0's variable and files it
+  as tower 0 did. A copy takes its primary's place in the tower's view."""
+  if not any(shown.values()):
+    yield
+    return
+  original = tf.Graph.add_to_collection
+
+  def add_to_collection(owner, name, value):
+    items = shown.get(name, ())
+    primary = primary_of(value) if _is_variable(value) else value
+    place = next((i for i, item in enumerate(items) if item is primary),
+                 None)
+    if place is None:
+      original(owner, name, value)
+      return
+    if value is not primary:
+      ref = graph.get_collection_ref(name)
+      ref[ref.index(items[place])] = value
+      items[place] = value
+
+  with patching.Patcher() as patcher:
+    patcher.set(tf.Graph, 'add_to_collection',
+                patcher.guard(add_to_collection, original))
+    yield
+
+
+def _is_variable(item) -> bool:
+  return isinstance(item, (tf.Variable, variables_lib.PartitionedVariable))
+
 
 def _viewed_keys(graph: tf.Graph) -> List[str]:
   return [key for key in graph.get_all_collection_keys() if viewed(key)]
