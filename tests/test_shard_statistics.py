@@ -297,3 +297,26 @@ def test_static_rnn_with_lengths_is_refused_with_the_rnn_to_use():
         {k: tf.constant(v[:6]) for k, v in features.items()},
         tf.constant(labels[:6]), ModeKeys.TRAIN, {},
         trainer.make_run_config(cpu_devices=2))
+
+
+@pytest.mark.fast
+def test_a_loop_dividing_by_a_max_named_like_dynamic_rnns_is_refused():
+  # Named as dynamic_rnn names its checked lengths, but not its structure:
+  # the body divides every row by the shard's longest length.
+  def model_fn(features, labels, mode):
+    x = tf.reshape(features['x'], [-1, 5, 1])
+    lengths = tf.cast(features['x'][:, 0] % 5, tf.int32) + 1
+    longest = tf.reduce_max(tf.identity(lengths, name='CheckSeqLen'))
+    _, total = tf.while_loop(
+        lambda t, s: t < 5,
+        lambda t, s: (t + 1, s + x[:, t] / tf.cast(longest, tf.float32)),
+        [tf.constant(0), tf.zeros_like(x[:, 0])])
+    logits = tf1.layers.dense(total, 3)
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    return tf.estimator.EstimatorSpec(
+        mode, loss=loss, train_op=tf1.train.GradientDescentOptimizer(
+            0.1).minimize(loss, tf1.train.get_or_create_global_step()))
+
+  with pytest.raises(ValueError, match=r"Max 'Max', a statistic of the "
+                     r"shard's rows"):
+    build_replicated(model_fn, 2, static_batch=False, micro_batches=2)

@@ -308,22 +308,41 @@ def _bounds_a_masked_rnn(op: tf.Operation) -> bool:
   The loop runs to the batch's longest length (a tower's: its shard's) and,
   past a row's own length, copies the row's state through and writes zeros
   as its output: each row's result is the same for any bound at least as
-  long as the row, so the shard's bound gives it one device's.
+  long as the row, so the shard's bound gives it one device's. Known by
+  dynamic_rnn's structure: `<scope>/sequence_length` checked as
+  `<scope>/CheckSeqLen`, which its loop `<scope>/while` reads itself (to
+  mask the rows), and the bound read by that loop alone.
   """
-  source = op.inputs[0].op
-  return (op.type in ('Max', 'Min') and source.type == 'Identity' and
-          source.name.rsplit('/', 1)[-1] == 'CheckSeqLen' and
-          _only_bounds_a_loop(op.outputs[0]))
+  checked = op.inputs[0].op
+  scope, _, name = checked.name.rpartition('/')
+  if op.type not in ('Max', 'Min') or checked.type != 'Identity' or (
+      name != 'CheckSeqLen'):
+    return False
+  lengths = checked.inputs[0].op
+  loop = f'{scope}/while' if scope else 'while'
+  if lengths.type != 'Identity' or lengths.name != (
+      f'{scope}/sequence_length' if scope else 'sequence_length'):
+    return False
+  if not any(c.type in functions.LOOPS and _frame_of(c) == loop
+             for c in checked.outputs[0].consumers()):
+    return False
+  return _only_bounds_a_loop(op.outputs[0], loop)
 
 
-def _only_bounds_a_loop(tensor: tf.Tensor, depth: int = 3) -> bool:
-  """Whether `tensor` reaches nothing but loops, through max/min with
-  others (dynamic_rnn's `min(steps, max(1, longest))`)."""
+def _frame_of(op: tf.Operation) -> str:
+  """The loop `op` is (v2) or enters (v1: `<loop>/Enter...`)."""
+  return op.name if op.type in ('While', 'StatelessWhile') else (
+      op.name.rsplit('/', 1)[0])
+
+
+def _only_bounds_a_loop(tensor: tf.Tensor, loop: str, depth: int = 3) -> bool:
+  """Whether `tensor` reaches nothing but the loop named `loop`, through
+  max/min with others (dynamic_rnn's `min(steps, max(1, longest))`)."""
   for consumer in tensor.consumers():
-    if consumer.type in functions.LOOPS:
+    if consumer.type in functions.LOOPS and _frame_of(consumer) == loop:
       continue
     if not (consumer.type in ('Maximum', 'Minimum') and depth and
-            _only_bounds_a_loop(consumer.outputs[0], depth - 1)):
+            _only_bounds_a_loop(consumer.outputs[0], loop, depth - 1)):
       return False
   return True
 
