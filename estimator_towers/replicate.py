@@ -631,11 +631,13 @@ class _TowerBuilder:
             self._devices, split.sizes, self._task_group, self._strategy)
       statistics = moving_statistics.MovingStatistics(
           num_towers, split.sizes, self._task_group, moments)
+    collections = own_collections.OwnCollections(self._path.primary_of)
+    self._sharing.on_reached(collections.reached)
     return _Step(split, weights, update,
                  table_sharing.TableSharing(split.sizes), statistics, moments,
                  whole_batch.TowerRows(self._devices, split.sizes,
                                        self._strategy, self._rows_refusal()),
-                 own_collections.OwnCollections(self._path.primary_of))
+                 collections)
 
   def _rows_refusal(self) -> Optional[str]:
     """Why `whole_batch` cannot exchange rows between these towers."""

@@ -85,7 +85,19 @@ def _filed_at_creation_model_fn(features, labels, mode):
   return _trained(cross_entropy + 0.05 * penalty, mode)
 
 
+def _variable_made_once_model_fn(features, labels, mode):
+  """A scale variable made by the first call that finds the collection
+  empty: on one device, before its own reads."""
+  if not tf1.get_collection('scale'):
+    tf1.add_to_collection('scale', tf.Variable(1.5, name='scale'))
+  logits, _ = _classifier(features, labels)
+  scaled = logits * tf1.get_collection('scale')[0]
+  return _trained(tf1.losses.sparse_softmax_cross_entropy(labels, scaled),
+                  mode)
+
+
 _MODEL_FNS = {
+    'variable_made_once_if_missing': _variable_made_once_model_fn,
     'penalty_over_variables_filed_at_creation': _filed_at_creation_model_fn,
     'loss_from_collection': _collected_loss_model_fn,
     'penalty_over_filed_weights': _filed_weights_model_fn('my_weights'),

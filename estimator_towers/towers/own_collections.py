@@ -20,8 +20,9 @@ once, as on one device: the v1 feature columns' shared embeddings require
 one entry); the copy's are dropped. Variables are the exception: every
 tower shares tower 0's, which a later tower reuses without filing them
 again (`get_variable(..., collections=['my_vars'])` files a variable when
-it is made), so tower 0's stay in view, and a later tower filing one of
-them again files nothing, as one device files it once.
+it is made), so each of tower 0's enters a later tower's view when the
+tower asks for it (where one device makes and files it: `reached`), and a
+later tower filing one again files nothing, as one device files it once.
 
 Left as they are: the collections with a per-tower view of their own
 (`OWN_VIEWS`: losses, update ops and summaries in replicate, regularization
@@ -63,16 +64,21 @@ def viewed(key) -> bool:
 
 class OwnCollections:
   """Shows each tower of one model_fn call only its own collection entries
-  (module docstring)."""
+  (module docstring).
+
+  Args:
+    primary_of: The variable a tower's copy stands for (all_reduce's
+      copies: see replica_path), the variable itself if none.
+  """
 
   def __init__(self, primary_of: Callable[[Any], Any] = lambda v: v):
-    """Args:
-      primary_of: The variable a tower's copy stands for (all_reduce's
-        copies: see replica_path), the variable itself if none.
-    """
     self._primary_of = primary_of
     # How many entries each viewed collection held when tower 0 started.
     self._before: Optional[Dict[str, int]] = None
+    # While a later tower builds, per collection: tower 0's variables not
+    # reached yet, and the ones in the tower's view.
+    self._pending: Optional[Dict[str, List]] = None
+    self._shown: Dict[str, List] = {}
 
   @contextlib.contextmanager
   def tower(self, index: int, keep: bool = True) -> Iterator[None]:
@@ -92,54 +98,77 @@ class OwnCollections:
       self._before = {key: len(graph.get_collection(key))
                       for key in _viewed_keys(graph)}
     # Collections only grow: entries past the count are the towers'.
-    earlier, shown = {}, {}
+    earlier = {}
+    self._pending, self._shown = {}, {}
     for key in _viewed_keys(graph):
       ref = graph.get_collection_ref(key)
       count = self._before.get(key, 0)
       earlier[key] = ref[count:]
-      ref[count:] = [item for item in earlier[key] if _is_variable(item)]
-      shown[key] = list(ref[count:])
+      del ref[count:]
+      self._pending[key] = [v for v in earlier[key] if _is_variable(v)]
+      self._shown[key] = []
     try:
-      with _refiling_skipped(graph, shown, self._primary_of):
+      with self._filing_watched(graph):
         yield
     finally:
       for key in _viewed_keys(graph):
         ref = graph.get_collection_ref(key)
-        mine = self._before.get(key, 0) + len(shown.get(key, []))
-        own = ref[mine:] if keep else []
+        count = self._before.get(key, 0)
+        shown = {id(item) for item in self._shown.get(key, [])}
+        own = [item for item in ref[count:]
+               if id(item) not in shown] if keep else []
         filed = {id(item) for item in earlier.get(key, [])}
-        ref[self._before.get(key, 0):] = earlier.get(key, []) + [
+        ref[count:] = earlier.get(key, []) + [
             item for item in own if id(item) not in filed]
+      self._pending, self._shown = None, {}
 
+  def reached(self, variable) -> None:
+    """A later tower asked for tower 0's `variable`: it enters the tower's
+    view of each collection tower 0 filed it in, as one device files it
+    when it makes it.
 
-@contextlib.contextmanager
-def _refiling_skipped(graph: tf.Graph, shown: Dict[str, List],
-                      primary_of: Callable[[Any], Any]) -> Iterator[None]:
-  """Inside, filing a variable `shown` in a collection (or a tower's copy
-  of one) files nothing: the tower reuses tower 0's variable and files it
-  as tower 0 did. A copy takes its primary's place in the tower's view."""
-  if not any(shown.values()):
-    yield
-    return
-  original = tf.Graph.add_to_collection
-
-  def add_to_collection(owner, name, value):
-    items = shown.get(name, ())
-    primary = primary_of(value) if _is_variable(value) else value
-    place = next((i for i, item in enumerate(items) if item is primary),
-                 None)
-    if place is None:
-      original(owner, name, value)
+    Args:
+      variable: A variable, or a partitioned one (its parts count too).
+    """
+    if not self._pending:
       return
-    if value is not primary:
-      ref = graph.get_collection_ref(name)
-      ref[ref.index(items[place])] = value
-      items[place] = value
+    ids = {id(variable)}
+    if isinstance(variable, variables_lib.PartitionedVariable):
+      ids.update(id(part) for part in variable)
+    graph = tf1.get_default_graph()
+    for key, pending in self._pending.items():
+      for item in [v for v in pending if id(v) in ids]:
+        pending.remove(item)
+        self._shown[key].append(item)
+        graph.get_collection_ref(key).append(item)
 
-  with patching.Patcher() as patcher:
-    patcher.set(tf.Graph, 'add_to_collection',
-                patcher.guard(add_to_collection, original))
-    yield
+  @contextlib.contextmanager
+  def _filing_watched(self, graph: tf.Graph) -> Iterator[None]:
+    """Inside, filing tower 0's variable (or the tower's copy of one) files
+    it once: a copy takes its primary's place in the tower's view."""
+    if not any(self._pending.values()):
+      yield
+      return
+    original = tf.Graph.add_to_collection
+
+    def add_to_collection(owner, name, value):
+      primary = self._primary_of(value) if _is_variable(value) else value
+      self.reached(primary)
+      shown = self._shown.get(name, [])
+      place = next((i for i, item in enumerate(shown)
+                    if self._primary_of(item) is primary), None)
+      if place is None:
+        original(owner, name, value)
+      elif shown[place] is not value:
+        ref = graph.get_collection_ref(name)
+        ref[next(i for i, item in enumerate(ref)
+                 if item is shown[place])] = value
+        shown[place] = value
+
+    with patching.Patcher() as patcher:
+      patcher.set(tf.Graph, 'add_to_collection',
+                  patcher.guard(add_to_collection, original))
+      yield
 
 
 def _is_variable(item) -> bool:

@@ -35,7 +35,7 @@ tower's copy, `tower_1_replica/w/ExponentialMovingAverage`) is the one tower
 
 import contextlib
 import threading
-from typing import Dict, Iterable, Iterator, List
+from typing import Any, Callable, Dict, Iterable, Iterator, List
 import weakref
 
 from keras.src import backend as keras_backend
@@ -74,10 +74,21 @@ class VariableSharing:
     self._local = threading.local()
     # What a later tower reads from the variable collections.
     self._views = variable_views.VariableViews()
+    # More views told when a later tower reuses a variable (own_collections).
+    self._listeners: List[Callable[[Any], None]] = []
     # The aggregation strategy's gradient path (the builder sets it):
     # `tower_variable` (primary, tower index) -> what that tower uses,
     # `primary_name`; all_reduce's replica_path.ReplicaPath hands out copies.
     self.copies = None
+
+  def on_reached(self, listener: Callable[[Any], None]) -> None:
+    """Tells `listener` of every tower-0 variable a later tower reuses."""
+    self._listeners.append(listener)
+
+  def _reached(self, variable) -> None:
+    self._views.reached(variable)
+    for listener in self._listeners:
+      listener(variable)
 
   def _for_tower(self, variable, index: int):
     if self.copies is None or not index:
@@ -110,7 +121,7 @@ class VariableSharing:
     if not index:
       self._named.add(name)
     elif not unshared:
-      self._views.reached(variable)
+      self._reached(variable)
     if self._get_variable_depth or unshared:
       return variable
     return self._for_tower(variable, index)
@@ -212,7 +223,7 @@ class VariableSharing:
       self._local.cursor = cursor + 1
       variable = self._created[cursor]
       _check_same_kind(index, name, kwargs, variable)
-      self._views.reached(variable)
+      self._reached(variable)
       return self._for_tower(variable, index)
 
     return reuse
