@@ -68,10 +68,6 @@ _VARIABLE_OPS = frozenset([
     'MutableHashTable', 'MutableHashTableV2', 'MutableHashTableOfTensors',
     'MutableHashTableOfTensorsV2', 'MutableDenseHashTable',
     'MutableDenseHashTableV2'])
-# Collections whose entries each tower must see only for itself: a tower's
-# `tf.compat.v1.losses.get_total_loss()` must not add up earlier towers.
-_PER_TOWER_COLLECTIONS = (tf1.GraphKeys.LOSSES, tf1.GraphKeys.UPDATE_OPS,
-                          tf1.GraphKeys.SUMMARIES)
 _LOSS_REDUCTIONS = ('auto', 'mean', 'sum')
 # The name scope of the model_fn's copy on the whole batch (prediction_audit,
 # first_step_check).
@@ -881,9 +877,9 @@ class _TowerBuilder:
       stack.enter_context(self._sharing.tower(1))
       stack.enter_context(step.tables.tower(1))
       losses = stack.enter_context(first_step_check.discarding_updates())
-      stack.enter_context(_per_tower_collections(graph, index, keep=False))
+      stack.enter_context(own_collections.per_tower(graph, index, keep=False))
       stack.enter_context(step.collections.tower(index, keep=False))
-      stack.enter_context(_additions_dropped(
+      stack.enter_context(own_collections.additions_dropped(
           graph, tf1.GraphKeys.REGULARIZATION_LOSSES))
       spec = self._model_fn(features=features, **one_kwargs)
     if tpu_spec.is_tpu_spec(spec):
@@ -1026,7 +1022,7 @@ class _TowerBuilder:
       if step.statistics is not None:
         stack.enter_context(step.statistics.tower(index))
       stack.enter_context(step.rows.tower(index))
-      added = stack.enter_context(_per_tower_collections(graph, index))
+      added = stack.enter_context(own_collections.per_tower(graph, index))
       stack.enter_context(step.collections.tower(index))
       # As the Estimator calls it: features by keyword, so that any order
       # of the arguments works.
@@ -1111,41 +1107,6 @@ def _read_device(op: tf.Operation) -> str:
     if tensor.op.type in _VARIABLE_OPS:
       return tensor.op.device
   return ''
-
-
-@contextlib.contextmanager
-def _per_tower_collections(graph, index, keep: bool = True):
-  """Shows each tower only its own losses, update ops and summaries (the
-  model_fn's other collections: own_collections).
-
-  Yields a dict that, on exit, holds what the tower added to each collection.
-  Afterwards the collections hold every tower's entries again, except that
-  summaries of towers after the first are dropped: TensorBoard shows tower 0.
-  With `keep` False, nothing the tower added is kept.
-  """
-  saved = {key: list(graph.get_collection(key)) for key in _PER_TOWER_COLLECTIONS}
-  for key in _PER_TOWER_COLLECTIONS:
-    del graph.get_collection_ref(key)[:]
-  added = {}
-  try:
-    yield added
-  finally:
-    for key in _PER_TOWER_COLLECTIONS:
-      ref = graph.get_collection_ref(key)
-      added[key] = list(ref)
-      kept = added[key] if keep and (
-          index == 0 or key != tf1.GraphKeys.SUMMARIES) else []
-      ref[:] = saved[key] + kept
-
-
-@contextlib.contextmanager
-def _additions_dropped(graph, key):
-  """Drops what is added to the collection `key` inside."""
-  before = list(graph.get_collection(key))
-  try:
-    yield
-  finally:
-    graph.get_collection_ref(key)[:] = before
 
 
 def _canonical_devices(devices) -> List[str]:

@@ -24,9 +24,13 @@ it is made), so each of tower 0's enters a later tower's view when the
 tower asks for it (where one device makes and files it: `reached`), and a
 later tower filing one again files nothing, as one device files it once.
 
-Left as they are: the collections with a per-tower view of their own
-(`OWN_VIEWS`: losses, update ops and summaries in replicate, regularization
-losses, the variable collections in variable_views), TensorFlow's records
+`per_tower` gives the losses, update ops and summaries their stricter view:
+a tower sees only its own (`tf.compat.v1.losses.get_total_loss()` must not
+add up earlier towers), and the caller gets what each tower added.
+
+Left as they are by `OwnCollections`: the collections with a per-tower view
+of their own (`OWN_VIEWS`: `PER_TOWER`, regularization losses, the variable
+collections in variable_views), TensorFlow's records
 of state every tower shares (`SHARED`: the global step, local and metric
 variables, tables, savers, resources, control-flow contexts), and keys that
 are not strings (get_variable's store).
@@ -43,8 +47,9 @@ from estimator_towers.towers import variable_views
 
 tf1 = tf.compat.v1
 _Keys = tf1.GraphKeys
-OWN_VIEWS = frozenset([_Keys.LOSSES, _Keys.UPDATE_OPS, _Keys.SUMMARIES,
-                       _Keys.REGULARIZATION_LOSSES, *variable_views.KEYS])
+PER_TOWER = (_Keys.LOSSES, _Keys.UPDATE_OPS, _Keys.SUMMARIES)
+OWN_VIEWS = frozenset([*PER_TOWER, _Keys.REGULARIZATION_LOSSES,
+                       *variable_views.KEYS])
 SHARED = frozenset([
     _Keys.GLOBAL_STEP, _Keys.EVAL_STEP, _Keys.LOCAL_VARIABLES,
     _Keys.METRIC_VARIABLES, _Keys.TRAINABLE_RESOURCE_VARIABLES,
@@ -60,6 +65,48 @@ SHARED = frozenset([
 def viewed(key) -> bool:
   """Whether a later tower sees only its own entries of collection `key`."""
   return isinstance(key, str) and key not in OWN_VIEWS and key not in SHARED
+
+
+@contextlib.contextmanager
+def per_tower(graph: tf.Graph, index: int,
+              keep: bool = True) -> Iterator[Dict[str, List]]:
+  """Shows the tower only its own entries of the `PER_TOWER` collections.
+
+  Args:
+    graph: The towers' graph.
+    index: The tower index.
+    keep: Whether the tower's entries stay in the collections afterwards
+      (False for the model_fn's copy on the whole batch).
+
+  Yields:
+    A dict that, on exit, holds what the tower added to each collection.
+    Afterwards the collections hold every tower's entries again, except
+    that summaries of towers after the first are dropped: TensorBoard shows
+    tower 0.
+  """
+  saved = {key: list(graph.get_collection(key)) for key in PER_TOWER}
+  for key in PER_TOWER:
+    del graph.get_collection_ref(key)[:]
+  added = {}
+  try:
+    yield added
+  finally:
+    for key in PER_TOWER:
+      ref = graph.get_collection_ref(key)
+      added[key] = list(ref)
+      kept = added[key] if keep and (
+          index == 0 or key != _Keys.SUMMARIES) else []
+      ref[:] = saved[key] + kept
+
+
+@contextlib.contextmanager
+def additions_dropped(graph: tf.Graph, key: str) -> Iterator[None]:
+  """Drops what is added to the collection `key` inside."""
+  before = list(graph.get_collection(key))
+  try:
+    yield
+  finally:
+    graph.get_collection_ref(key)[:] = before
 
 
 class OwnCollections:
