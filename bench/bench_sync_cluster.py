@@ -7,15 +7,17 @@ Ways to train the same model (a 5000x32 embedding and a 2x256 DNN, Adam) on
 the same global batch per step, every process in ONE network namespace of
 its own (`unshare --net`, loopback only):
 
-  sync      chief + 1 worker, 2 virtual CPU towers each,
+  sync      chief + 1 worker (--workers=N: N workers), 2 virtual CPU
+            towers each,
             replicate_model_fn(aggregation='all_reduce'), train_and_evaluate
   async_ps  chief + 1 worker + 1 ps, 2 towers each, aggregation='global_loss';
             each worker's batch is half the global batch, so each task does
             per step the work it does in `sync`
-  one       one process, 4 towers (all_reduce), no cluster
+  one       one process, 2 towers per task of `sync` (4; 6 with
+            --workers=2), all_reduce, no cluster
   mwms      Estimator + RunConfig(train_distribute=
             tf.distribute.experimental.MultiWorkerMirroredStrategy()),
-            TF_CONFIG chief + worker, one replica (CPU:0) per task
+            TF_CONFIG chief + worker(s), one replica (CPU:0) per task
   sync_1tower  as `sync` with 1 tower per task: the same layout as `mwms`
             (not in --quick)
   mwms_shared  `mwms` with each task's thread pools sized as `sync`'s
@@ -52,6 +54,10 @@ step `skip` is reached and closes it `steps` global batches later. In it:
   total is printed as a cross-check;
 * the CPU other processes of the machine used meanwhile (/proc/stat minus
   the benchmark's own processes, those owning sockets), in cores;
+* the CPU the configuration's own processes used (`own cores`: below the
+  machine's cores when tasks wait for each other with cores idle), and
+  examples per second of that CPU against `one`'s (`ex/cpu-s vs one`:
+  the work each example costs, whatever the waits);
 * the chief's thread count when the window closes.
 The chief's model_fn also reports how many replicas were in sync and how
 many rows each saw, a check of the batch split. All tasks are killed as
@@ -259,6 +265,7 @@ def _window(first, last, global_steps):
       'seconds': seconds, 'global_steps': global_steps, 'sent_by_pid': sent,
       'lo_bytes': last['lo'] - first['lo'], 'built': dict(_BUILT),
       'threads': _threads(),
+      'own_cores': (last['our_cpu'] - first['our_cpu']) / seconds,
       'other_cores': ((last['machine_cpu'] - first['machine_cpu']) -
                       (last['our_cpu'] - first['our_cpu'])) / seconds}
 
@@ -359,11 +366,11 @@ def run_task(spec):
 # The driver (inside the namespace).
 
 
-def _tasks_of(name):
+def _tasks_of(name, workers=1):
   """[(job, index)] of a configuration; job None for the one process."""
   if name == 'one':
     return [(None, 0)]
-  tasks = [('chief', 0), ('worker', 0)]
+  tasks = [('chief', 0)] + [('worker', i) for i in range(workers)]
   return tasks + [('ps', 0)] if name.startswith('async') else tasks
 
 
@@ -392,7 +399,7 @@ def _tail(path, lines=15):
 
 def run_config(name, args, work_dir):
   """Runs one configuration until its window closes; its figures."""
-  tasks = _tasks_of(name)
+  tasks = _tasks_of(name, args.workers)
   cluster = {}
   for job, _ in tasks:
     if job:
@@ -402,7 +409,8 @@ def run_config(name, args, work_dir):
   # Per task: the global batch split over the training tasks; async_ps
   # then counts one worker's batch per global step.
   batch = args.global_batch // training
-  towers = {'one': 4, 'mwms': 1, 'mwms_shared': 1,
+  # `one` has as many towers as the tasks of `sync` together.
+  towers = {'one': 2 * (args.workers + 1), 'mwms': 1, 'mwms_shared': 1,
             'sync_1tower': 1}.get(name, 2)
   # As trainer.cluster starts tasks on one machine: each its share.
   # (0, 0): TensorFlow's choice.
@@ -475,6 +483,11 @@ def _summarise(window, roles, per_update, tasks_per_update):
       'ps_sent_per_step': sent['ps'] / steps,
       'lo_per_step': window['lo_bytes'] / steps,
       'other_cores': window['other_cores'],
+      'own_cores': window['own_cores'],
+      # Examples per second of CPU the configuration's own processes used:
+      # what it would reach if idle cores were no bottleneck.
+      'examples_per_cpu_sec': steps * per_update / window['seconds'] / max(
+          window['own_cores'], 1e-9),
       'seconds': window['seconds'], 'built': window['built'],
       'threads': window['threads']}
 
@@ -625,8 +638,11 @@ def _print_table(results, global_batch):
         'KB = 1000 bytes')
   print(f'{"config":>23} {"examples/s":>11} {"vs one":>7} '
         f'{"KB sent/task-step":>18} {"ps KB sent/step":>16} '
-        f'{"lo KB/step":>11} {"others cores":>14}')
+        f'{"lo KB/step":>11} {"others cores":>14} {"own cores":>10} '
+        f'{"ex/cpu-s vs one":>16}')
   one = statistics.median(r['examples_per_sec'] for r in results['one'])
+  one_cpu = statistics.median(r['examples_per_cpu_sec']
+                              for r in results['one'])
   for name in CONFIGS:
     if not results.get(name):
       continue
@@ -636,7 +652,8 @@ def _print_table(results, global_batch):
           f'{median("sent_per_task_step") / 1e3:>18.1f} '
           f'{median("ps_sent_per_step") / 1e3:>16.1f} '
           f'{median("lo_per_step") / 1e3:>11.1f} '
-          f'{median("other_cores"):>14.2f}')
+          f'{median("other_cores"):>14.2f} {median("own_cores"):>10.2f} '
+          f'{median("examples_per_cpu_sec") / one_cpu:>16.2f}')
 
 
 def _print_packing(packing, timeout):
@@ -672,6 +689,7 @@ def benchmark(args):
         print(f'round {round_index + 1}: {name:>11}: '
               f'{row["examples_per_sec"]:.0f} examples/s, '
               f'{row["sent_per_task_step"] / 1e3:.1f} KB sent/task-step, '
+              f'own processes used {row["own_cores"]:.2f} cores, '
               f'others used {row["other_cores"]:.2f} cores; chief\'s '
               f'model_fn: {row["built"]["replicas_in_sync"]} replica(s) in '
               f'sync, {row["built"]["rows_per_replica"]} rows each, '
@@ -715,6 +733,9 @@ def main(argv):
                       help='Global batches timed per run.')
   parser.add_argument('--skip', type=int, default=40,
                       help='Global batches before the window opens.')
+  parser.add_argument('--workers', type=int, default=1,
+                      help='Workers beside the chief in every cluster '
+                      'configuration (`one` then has 2 towers per task).')
   parser.add_argument('--global-batch', type=int, default=256)
   parser.add_argument('--configs', help=f'Default {",".join(DEFAULT_CONFIGS)}; '
                       f'--quick: {",".join(QUICK_CONFIGS)}.')
@@ -740,9 +761,14 @@ def main(argv):
   if args.pack_spec:
     run_pack_task(json.loads(args.pack_spec))
     return 0
-  if args.global_batch <= 0 or args.global_batch % 4:
+  if args.workers < 1:
+    parser.error(f'--workers={args.workers}: give 1 or more')
+  towers = 2 * (args.workers + 1)
+  if args.global_batch <= 0 or args.global_batch % towers:
     parser.error(f'--global-batch={args.global_batch}: give a positive '
-                 'multiple of 4 (2 tasks x 2 towers, or 4 towers)')
+                 f'multiple of {towers} ({args.workers + 1} tasks x 2 '
+                 f'towers, or {towers} towers in one process), e.g. '
+                 f'{64 * towers}')
   unknown = set(_names(args.configs or '')) - set(CONFIGS)
   if unknown:
     parser.error(f'unknown --configs {sorted(unknown)}; choose from '
