@@ -21,7 +21,11 @@ def test_training_options_and_files_are_shared_device_counts_are_not(
   shared = cluster_agreement.values(options)
   assert shared['--learning-rate'] == 0.2
   assert shared['--train-batch-size'] == 64
-  assert shared['training files'] == [[str(data), len('x,label\n1,0\n')]]
+  [(name, size, digest)] = shared['training files']
+  assert (name, size) == (str(data), len('x,label\n1,0\n'))
+  data.write_text('x,label\n1,1\n')  # Another row of the same length.
+  assert cluster_agreement.values(options)['training files'] != [
+      [name, size, digest]]
   for per_task in ('--cpu-towers', '--job-dir', '--num-gpus',
                    '--sync-timeout-secs', '--eval-files'):
     assert per_task not in shared

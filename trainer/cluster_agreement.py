@@ -4,9 +4,9 @@
 tasks before the first step (estimator_towers.cluster.task_agreement). They are the
 options that change what is trained -- the model and its sizes, the
 optimizer, batch size, steps, seed, data schema and vocabularies, precision
--- and the training files with their sizes. What may differ per task is
-left out: its devices and threads, its timeouts and logging, and what only
-the chief does (evaluation, checkpoints, export, the tuning metric).
+-- and what the training files hold (file_fingerprints). What may differ
+per task is left out: its devices and threads, its timeouts and logging,
+and what only the chief does (evaluation, checkpoints, export, the tuning metric).
 
 The evaluator takes no part in the training collectives; it compares its
 options with the ones the chief saved in the job dir instead
@@ -15,11 +15,12 @@ options with the ones the chief saved in the job dir instead
 
 import dataclasses
 import os
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import tensorflow as tf
 
 from trainer import assembly
+from trainer import file_fingerprints
 from trainer import options as options_lib
 
 # Options that may differ from task to task.
@@ -39,8 +40,9 @@ def values(options: options_lib.TaskOptions) -> Dict[str, object]:
     options: This task's options.
 
   Returns:
-    Flag -> value, plus 'training files' -> [name, bytes] of each file the
-    training globs match (another file of the same schema trains silently
+    Flag -> value, plus 'training files' -> the files the training
+    patterns match, with sizes and digests of a sample of them
+    (file_fingerprints: another file of the same schema trains silently
     otherwise).
   """
   shared = {}
@@ -48,16 +50,9 @@ def values(options: options_lib.TaskOptions) -> Dict[str, object]:
     if field.name not in PER_TASK:
       shared[f'--{options_lib.flag_name(field)}'] = getattr(options,
                                                             field.name)
-  shared['training files'] = _files_and_sizes(options.train_files)
+  shared['training files'] = file_fingerprints.of_patterns(
+      options.train_files)
   return shared
-
-
-def _files_and_sizes(patterns: List[str]) -> List[List[object]]:
-  found = []
-  for pattern in patterns or []:
-    for name in sorted(tf.io.gfile.glob(pattern)):
-      found.append([name, tf.io.gfile.stat(name).length])
-  return found
 
 
 def chief_difference(model_dir: str,
