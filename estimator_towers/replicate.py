@@ -46,6 +46,7 @@ from estimator_towers.towers import shared_placeholders
 from estimator_towers.towers import sharding
 from estimator_towers.merge import spec_merge
 from estimator_towers.towers import table_sharing
+from estimator_towers.cluster import task_agreement as task_agreement_lib
 from estimator_towers.cluster import task_sync
 from estimator_towers.cluster import stop_request
 from estimator_towers import tower as tower_lib
@@ -184,8 +185,10 @@ def replicate_model_fn(model_fn: ModelFn,
       must have been given alike (e.g. the options that change the
       computation, the input files). At the start every task compares
       them, and its model's variables, with every other task's; any
-      difference ends every task with an error naming it. The variables
-      are compared without it too.
+      difference ends every task with an error naming it. Compared
+      without it too: the variables, this wrapper's settings, how each
+      loss reduces its examples, and (with batch_norm='global' and a batch
+      norm in the model) the number of towers per task.
     random_ops: How the towers draw random numbers (dropout, noise).
       'per_tower' (faster): each tower's random ops draw their own numbers,
       of the shard's shape and with seeds of their own, so with dropout
@@ -293,12 +296,17 @@ def replicate_model_fn(model_fn: ModelFn,
     micro_count = micro_batches if mode == ModeKeys.TRAIN else 1
     strategy = aggregation_lib.make(aggregation, tower_devices,
                                     variables_device, micro_count)
-    agreement = task_agreement
-    if batch_norm == 'global':
-      # Each tower exchanges its moments with the towers of its index on
-      # the other tasks: every task needs as many.
-      agreement = {**(task_agreement or {}),
-                   'towers per task (batch_norm=global)': len(tower_devices)}
+    # The wrapper's own settings change the step: tasks that differ in
+    # them would build collectives that never pair up (or train apart).
+    agreement = {**{f"replicate_model_fn's {name}": value
+                    for name, value in (
+                        ('aggregation', aggregation),
+                        ('batch_norm', batch_norm),
+                        ('loss_reduction', loss_reduction),
+                        ('random_ops', random_ops),
+                        ('micro_batches', micro_batches),
+                        ('check_first_batch', check_first_batch))},
+                 **(task_agreement or {})}
     task_group = _task_group(mode, config, tower_devices[0],
                              sync_timeout_secs, strategy, agreement)
     kwargs = {'mode': mode, 'params': params, 'config': config}
@@ -519,6 +527,8 @@ class _TowerBuilder:
     split, has_rows = self._split_batch(features, labels)
     step = self._step(split, has_rows)
     specs, update_ops = self._build_towers(step, kwargs)
+    if self._task_group.across_tasks:
+      self._agree_on_the_step(step)
     self._check_tables(step.tables)
     for i in range(len(self._devices)):
       sequence_masks.widen(split.shard(i), self._towers.region(i))
@@ -659,6 +669,20 @@ class _TowerBuilder:
         specs.append(spec)
         update_ops.append(added[tf1.GraphKeys.UPDATE_OPS])
     return specs, update_ops
+
+  def _agree_on_the_step(self, step: _Step) -> None:
+    """What the built step needs every task of the cluster to have alike,
+    beyond the wrapper's settings: known only once the towers are built."""
+    if step.moments is not None and step.moments.exchanges:
+      # Each tower exchanges its moments with the towers of its index on
+      # the other tasks: every task needs as many. Without a batch norm
+      # the tasks' tower counts may differ.
+      self._task_group.agree_on(
+          task_agreement_lib.TOWERS_FOR_GLOBAL_BATCH_NORM,
+          len(self._devices))
+    # A mean on one task and a sum on another weigh their towers apart.
+    self._task_group.agree_on("the losses' reductions over the examples",
+                              step.weights.reductions_resolved())
 
   def _check_tables(self, tables: table_sharing.TableSharing) -> None:
     """Orders the towers' accesses of shared tables; refuses table writes

@@ -26,9 +26,9 @@ Scenarios (the fault happens once both tasks trained a step, unless said):
   after_chief: start the worker once the chief has exited.
   short_input: the worker's input ends after `worker_batches` batches
     (the fault is its exit).
-  disagree: both start at once with JSON's `agreement` (job -> values) and
-    `extra_variable_on` (a job whose model has one more variable); the
-    fault is the start.
+  disagree: both start at once with JSON's `agreement` (job -> values),
+    `replicate` (job -> replicate_model_fn options) and `extra_variable_on`
+    (a job whose model has one more variable); the fault is the start.
   sigterm_worker: SIGTERM the worker; the tasks stop on signals as
     `trainer.task` does (trainer.preemption, trainer.faults).
   resume: no fault; the tasks train on from the job dir's checkpoint.
@@ -90,7 +90,8 @@ def run_task(args):
       estimator_towers.replicate_model_fn(
           model_fn, aggregation='all_reduce',
           sync_timeout_secs=args['timeout'],
-          task_agreement=args.get('agreement', {}).get(config.task_type)),
+          task_agreement=args.get('agreement', {}).get(config.task_type),
+          **args.get('replicate', {}).get(config.task_type, {})),
       config=config)
   steps = args['steps']
   batches = steps

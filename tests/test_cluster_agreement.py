@@ -49,3 +49,13 @@ def test_an_evaluator_with_other_options_than_the_chief_is_named(tmp_path):
       "the evaluator has --label-vocabulary=['yes', 'no'], but the chief "
       "trains with --label-vocabulary=['no', 'yes']")
 
+
+
+def test_layer_sizes_compare_as_built_not_as_given(tmp_path):
+  defaults = options_lib.TaskOptions(job_dir=str(tmp_path))
+  explicit = dataclasses.replace(defaults, hidden_units=[128, 64])
+  assert cluster_agreement.values(defaults)['--hidden-units'] == [128, 64]
+  assert (cluster_agreement.values(explicit) ==
+          cluster_agreement.values(defaults))
+  smaller = dataclasses.replace(defaults, first_layer_size=64)
+  assert cluster_agreement.values(smaller)['--hidden-units'] == [64, 32]

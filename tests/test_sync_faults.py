@@ -115,6 +115,11 @@ _DISAGREE = 'the tasks of the synchronous cluster disagree: '
     ({'agreement': {'chief': {'--learning-rate': 0.01},
                     'worker': {'--learning-rate': 0.2}}},
      'worker:0 has --learning-rate=0.2, chief:0 has --learning-rate=0.01'),
+    # The wrapper's own settings: a library user's tasks waited out the
+    # step timeout, then blamed a stuck task.
+    ({'replicate': {'worker': {'random_ops': 'one_device'}}},
+     "worker:0 has replicate_model_fn's random_ops=one_device, chief:0 has "
+     "replicate_model_fn's random_ops=per_tower"),
     # Without any listed values the model's variables are still compared.
     ({'extra_variable_on': 'worker'},
      'worker:0 built other model variables than chief:0'),

@@ -63,3 +63,81 @@ def test_too_many_values_are_refused():
   values = {f'--option-{i}': 'x' for i in range(2000)}
   with pytest.raises(ValueError, match='too many to compare'):
     task_agreement.statement('chief:0', values, _variables([2]))
+
+
+def test_towers_under_global_batch_norm_name_their_remedy():
+  variables = _variables([2])
+  key = task_agreement.TOWERS_FOR_GLOBAL_BATCH_NORM
+  line = task_agreement.first_difference([
+      task_agreement.statement('chief:0', {key: 1}, variables),
+      task_agreement.statement('worker:0', {key: 3}, variables)])
+  assert f'worker:0 has {key}=3, chief:0 has {key}=1' in line
+  # Not the usual "only device counts may differ": here they may not.
+  assert 'only device' not in line
+  assert "batch_norm='per_tower'" in line
+
+
+def _built_statement(model_fn, towers=2, **options):
+  """The statement a chief of chief + worker gathers, from its graph."""
+  import os  # pylint: disable=g-import-not-at-top
+  import estimator_towers  # pylint: disable=g-import-not-at-top
+  saved = os.environ.get('TF_CONFIG')
+  os.environ['TF_CONFIG'] = json.dumps({
+      'cluster': {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
+      'task': {'type': 'chief', 'index': 0}})
+  try:
+    with tf.Graph().as_default() as graph:
+      config = estimator_towers.make_run_config(cpu_devices=towers)
+      spec = estimator_towers.replicate_model_fn(
+          model_fn, aggregation='all_reduce', **options)(
+              {'x': tf.ones([8, 3])}, tf.zeros([8], tf.int32),
+              tf.estimator.ModeKeys.TRAIN, None, config)
+      spec.scaffold.finalize()
+  finally:
+    if saved is None:
+      os.environ.pop('TF_CONFIG')
+    else:
+      os.environ['TF_CONFIG'] = saved
+  [gather] = [op for op in graph.get_operations()
+              if op.type.startswith('CollectiveGather') and
+              'task_agreement' in op.name]
+  codes = tf.get_static_value(gather.inputs[0])
+  return json.loads(''.join(chr(c) for c in codes if c))['values']
+
+
+def _model(reduction='mean', batch_norm=False):
+  def model_fn(features, labels, mode):
+    x = features['x']
+    if batch_norm:
+      x = tf1.layers.batch_normalization(x, training=True)
+    logits = tf1.layers.dense(x, 2)
+    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=logits)
+    loss = (tf.reduce_mean(losses) if reduction == 'mean'
+            else tf.reduce_sum(losses))
+    train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, global_step=tf1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+  return model_fn
+
+
+def test_a_cluster_task_states_the_wrappers_settings_and_the_loss_reduction():
+  # A library user's tasks with micro_batches 1 and 2, or a mean on one
+  # and a sum on the other, waited out the step timeout and then blamed
+  # a stuck task.
+  mean = _built_statement(_model('mean'))
+  summed = _built_statement(_model('sum'), micro_batches=2)
+  reductions = "the losses' reductions over the examples"
+  assert json.loads(mean[reductions]) == ['ratio']
+  assert json.loads(summed[reductions]) == ['sum']
+  assert mean["replicate_model_fn's micro_batches"] == '1'
+  assert summed["replicate_model_fn's micro_batches"] == '2'
+  for setting in ('aggregation', 'batch_norm', 'loss_reduction',
+                  'random_ops', 'check_first_batch'):
+    assert f"replicate_model_fn's {setting}" in mean
+  # Tower counts may differ per task unless batch norms exchange moments.
+  assert task_agreement.TOWERS_FOR_GLOBAL_BATCH_NORM not in mean
+  with_bn = _built_statement(_model(batch_norm=True), towers=3)
+  assert with_bn[task_agreement.TOWERS_FOR_GLOBAL_BATCH_NORM] == '3'
+  assert task_agreement.TOWERS_FOR_GLOBAL_BATCH_NORM not in (
+      _built_statement(_model(batch_norm=True), batch_norm='per_tower'))

@@ -19,6 +19,7 @@ from typing import Dict, Optional
 
 import tensorflow as tf
 
+from model_fns import hparams
 from trainer import assembly
 from trainer import file_fingerprints
 from trainer import options as options_lib
@@ -50,9 +51,24 @@ def values(options: options_lib.TaskOptions) -> Dict[str, object]:
     if field.name not in PER_TASK:
       shared[f'--{options_lib.flag_name(field)}'] = getattr(options,
                                                             field.name)
+  _resolve_layer_sizes(shared, options)
   shared['training files'] = file_fingerprints.of_patterns(
       options.train_files)
   return shared
+
+
+def _resolve_layer_sizes(shared: Dict[str, object],
+                         options: options_lib.TaskOptions) -> None:
+  """Compares the DNN's layer sizes, not how they were given: one task's
+  --hidden-units=128,64 builds the model another's defaults build."""
+  replaced = ('--first-layer-size', '--num-layers', '--scale-factor')
+  shared['--hidden-units'] = hparams.hidden_units({
+      'hidden_units': options.hidden_units,
+      'first_layer_size': options.first_layer_size,
+      'num_layers': options.num_layers,
+      'scale_factor': options.scale_factor})
+  for flag in replaced:
+    shared.pop(flag)
 
 
 def chief_difference(model_dir: str,

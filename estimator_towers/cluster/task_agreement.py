@@ -31,6 +31,18 @@ DISAGREE = 'the tasks of the synchronous cluster disagree'
 # task. Longer values are replaced by a digest.
 LENGTH = 8192
 _SHOWN = 120  # Characters of a value a line shows.
+# What replicate_model_fn adds when its towers exchange batch-norm moments.
+TOWERS_FOR_GLOBAL_BATCH_NORM = 'towers per task (batch_norm=global)'
+_SAME_EVERYWHERE = ('Start every task with the same options and data (only '
+                    'device and thread counts may differ)')
+# What to do about a difference in these, instead of _SAME_EVERYWHERE.
+_REMEDIES = {
+    TOWERS_FOR_GLOBAL_BATCH_NORM: (
+        "With batch_norm='global' each tower exchanges its batch-norm "
+        'moments with the towers of its index on the other tasks, so every '
+        'task needs as many towers: give every task as many devices, or '
+        "train with batch_norm='per_tower'"),
+}
 
 
 def statement(task: str, values: Mapping[str, Any],
@@ -80,7 +92,7 @@ def first_difference(statements: Sequence[str]) -> Optional[str]:
       ours = first['values'].get(name, '(not given)')
       if theirs != ours:
         return _line(f'{task} has {name}={_short(theirs)}, {first["task"]} has '
-                     f'{name}={_short(ours)}')
+                     f'{name}={_short(ours)}', _REMEDIES.get(name))
     if document['variables'] != first['variables']:
       return _line(f'{task} built other model variables than {first["task"]} '
                    f'({document["variable_count"]} against '
@@ -128,9 +140,8 @@ def _task_order(document: Dict) -> tuple:
   return (job not in ('chief', 'master'), job, int(index))
 
 
-def _line(difference: str) -> str:
-  return (f'{DISAGREE}: {difference}. Start every task with the same '
-          'options and data (only device and thread counts may differ).')
+def _line(difference: str, remedy: Optional[str] = None) -> str:
+  return f'{DISAGREE}: {difference}. {remedy or _SAME_EVERYWHERE}.'
 
 
 def _first_other(document: Dict, first: Dict) -> str:

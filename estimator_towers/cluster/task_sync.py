@@ -297,6 +297,11 @@ class TaskGroup:
           ops.append(variable.assign(tf.reshape(piece, shape)).op)
     return tf.group(*ops)
 
+  def agree_on(self, name: str, value: Any) -> None:
+    """Adds `name`'s `value` to what every task must have alike (before
+    the Scaffold is finalized)."""
+    self._agreement[name] = value
+
   def agreement_op(self, variables: Sequence[tf.Variable]) -> tf.Operation:
     """An op that ends every task when the tasks disagree on what they train.
 

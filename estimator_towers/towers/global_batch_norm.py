@@ -149,6 +149,11 @@ class GlobalMoments:
     self._layers: Dict[int, str] = {}
     self._lives: Dict[tuple, tf.Tensor] = {}
 
+  @property
+  def exchanges(self) -> bool:
+    """Whether the towers exchange moments (a batch norm trained)."""
+    return bool(self._calls)
+
   def computed(self, layer) -> bool:
     """Whether `layer`'s training moments were the global batch's."""
     return id(layer) in self._layers

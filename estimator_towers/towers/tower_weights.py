@@ -476,6 +476,10 @@ class TowerWeights:
         self._cache[key] = self._weights(losses, key)
     return self._cache[key]
 
+  def reductions_resolved(self) -> List[str]:
+    """The reduction each loss weighed so far was read as, in order."""
+    return list(self._kinds.values())
+
   def terms(self, losses: List[tf.Tensor],
             place: Optional[Callable[[Callable[[int], tf.Tensor]],
                                      List[tf.Tensor]]] = None
