@@ -99,6 +99,30 @@ def _save_checkpoint(directory, step):
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize('task, reads', [('chief', True), ('worker', False)])
+def test_only_the_chief_reads_the_warm_start_checkpoint(
+    tmp_path, monkeypatch, parsed, csv_files, task, reads):
+  # A worker's machine may not hold it (its variables are the chief's):
+  # a synchronous worker refused, and the chief waited out its timeouts.
+  from trainer import assembly  # pylint: disable=g-import-not-at-top
+  from trainer import train  # pylint: disable=g-import-not-at-top
+  import model_fns  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv('TF_CONFIG', json.dumps({
+      'cluster': {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']},
+      'task': {'type': task, 'index': 0}}))
+  opts = parsed(f'--job-dir={tmp_path}', f'--train-files={csv_files[0]}',
+                f'--warm-start-from={tmp_path / "nowhere"}', *CSV_FLAGS)
+  config = train.create_run_config(opts, str(tmp_path))
+  data = assembly.build_data(opts, model_fns.model_kind(opts.model))
+  if reads:
+    with pytest.raises(ValueError, match='no such checkpoint'):
+      train.create_estimator(opts, config, data, 'all_reduce', 2)
+  else:
+    estimator = train.create_estimator(opts, config, data, 'all_reduce', 2)
+    assert estimator._warm_start_settings is None  # pylint: disable=protected-access
+
+
+@pytest.mark.fast
 def test_warm_start_needs_a_checkpoint_and_a_job_dir_it_will_not_ignore(
     tmp_path):
   source, job = tmp_path / 'source', tmp_path / 'job'

@@ -87,6 +87,14 @@ def test_outside_a_synchronous_cluster_batches_are_kept_whole(monkeypatch,
     (lambda d: tf.data.Dataset.range(3).interleave(
         lambda _: d, num_parallel_calls=2, deterministic=False),
      'deterministic=False'),
+    # A random subsample: each task kept its part of another stream (8 of
+    # 104 rows trained twice in 8 steps, silently).
+    (lambda d: d.filter(lambda x: tf.random.uniform([]) < 0.7),
+     'draws random numbers without a seed'),
+    # The draw in a map, the choice in a later filter.
+    (lambda d: d.map(lambda x: (x, tf.random.uniform([]))).filter(
+        lambda x, r: r < 0.7).map(lambda x, r: x),
+     'draws random numbers without a seed'),
 ])
 def test_orders_left_to_chance_are_refused(monkeypatch, pipeline, error):
   config = task_config(monkeypatch)
@@ -120,6 +128,21 @@ def test_seeded_shuffles_are_accepted(monkeypatch, op_seed, graph_seed):
   assert [list(np.concatenate(p)) for p in zip(chief, worker)] == [
       list(b) for b in whole]
   assert sorted(np.concatenate(whole)) == list(range(10))
+
+
+@pytest.mark.parametrize('pipeline', [
+    # Augmentation: values change, the rows stay the same on every task.
+    lambda d: d.map(lambda x: x + tf.cast(
+        tf.random.uniform([], maxval=3, dtype=tf.int32), tf.int64)),
+    # A seeded subsample chooses the same rows everywhere.
+    lambda d: d.filter(lambda x: tf.random.uniform([], seed=4) < 0.7),
+])
+def test_draws_that_choose_no_row_or_are_seeded_are_accepted(monkeypatch,
+                                                             pipeline):
+  config = task_config(monkeypatch)
+  with tf.Graph().as_default():
+    batches = pipeline(tf.data.Dataset.range(10)).batch(4)
+    assert task_input.task_slice(batches, config) is not batches
 
 
 def test_examples_that_are_not_batched_are_refused(monkeypatch):

@@ -278,7 +278,9 @@ class TaskOptions:
       _STRING, None, 'Start from the trainable weights of this checkpoint '
       '(a job dir or a checkpoint path) instead of initialising them; the '
       'optimizer and step start afresh. Only in a job dir without '
-      'checkpoints (or with --clean); a rerun of the same job resumes.')
+      'checkpoints (or with --clean); a rerun of the same job resumes. '
+      "In a cluster only the chief reads it (the workers take the chief's "
+      'weights).')
   stop_at: Optional[str] = _option(
       _STRING, None, "Stop training once an evaluation reaches a target, "
       "e.g. 'accuracy>=0.97' or 'loss<0.2' (quote it: a shell redirects at "

@@ -378,7 +378,8 @@ def create_estimator(options: TaskOptions, config: tf.estimator.RunConfig,
   """The Estimator of the towered, checked and step-logged model_fn.
 
   Raises:
-    ValueError: --warm-start-from names no checkpoint.
+    ValueError: --warm-start-from names no checkpoint (the chief's, or a
+      local run's, check).
   """
   model_fn = replicate_model_fn(
       model_fns.get_model_fn(options.model), aggregation=aggregation,
@@ -394,7 +395,11 @@ def create_estimator(options: TaskOptions, config: tf.estimator.RunConfig,
                          options.train_batch_size, towers,
                          options.train_steps, options.eval_steps, run_log),
       config=config, params=assembly.model_params(options, data),
-      warm_start_from=warm_start.settings(options.warm_start_from))
+      # Only the chief initialises the variables: a worker takes them from
+      # the chief (its broadcast, or the ps it initialised), and its
+      # machine need not hold the checkpoint.
+      warm_start_from=warm_start.settings(
+          options.warm_start_from if config.is_chief else None))
 
 
 def create_train_hooks(options: TaskOptions, config: tf.estimator.RunConfig,

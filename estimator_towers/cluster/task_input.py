@@ -17,8 +17,11 @@ The order must be the same on every task, so `task_slice` refuses pipelines
 whose order is left to chance: a shuffle (or `Dataset.random`) without a
 seed, or a parallel map or interleave with `deterministic=False`. Seeds come
 from `shuffle(seed=...)` or the RunConfig's `tf_random_seed`, which the
-Estimator makes the graph-level seed. What happens inside an interleave's or
-a map's own function is not inspected.
+Estimator makes the graph-level seed. Random numbers drawn inside the
+pipeline's functions are refused without a seed when the pipeline chooses
+rows (a filter, flat_map, interleave, take_while, group_by_window): a
+random subsample would keep other rows on each task. A pipeline of maps
+alone may draw unseeded (augmentation changes values, not which rows).
 """
 
 from typing import Any, Tuple
@@ -34,6 +37,15 @@ _RANDOM_DATASETS = frozenset([
     'ShuffleDataset', 'ShuffleDatasetV2', 'ShuffleDatasetV3',
     'ShuffleAndRepeatDataset', 'ShuffleAndRepeatDatasetV2',
     'RandomDataset', 'RandomDatasetV2'])
+
+
+# Dataset ops whose functions decide which rows come (or in what order):
+# a random number drawn there without a seed differs from task to task.
+_CHOOSING_ROWS = frozenset([
+    'FilterDataset', 'FlatMapDataset', 'InterleaveDataset',
+    'ParallelInterleaveDataset', 'ParallelInterleaveDatasetV2',
+    'ParallelInterleaveDatasetV3', 'ParallelInterleaveDatasetV4',
+    'TakeWhileDataset', 'GroupByWindowDataset', 'GroupByReducerDataset'])
 
 
 def task_rows(batch_size: Any, num_tasks: int,
@@ -145,14 +157,49 @@ def check_same_order(dataset: tf.data.Dataset) -> None:
   variant = dataset._variant_tensor  # pylint: disable=protected-access
   if tf.executing_eagerly() or not hasattr(variant, 'op'):
     return
-  pending, seen = [variant.op], set()
+  pending, seen, ops = [variant.op], set(), []
   while pending:
     op = pending.pop()
     if op.name in seen:
       continue
     seen.add(op.name)
+    ops.append(op)
     _check_op(op)
     pending.extend(t.op for t in op.inputs)
+  if any(op.type in _CHOOSING_ROWS for op in ops):
+    # Also a map's draw: a later filter may choose rows by it.
+    for op in ops:
+      _check_functions(op)
+
+
+def _check_functions(op: tf.Operation) -> None:
+  """Fails when a function of `op` (or one they call) draws unseeded."""
+  pending = [a.func.name for a in op.node_def.attr.values()
+             if a.HasField('func')]
+  seen = set()
+  while pending:
+    name = pending.pop()
+    if name in seen:
+      continue
+    seen.add(name)
+    function = op.graph._get_function(name)  # pylint: disable=protected-access
+    if function is None:
+      continue
+    for node in function.definition.node_def:
+      if 'seed' in node.attr and 'seed2' in node.attr and (
+          node.attr['seed'].i == 0 and node.attr['seed2'].i == 0):
+        raise ValueError(
+            f"The input pipeline's {op.type} ({op.name}) calls a function "
+            f'that draws random numbers without a seed ({node.op} '
+            f'{node.name!r}), and the pipeline chooses rows (a filter, '
+            'flat_map, interleave, ...): each task of the synchronous '
+            'cluster would choose other rows, and the global batch would '
+            'repeat some examples and miss others. Set tf_random_seed in '
+            'the RunConfig (or pass seed= to the op), the same on every '
+            'task.')
+      pending.extend(a.func.name for a in node.attr.values()
+                     if a.HasField('func'))
+      pending.append(node.op)  # A call of a library function by name.
 
 
 def _check_op(op: tf.Operation) -> None:
