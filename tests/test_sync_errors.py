@@ -119,3 +119,33 @@ def test_a_worker_led_by_another_jobs_chief_is_told_so(tmp_path,
 ])
 def test_other_errors_are_left_alone(error, tf_config):
   assert sync_errors.cli_message(error, tf_config) is None
+
+
+def test_tasks_counting_the_cluster_apart_are_one_line():
+  # Job dirs not shared: the TF_CONFIGs were not compared at start-up, and
+  # the group leader's refusal was a ~180-line traceback.
+  error = tf.errors.InternalError(
+      None, None, 'Device /job:worker/replica:0/task:0/device:CPU:0 is '
+      'joining a group with size2, but that group has size 3 (group_key=1)'
+      '\n\t [[{{node task_agreement/CollectiveGather}}]]')
+  message = sync_errors.cli_message(error, _SYNC)
+  assert message.startswith('worker:0: the tasks of the synchronous '
+                            'cluster count themselves apart')
+  assert 'lists 2 training tasks, another 3' in message
+  assert '\n' not in message
+
+
+def test_a_disagreement_with_its_own_remedy_is_one_line():
+  # Not every disagreement ends with "(only device and thread counts may
+  # differ)": the global batch norm's tower count names its own remedy.
+  from estimator_towers.cluster import task_agreement  # pylint: disable=g-import-not-at-top
+  key = task_agreement.TOWERS_FOR_GLOBAL_BATCH_NORM
+  with tf.Graph().as_default():
+    variables = [tf.compat.v1.get_variable('v', [1])]
+  line = task_agreement.first_difference([
+      task_agreement.statement('chief:0', {key: 1}, variables),
+      task_agreement.statement('worker:0', {key: 2}, variables)])
+  error = tf.errors.InvalidArgumentError(
+      None, None, f'ValueError: {line}\nTraceback (most recent call last):'
+      '\n  ...\n\t [[{{node task_agreement/task_agreement}}]]')
+  assert sync_errors.cli_message(error, _SYNC) == line

@@ -19,7 +19,10 @@ messages are pages of graph context:
   dir's cluster_rendezvous file);
 * task_agreement's line, reported as an InvalidArgumentError, when the
   tasks were started with different options, data or models (it names the
-  difference; the remedy is to start them alike).
+  difference; the remedy is to start them alike);
+* InternalError ('joining a group with size 2, but that group has size 3')
+  when the tasks' TF_CONFIGs list different numbers of tasks and their
+  job dirs are not shared (cluster_rendezvous compares them otherwise).
 
 `cli_message` turns each into one line that names the task and the remedy:
 restart every task (they resume from the chief's last checkpoint).
@@ -40,8 +43,11 @@ _REMEDY = ('Restart every task; they resume from the chief\'s last '
            'checkpoint.')
 # task_agreement's line: the tasks were started with different options,
 # data or models.
-_DISAGREE = re.compile(re.escape(task_agreement.DISAGREE) +
-                       r'[^\n]*?may differ\)\.')
+_DISAGREE = re.compile(re.escape(task_agreement.DISAGREE) + r'[^\n]*\.')
+# The group leader, when the tasks' TF_CONFIGs count the tasks apart (job
+# dirs not shared, so cluster_rendezvous could not compare them first).
+_GROUP_SIZE = re.compile(r'joining a group with size\s*(\d+), but that '
+                         r'group has size (\d+)')
 # What the group leader says to a task that restarted without it.
 _RESTARTED_ALONE = "incarnation doesn't match with one in the group"
 # A collective whose peer ended its session while they exchanged.
@@ -115,6 +121,13 @@ def cli_message(error: BaseException,
     if found:
       return found.group(0)
   task = _task(tf_config)
+  sizes = _GROUP_SIZE.search(error.message)
+  if isinstance(error, tf.errors.InternalError) and sizes:
+    return (f'{task}: the tasks of the synchronous cluster count '
+            f'themselves apart: one TF_CONFIG lists {sizes.group(1)} '
+            f'training tasks, another {sizes.group(2)}. Give every task the '
+            'same TF_CONFIG "cluster" (only "task" differs) and start every '
+            'task again.')
   if (isinstance(error, tf.errors.DeadlineExceededError) and
       'Collective' in error.message):
     return (f'{task}: a collective of the synchronous cluster waited longer '
