@@ -42,9 +42,10 @@ _RANDOM_DATASETS = frozenset([
 # Dataset ops whose functions decide which rows come (or in what order):
 # a random number drawn there without a seed differs from task to task.
 _CHOOSING_ROWS = frozenset([
-    'FilterDataset', 'FlatMapDataset', 'InterleaveDataset',
-    'ParallelInterleaveDataset', 'ParallelInterleaveDatasetV2',
-    'ParallelInterleaveDatasetV3', 'ParallelInterleaveDatasetV4',
+    'FilterDataset', 'ParallelFilterDataset', 'FlatMapDataset',
+    'InterleaveDataset', 'ParallelInterleaveDataset',
+    'ParallelInterleaveDatasetV2', 'ParallelInterleaveDatasetV3',
+    'ParallelInterleaveDatasetV4', 'LegacyParallelInterleaveDatasetV2',
     'TakeWhileDataset', 'GroupByWindowDataset', 'GroupByReducerDataset'])
 
 
