@@ -6,7 +6,8 @@ options that change what is trained -- the model and its sizes, the
 optimizer, batch size, steps, seed, data schema and vocabularies, precision
 -- and what the training files hold (file_fingerprints). What may differ
 per task is left out: its devices and threads, its timeouts and logging,
-and what only the chief does (evaluation, checkpoints, export, the tuning metric).
+and what only the chief does (evaluation, checkpoints, export, the tuning
+metric).
 
 The evaluator takes no part in the training collectives; it compares its
 options with the ones the chief saved in the job dir instead
