@@ -23,7 +23,7 @@ _SPLIT_SEED = 0
 Examples = Tuple[List[str], List[int]]
 
 
-def _list_classes(root: str, name: str) -> Dict[str, List[str]]:
+def list_classes(root: str, name: str) -> Dict[str, List[str]]:
   """Class name -> sorted image paths under root/<class>.
 
   Raises:
@@ -154,7 +154,7 @@ def image_folder_data(train_dir: str, eval_dir: Optional[str] = None, *,
     raise ValueError(f'image_size={image_size!r}; pass (height, width).')
   image_shape = images.check_image_shape(
       (*image_size, channels), 'image_size + (channels,)')
-  found = _list_classes(train_dir, 'train_dir')
+  found = list_classes(train_dir, 'train_dir')
   class_names = list(found)
   if len(class_names) < 2:
     raise ValueError(f'train_dir={train_dir!r} has {len(class_names)} class '
@@ -176,7 +176,7 @@ def image_folder_data(train_dir: str, eval_dir: Optional[str] = None, *,
           'eval_fraction or pass eval_dir.')
   else:
     train = _flatten(found, class_ids)
-    found_eval = _list_classes(eval_dir, 'eval_dir')
+    found_eval = list_classes(eval_dir, 'eval_dir')
     unknown = sorted(set(found_eval) - set(class_ids))
     if unknown:
       raise ValueError(f'eval_dir={eval_dir!r} has classes {unknown} that '

@@ -5,10 +5,13 @@ point's main does.
 """
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from cli_helpers import run_module
+from cli_helpers import ROOT, run_module
 
 pytestmark = pytest.mark.cli
 
@@ -62,3 +65,24 @@ def test_a_stopped_synchronous_task_says_to_restart_every_task():
       "cluster: restart every task; they resume from the chief's last "
       'checkpoint.')
 
+
+
+def test_a_synchronous_cluster_counted_apart_is_one_line():
+  # The group leader's InternalError had no row: the line sync_errors
+  # builds for it never reached the command line (a ~180-line traceback).
+  tf_config = {'cluster': {'chief': ['127.0.0.1:1'],
+                           'worker': ['127.0.0.1:2']},
+               'task': {'type': 'worker', 'index': 0}}
+  result = subprocess.run(
+      [sys.executable, '-m', 'tests.raise_handled',
+       "tf.errors.InternalError(None, None, 'Device /job:worker/replica:0/"
+       "task:0/device:CPU:0 is joining a group with size2, but that group "
+       "has size 3 (group_key=1)')"], cwd=ROOT, capture_output=True,
+      text=True, timeout=120, check=False,
+      env={**os.environ, 'PYTHONPATH': ROOT,
+           'TF_CONFIG': json.dumps(tf_config)})
+  code, lines = result.returncode, result.stderr.strip().splitlines()
+  assert code == 1
+  assert lines[-1].startswith('prog: error: worker:0: the tasks of the '
+                              'synchronous cluster count themselves apart')
+  assert not any('Traceback' in l for l in lines)

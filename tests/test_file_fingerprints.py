@@ -42,7 +42,8 @@ def test_an_image_folder_is_stated_file_by_file(tmp_path):
   stated = file_fingerprints.of_patterns([str(full)])
   assert [row[0] for row in stated] == [
       str(full / 'cat' / '0.jpg'), str(full / 'cat' / '1.jpg'),
-      str(full / 'dog' / '0.jpg')]
+      str(full / 'dog' / '0.jpg'), str(full / 'cat') + '/',
+      str(full / 'dog') + '/']
   # A copy interrupted halfway: a file missing.
   half = _image_folder(tmp_path / 'half', {
       'cat': {'0.jpg': b'c0'}, 'dog': {'0.jpg': b'd0'}})
@@ -56,9 +57,24 @@ def test_an_image_folder_is_stated_file_by_file(tmp_path):
 
   assert relative(half) != relative(full)
   assert relative(swapped) != relative(full)
-  assert relative(_image_folder(tmp_path / 'copy', {
-      'cat': {'0.jpg': b'c0', '1.jpg': b'c1'},
-      'dog': {'0.jpg': b'd0'}})) == relative(full)
+  copy = _image_folder(tmp_path / 'copy', {
+      'cat': {'0.jpg': b'c0', '1.jpg': b'c1'}, 'dog': {'0.jpg': b'd0'}})
+  assert relative(copy) == relative(full)
+  # What the image reader does not read does not count: a .DS_Store, an
+  # editor's lock file (a broken link) beside the images.
+  (copy / '.DS_Store').write_bytes(b'x')
+  (copy / 'cat' / 'notes.txt').write_bytes(b'x')
+  (copy / 'cat' / '.#notes.txt').symlink_to(tmp_path / 'nowhere')
+  assert relative(copy) == relative(full)
+  # An empty class folder is another class.
+  (copy / 'bird').mkdir()
+  assert relative(copy) != relative(full)
+
+
+def test_an_unreadable_file_is_stated_not_raised(tmp_path):
+  (tmp_path / 'part-0.csv').symlink_to(tmp_path / 'nowhere')
+  assert file_fingerprints.of_patterns([str(tmp_path / 'part-*.csv')]) == [
+      [str(tmp_path / 'part-0.csv'), 'unreadable']]
 
 
 def test_many_files_are_named_and_a_spread_of_them_read(tmp_path,

@@ -141,3 +141,17 @@ def test_a_cluster_task_states_the_wrappers_settings_and_the_loss_reduction():
   assert with_bn[task_agreement.TOWERS_FOR_GLOBAL_BATCH_NORM] == '3'
   assert task_agreement.TOWERS_FOR_GLOBAL_BATCH_NORM not in (
       _built_statement(_model(batch_norm=True), batch_norm='per_tower'))
+
+
+def test_equal_values_at_the_length_limit_agree_whatever_the_names():
+  # 'chief:0' is one character shorter than 'worker:0': at the limit, the
+  # chief sent its file list whole and the worker a digest of it, and
+  # identical files were refused.
+  variables = _variables([2])
+  base = len(task_agreement.statement('chief:0', {'files': ''}, variables))
+  room = task_agreement.LENGTH - base
+  for pad in range(room - 70, room + 3):
+    values = {'files': 'x' * pad}
+    chief = task_agreement.statement('chief:0', values, variables)
+    worker = task_agreement.statement('worker:12', values, variables)
+    assert task_agreement.first_difference([chief, worker]) is None, pad

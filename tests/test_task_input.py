@@ -80,6 +80,12 @@ def test_outside_a_synchronous_cluster_batches_are_kept_whole(monkeypatch,
     assert task_input.task_slice(batches, None) is batches
 
 
+def _nondeterministic():
+  options = tf.data.Options()
+  options.deterministic = False
+  return options
+
+
 @pytest.mark.parametrize('pipeline,error', [
     (lambda d: d.shuffle(10), 'has no seed'),
     (lambda d: d.map(lambda x: x + 1, num_parallel_calls=2,
@@ -91,6 +97,19 @@ def test_outside_a_synchronous_cluster_batches_are_kept_whole(monkeypatch,
     # 104 rows trained twice in 8 steps, silently).
     (lambda d: d.filter(lambda x: tf.random.uniform([]) < 0.7),
      'draws random numbers without a seed'),
+    # A shuffle inside a function (its seeds are inputs there): 19 of 104
+    # rows trained twice.
+    (lambda d: tf.data.Dataset.range(1).flat_map(lambda _: d.shuffle(10)),
+     'draws random numbers without a seed'),
+    # choose_from_datasets by choices drawn in a map.
+    (lambda d: tf.data.Dataset.choose_from_datasets(
+        [d, d.map(lambda x: x + 100)],
+        tf.data.Dataset.range(10).map(lambda _: tf.random.uniform(
+            [], maxval=2, dtype=tf.int64))),
+     'draws random numbers without a seed'),
+    # Non-determinism asked for in the options, not in an op's attribute.
+    (lambda d: d.map(lambda x: x + 1, num_parallel_calls=2).with_options(
+        _nondeterministic()), 'deterministic=False'),
     # The draw in a map, the choice in a later filter.
     (lambda d: d.map(lambda x: (x, tf.random.uniform([]))).filter(
         lambda x, r: r < 0.7).map(lambda x, r: x),
@@ -134,6 +153,8 @@ def test_seeded_shuffles_are_accepted(monkeypatch, op_seed, graph_seed):
     # Augmentation: values change, the rows stay the same on every task.
     lambda d: d.map(lambda x: x + tf.cast(
         tf.random.uniform([], maxval=3, dtype=tf.int32), tf.int64)),
+    lambda d: tf.data.Dataset.range(1).flat_map(
+        lambda _: d.shuffle(10, seed=3)),
     # A seeded subsample chooses the same rows everywhere.
     lambda d: d.filter(lambda x: tf.random.uniform([], seed=4) < 0.7),
 ])

@@ -118,9 +118,11 @@ FAULTS = (
           lambda e, where: (data_errors.cli_message(e) or
                             _cluster_failure(e, where))),
     # A peer of a synchronous cluster died, stopped, restarted alone or
-    # ended early; or this task's server could not start.
+    # ended early, or the tasks count the cluster apart; or this task's
+    # server could not start.
     Fault((tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
-           tf.errors.UnknownError, tf.errors.FailedPreconditionError),
+           tf.errors.UnknownError, tf.errors.FailedPreconditionError,
+           tf.errors.InternalError, tf.errors.CancelledError),
           _cluster_failure, traceback_in_debug=True),
     Fault((tf.errors.ResourceExhaustedError,), _full_disk,
           traceback_in_debug=True),

@@ -7,7 +7,8 @@ cluster would train on both without an error, so every task states what it
 found and the tasks compare (cluster_agreement).
 
 What is stated, per file matched by a `--train-files` pattern (a directory
-counts with every file below it): its name, and for a sample of at most
+is an image folder: its class folders and the images the image reader
+lists in them): its name, and for a sample of at most
 `SAMPLED_FILES` files spread evenly over the sorted list, their size and a
 digest of their bytes -- the whole file up to `WHOLE_BYTES`, beyond that
 `BLOCKS` blocks of `BLOCK_BYTES` spread from its first byte to its last.
@@ -18,9 +19,11 @@ and a file outside the sample that changed but kept its name.
 
 import hashlib
 import os
-from typing import Iterator, List
+from typing import List
 
 import tensorflow as tf
+
+from input_fns import image_folder
 
 SAMPLED_FILES = 64
 WHOLE_BYTES = 1 << 20
@@ -38,22 +41,28 @@ def of_patterns(patterns: List[str]) -> List[List[object]]:
     Per file, in sorted order: [name], or [name, bytes, digest] for the
     sampled files.
   """
-  names = sorted(set(_files(patterns)))
-  sampled = set(_spread(len(names), SAMPLED_FILES))
-  return [[name, *(_fingerprint(name) if i in sampled else ())]
-          for i, name in enumerate(names)]
-
-
-def _files(patterns: List[str]) -> Iterator[str]:
+  files, folders = set(), set()
   for pattern in patterns or []:
     for match in tf.io.gfile.glob(pattern):
-      if not tf.io.gfile.isdir(match):
-        yield match
-        continue
-      # An image folder: a class folder copied halfway has fewer files.
-      for folder, _, files in tf.io.gfile.walk(match):
-        for name in files:
-          yield os.path.join(folder, name)
+      if tf.io.gfile.isdir(match):
+        _image_folder(match, files, folders)
+      else:
+        files.add(match)
+  names = sorted(files)
+  sampled = set(_spread(len(names), SAMPLED_FILES))
+  # An empty class folder is a class too.
+  return [[name, *(_fingerprint(name) if i in sampled else ())]
+          for i, name in enumerate(names)] + [
+              [os.path.join(folder, '')] for folder in sorted(folders)]
+
+
+def _image_folder(root: str, files: set, folders: set) -> None:
+  """The class folders below `root` and their images, as the image reader
+  lists them: a copy interrupted halfway has fewer; a .DS_Store beside
+  them is not read, so it does not count."""
+  for name, paths in image_folder.list_classes(root, '--train-files').items():
+    folders.add(os.path.join(root, name))
+    files.update(paths)
 
 
 def _spread(count: int, most: int) -> List[int]:
@@ -64,7 +73,10 @@ def _spread(count: int, most: int) -> List[int]:
 
 
 def _fingerprint(name: str) -> List[object]:
-  size = tf.io.gfile.stat(name).length
+  try:
+    size = tf.io.gfile.stat(name).length
+  except tf.errors.NotFoundError:  # A broken link: the input fails on it.
+    return ['unreadable']
   digest = hashlib.sha256()
   with tf.io.gfile.GFile(name, 'rb') as f:
     if size <= WHOLE_BYTES:

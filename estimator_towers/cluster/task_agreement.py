@@ -31,6 +31,7 @@ DISAGREE = 'the tasks of the synchronous cluster disagree'
 # task. Longer values are replaced by a digest.
 LENGTH = 8192
 _SHOWN = 120  # Characters of a value a line shows.
+_TASK_ROOM = 64  # Characters a task's name may take ('worker:12').
 # What replicate_model_fn adds when its towers exchange batch-norm moments.
 TOWERS_FOR_GLOBAL_BATCH_NORM = 'towers per task (batch_norm=global)'
 _SAME_EVERYWHERE = ('Start every task with the same options and data (only '
@@ -63,7 +64,11 @@ def statement(task: str, values: Mapping[str, Any],
   document = {'task': task, 'values': shown, 'variables': _digest(model),
               'variable_count': len(model), 'first_variables': model[:20]}
   text = json.dumps(document, sort_keys=True)
-  if len(text) > LENGTH:  # Long values (file lists) compare as digests.
+  # Whether to digest must not depend on the task's own name: tasks with
+  # equal values but names of other lengths would state them apart.
+  if len(json.dumps({**document, 'task': ' ' * _TASK_ROOM},
+                    sort_keys=True)) > LENGTH:
+    # Long values (file lists) compare as digests.
     document['values'] = {k: v if len(v) <= _SHOWN else _digest(v)
                           for k, v in shown.items()}
     document['first_variables'] = []

@@ -19,14 +19,17 @@ seed, or a parallel map or interleave with `deterministic=False`. Seeds come
 from `shuffle(seed=...)` or the RunConfig's `tf_random_seed`, which the
 Estimator makes the graph-level seed. Random numbers drawn inside the
 pipeline's functions are refused without a seed when the pipeline chooses
-rows (a filter, flat_map, interleave, take_while, group_by_window): a
-random subsample would keep other rows on each task. A pipeline of maps
-alone may draw unseeded (augmentation changes values, not which rows).
+rows (a filter, flat_map, interleave, take_while, group_by_window,
+choose_from_datasets): a random subsample would keep other rows on each
+task. A pipeline of maps alone may draw unseeded (augmentation changes
+values, not which rows). Draws inside a tf.py_function are not visible.
 """
 
 from typing import Any, Tuple
 
 import tensorflow as tf
+from tensorflow.core.framework import dataset_options_pb2  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.framework import op_def_registry  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers.towers import sharding
 from estimator_towers.cluster import task_sync
@@ -46,7 +49,9 @@ _CHOOSING_ROWS = frozenset([
     'InterleaveDataset', 'ParallelInterleaveDataset',
     'ParallelInterleaveDatasetV2', 'ParallelInterleaveDatasetV3',
     'ParallelInterleaveDatasetV4', 'LegacyParallelInterleaveDatasetV2',
-    'TakeWhileDataset', 'GroupByWindowDataset', 'GroupByReducerDataset'])
+    'TakeWhileDataset', 'GroupByWindowDataset', 'GroupByReducerDataset',
+    # choose_from_datasets: the choices may be drawn in a map.
+    'DirectedInterleaveDataset'])
 
 
 def task_rows(batch_size: Any, num_tasks: int,
@@ -186,9 +191,9 @@ def _check_functions(op: tf.Operation) -> None:
     function = op.graph._get_function(name)  # pylint: disable=protected-access
     if function is None:
       continue
+    nodes = {node.name: node for node in function.definition.node_def}
     for node in function.definition.node_def:
-      if 'seed' in node.attr and 'seed2' in node.attr and (
-          node.attr['seed'].i == 0 and node.attr['seed2'].i == 0):
+      if _unseeded(node, nodes):
         raise ValueError(
             f"The input pipeline's {op.type} ({op.name}) calls a function "
             f'that draws random numbers without a seed ({node.op} '
@@ -203,6 +208,23 @@ def _check_functions(op: tf.Operation) -> None:
       pending.append(node.op)  # A call of a library function by name.
 
 
+def _unseeded(node, nodes) -> bool:
+  """Whether a node of a function draws without a seed: a random op's
+  seed attributes, or a shuffle's seed inputs (constants), both 0."""
+  if 'seed' in node.attr and 'seed2' in node.attr:
+    return node.attr['seed'].i == 0 and node.attr['seed2'].i == 0
+  if node.op not in _RANDOM_DATASETS:
+    return False
+  names = [arg.name for arg in op_def_registry.get(node.op).input_arg]
+  seeds = []
+  for name in ('seed', 'seed2'):
+    source = nodes.get(node.input[names.index(name)].split(':')[0])
+    if source is None or source.op != 'Const':
+      return False  # Computed: not known to be 0.
+    seeds.append(int(tf.make_ndarray(source.attr['value'].tensor)))
+  return seeds == [0, 0]
+
+
 def _check_op(op: tf.Operation) -> None:
   if op.type in _RANDOM_DATASETS:
     names = [arg.name for arg in op.op_def.input_arg]
@@ -215,6 +237,15 @@ def _check_op(op: tf.Operation) -> None:
           'global batch would repeat some examples and miss others. Pass '
           'shuffle(..., seed=N), or set tf_random_seed in the RunConfig, the '
           'same on every task.')
+  if op.type == 'OptionsDataset':
+    options = dataset_options_pb2.Options()
+    options.ParseFromString(op.get_attr('serialized_options'))
+    if options.HasField('deterministic') and not options.deterministic:
+      raise ValueError(
+          f"The input pipeline's options ({op.name}) set deterministic="
+          'False, so the tasks of the synchronous cluster would read their '
+          'examples in different orders. Leave tf.data.Options().'
+          'deterministic unset (or True) in a synchronous cluster.')
   for attr in ('deterministic', 'sloppy'):
     try:
       value = op.get_attr(attr)
