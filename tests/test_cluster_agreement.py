@@ -59,3 +59,18 @@ def test_layer_sizes_compare_as_built_not_as_given(tmp_path):
           cluster_agreement.values(defaults))
   smaller = dataclasses.replace(defaults, first_layer_size=64)
   assert cluster_agreement.values(smaller)['--hidden-units'] == [64, 32]
+
+
+def test_the_evaluators_check_reads_no_training_file(tmp_path, monkeypatch):
+  # It runs before every evaluation: stating the files read up to 64 MiB
+  # twice each time, for a value it does not compare.
+  chief = options_lib.TaskOptions(job_dir=str(tmp_path),
+                                  train_files=[str(tmp_path / '*.csv')])
+  assembly.save_options(str(tmp_path), chief)
+
+  def read(patterns):
+    raise AssertionError(f'read {patterns}')
+
+  monkeypatch.setattr(cluster_agreement.file_fingerprints, 'of_patterns',
+                      read)
+  assert cluster_agreement.chief_difference(str(tmp_path), chief) is None

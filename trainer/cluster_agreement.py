@@ -47,14 +47,20 @@ def values(options: options_lib.TaskOptions) -> Dict[str, object]:
     (file_fingerprints: another file of the same schema trains silently
     otherwise).
   """
+  shared = _flags(options)
+  shared['training files'] = file_fingerprints.of_patterns(
+      options.train_files)
+  return shared
+
+
+def _flags(options: options_lib.TaskOptions) -> Dict[str, object]:
+  """`values` without the training files."""
   shared = {}
   for field in dataclasses.fields(options_lib.TaskOptions):
     if field.name not in PER_TASK:
       shared[f'--{options_lib.flag_name(field)}'] = getattr(options,
                                                             field.name)
   _resolve_layer_sizes(shared, options)
-  shared['training files'] = file_fingerprints.of_patterns(
-      options.train_files)
   return shared
 
 
@@ -86,9 +92,11 @@ def chief_difference(model_dir: str,
   """
   if not tf.io.gfile.exists(os.path.join(model_dir, assembly.CONFIG_FILE)):
     return None
-  chief = values(assembly.load_options(model_dir))
-  own = values(options)
-  for name in sorted(set(chief) - {'training files'}):
+  # Not the training files: the evaluator reads others, and stating them
+  # would read up to 64 MiB twice before every evaluation.
+  chief = _flags(assembly.load_options(model_dir))
+  own = _flags(options)
+  for name in sorted(chief):
     if own.get(name) != chief[name]:
       return (f'the evaluator has {name}={own.get(name)!r}, but the chief '
               f'trains with {name}={chief[name]!r}: it would evaluate the '

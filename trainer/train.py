@@ -389,7 +389,7 @@ def create_estimator(options: TaskOptions, config: tf.estimator.RunConfig,
       micro_batches=options.micro_batches,
       # A task started with other options must not train with the others.
       task_agreement=(cluster_agreement.values(options)
-                      if config.cluster_spec else None))
+                      if task_sync.is_sync_cluster(config) else None))
   return tf.estimator.Estimator(
       _with_step_logging(_checked(options.model, model_fn),
                          options.train_batch_size, towers,
